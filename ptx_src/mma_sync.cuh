@@ -1,0 +1,73 @@
+// ldmatrix + mma.sync: warp-level tensor-core tiles (PTX ISA 9.7.14.5.x), sm_80+.
+//
+// Fragment layouts (lane = 32 threads of one warp, g = lane / 4, t = lane % 4):
+//   A, 16x16 row-major, 4 x b32 (two 16-bit values each):
+//     a0 = A[g][2t..2t+1]   a1 = A[g+8][2t..2t+1]   a2 = A[g][2t+8..2t+9]   a3 = A[g+8][2t+8..2t+9]
+//   B, 16x8 (k x n, "col"), 2 x b32:  b0 = B[2t..2t+1][g]   b1 = B[2t+8..2t+9][g]
+//   C/D, 16x8 fp32, 4 x f32:  c0,c1 = C[g][2t..2t+1]   c2,c3 = C[g+8][2t..2t+1]
+// So each thread owns two rows (g and g+8) of every accumulator tile, and the four threads of a
+// quad (same g) together own a row: row reductions are two xor-shuffles (1, 2) within the quad.
+// A C fragment converted to 16-bit pairs is laid out exactly as half of an A fragment, which is
+// how P = softmax(S) feeds the second GEMM from registers without a trip through shared memory.
+//
+// ldmatrix.x4 loads four 8x8 16-bit matrices: lanes 8i..8i+7 give the row addresses of matrix i,
+// and every lane receives in register i the pair (row g, columns 2t..2t+1) of matrix i (.trans:
+// of its transpose).
+#pragma once
+#include "common.cuh"
+
+namespace ptxattn {
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], uint32_t addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32: D = A * B + D in place.
+template <bool kBf16>
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4],
+                                             const uint32_t (&b)[2]) {
+    if constexpr (kBf16) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+}
+
+// Packs two floats into one b32 of 16-bit values, `lo` in the low half (the lower column):
+// cvt.rn.{bf16x2,f16x2}.f32 d, hi, lo.
+template <bool kBf16>
+__device__ __forceinline__ uint32_t pack_f32x2(float lo, float hi) {
+    uint32_t r;
+    if constexpr (kBf16) {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    } else {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    }
+    return r;
+}
+
+}  // namespace ptxattn

@@ -1,0 +1,15 @@
+"""ptxattn: FlashAttention forward kernels in handwritten CUDA + inline PTX, compiled by NVRTC."""
+
+from .runtime import CompileError, CudaError, PtxattnError
+
+__version__ = "0.1.0"
+
+__all__ = ["attention", "CompileError", "CudaError", "PtxattnError", "__version__"]
+
+
+def __getattr__(name):
+    # The API imports CuPy; keep `import ptxattn` (and `python -m ptxattn.kernels`) light.
+    if name == "attention":
+        from .api import attention
+        return attention
+    raise AttributeError(f"module 'ptxattn' has no attribute {name!r}")

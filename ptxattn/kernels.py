@@ -1,0 +1,85 @@
+"""Compile every kernel variant ptxattn ships for one architecture and report its budget.
+
+    python -m ptxattn.kernels --arch sm_90a [--json]
+
+Needs no GPU. Exits non-zero if any variant fails to compile, spills registers, or needs more
+shared memory than one block may have on that architecture.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from concurrent.futures import ProcessPoolExecutor
+
+from . import runtime
+
+# Every module that ships kernels; each has variants() -> list[KernelSpec].
+FAMILY_MODULES = ("ptxattn.portable", "ptxattn.hopper", "ptxattn.blockscaled", "ptxattn.quant")
+ARCHS = ("sm_80", "sm_90a", "sm_120a")
+
+
+def all_variants(arch: str) -> list[runtime.KernelSpec]:
+    specs = []
+    for name in FAMILY_MODULES:
+        specs += [s for s in importlib.import_module(name).variants() if arch in s.archs]
+    specs.append(runtime.KernelSpec("tma_copy_probe", "tma_copy_probe.cu", "tma_copy_probe",
+                                    archs=("sm_90a", "sm_120a")))
+    return specs
+
+
+def _row(spec: runtime.KernelSpec, arch: str) -> dict:
+    try:
+        compiled = runtime.compile(spec, arch)
+    except runtime.CompileError as err:
+        return {"name": spec.name, "arch": arch, "error": err.log}
+    return {"name": spec.name, "arch": arch, "registers": compiled.report.registers,
+            "spill_bytes": compiled.spill_bytes, "smem_bytes": compiled.smem_bytes}
+
+
+def _problems(row: dict) -> list[str]:
+    if "error" in row:
+        return ["does not compile"]
+    found = []
+    if row["spill_bytes"]:
+        found.append(f"spills {row['spill_bytes']} bytes")
+    limit = runtime.SMEM_LIMIT_BYTES[row["arch"]]
+    if row["smem_bytes"] > limit:
+        found.append(f"needs {row['smem_bytes']} bytes of shared memory, over {limit}")
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ptxattn.kernels", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", required=True, choices=ARCHS)
+    parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    parser.add_argument("--jobs", type=int, default=2, help="parallel NVRTC compiles")
+    args = parser.parse_args(argv)
+
+    specs = all_variants(args.arch)
+    with ProcessPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
+        rows = list(pool.map(_row, specs, [args.arch] * len(specs)))
+
+    failures = [(row, problem) for row in rows for problem in _problems(row)]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(f"{'variant':44} {'arch':8} {'regs':>5} {'spill B':>8} {'smem B':>8}")
+        for row in rows:
+            if "error" in row:
+                print(f"{row['name']:44} {row['arch']:8} compile error")
+                continue
+            print(f"{row['name']:44} {row['arch']:8} {row['registers']:5d} "
+                  f"{row['spill_bytes']:8d} {row['smem_bytes']:8d}")
+    for row, problem in failures:
+        print(f"FAIL {row['name']} ({row['arch']}): {problem}", file=sys.stderr)
+        if "error" in row:
+            print(row["error"], file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""Attention computed plainly with CuPy, for tests and as a benchmark peer.
+
+``precision="float32"`` is the ground truth: inputs upcast, every step in FP32.
+``precision="input"`` is the same math done naively in the input precision: the scores, the
+probabilities and the output are each rounded to the input dtype, as a straightforward
+implementation in that dtype would. The error of the latter against the former is the yardstick
+a kernel's own error is held to.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cupy
+
+
+def _round_to(x: cupy.ndarray, dtype) -> cupy.ndarray:
+    return x.astype(dtype).astype(cupy.float32)
+
+
+def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
+              return_lse: bool = False, precision: str = "float32", query_chunk: int = 1024):
+    """softmax(scale * q k^T) v for (batch, seqlen, heads, head_dim) arrays.
+
+    Returns float32 output (and float32 LSE of shape (batch, heads, seqlen_q), natural log).
+    Causal masking aligns to the bottom-right corner when seqlen_q != seqlen_k; a query row that
+    sees no key gets output 0 and LSE -inf.
+    """
+    if precision not in ("float32", "input"):
+        raise ValueError(f"precision must be 'float32' or 'input', got {precision!r}")
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    group = heads_q // heads_kv
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    low = q.dtype if precision == "input" else None
+
+    # (batch, heads, seq, dim) in FP32; K/V repeated across the query heads of their group.
+    qf = cupy.ascontiguousarray(q.transpose(0, 2, 1, 3)).astype(cupy.float32)
+    kf = cupy.repeat(k.transpose(0, 2, 1, 3).astype(cupy.float32), group, axis=1)
+    vf = cupy.repeat(v.transpose(0, 2, 1, 3).astype(cupy.float32), group, axis=1)
+
+    out = cupy.empty((batch, heads_q, seqlen_q, head_dim), dtype=cupy.float32)
+    lse = cupy.empty((batch, heads_q, seqlen_q), dtype=cupy.float32)
+    key_index = cupy.arange(seqlen_k)[None, :]
+    for start in range(0, seqlen_q, query_chunk):
+        stop = min(start + query_chunk, seqlen_q)
+        scores = cupy.matmul(qf[:, :, start:stop], kf.transpose(0, 1, 3, 2))
+        if low is not None:
+            scores = _round_to(scores, low)
+        scores *= scale
+        if causal:
+            query_index = cupy.arange(start, stop)[:, None]
+            hidden = key_index > query_index + (seqlen_k - seqlen_q)
+            scores = cupy.where(hidden, -cupy.inf, scores)
+        row_max = scores.max(axis=-1, keepdims=True)
+        safe_max = cupy.where(cupy.isfinite(row_max), row_max, 0.0)
+        probs = cupy.exp(scores - safe_max)
+        row_sum = probs.sum(axis=-1, keepdims=True)
+        probs /= cupy.where(row_sum > 0, row_sum, 1.0)
+        if low is not None:
+            probs = _round_to(probs, low)
+        out[:, :, start:stop] = cupy.matmul(probs, vf)
+        lse[:, :, start:stop] = (cupy.log(row_sum) + safe_max)[..., 0]
+    out = out.transpose(0, 2, 1, 3)
+    if low is not None:
+        out = _round_to(out, low)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,476 @@
+"""Run-time compilation, caching, loading and launching of CUDA kernels from ``ptx_src/``.
+
+Nothing here knows about attention. A kernel variant is described by a :class:`KernelSpec`
+(source file, entry point, ``-D`` defines, dynamic shared memory); :func:`compile` turns it into
+a CUBIN for an architecture with NVRTC (no GPU needed), :func:`load` puts it on the current CuPy
+device, and :func:`launch` runs it on CuPy's current stream through ``cuLaunchKernelEx``.
+
+CUBINs are cached on disk under ``$PTXATTN_CACHE_DIR`` (default ``$XDG_CACHE_HOME/ptxattn`` or
+``~/.cache/ptxattn``), keyed by the source and every header it includes, the options, the arch
+and the NVRTC version. Each entry carries a SHA-256 of its payload, so a truncated or corrupt
+entry is detected and rebuilt rather than loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import tempfile
+import threading
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+def _source_dir() -> Path:
+    # A wheel installs the kernel sources inside the package; a checkout keeps them beside it.
+    installed = Path(__file__).resolve().parent / "ptx_src"
+    return installed if installed.is_dir() else Path(__file__).resolve().parent.parent / "ptx_src"
+
+
+SOURCE_DIR = _source_dir()
+
+# Largest dynamic + static shared memory one block may use, per compile target.
+SMEM_LIMIT_BYTES = {
+    "sm_80": 163 * 1024,
+    "sm_86": 99 * 1024,
+    "sm_89": 99 * 1024,
+    "sm_90a": 227 * 1024,
+    "sm_120a": 99 * 1024,
+}
+
+_CACHE_MAGIC = b"PTXATTN-CUBIN-1\n"
+
+
+class PtxattnError(RuntimeError):
+    """Base class of the errors ptxattn raises at run time."""
+
+
+class CompileError(PtxattnError):
+    """NVRTC rejected a kernel; ``log`` holds the compiler's output."""
+
+    def __init__(self, kernel: str, arch: str, log: str):
+        super().__init__(f"NVRTC failed to compile kernel {kernel!r} for {arch}:\n{log}")
+        self.kernel = kernel
+        self.arch = arch
+        self.log = log
+
+
+class CudaError(PtxattnError):
+    """A CUDA driver call failed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """One compile-time variant of a kernel: everything that determines its binary."""
+
+    name: str
+    source: str
+    entry: str
+    defines: Mapping[str, int | str] = dataclasses.field(default_factory=dict)
+    smem_bytes: int = 0
+    archs: tuple[str, ...] = ("sm_80", "sm_90a", "sm_120a")
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.source, self.entry, tuple(sorted(self.defines.items())),
+                     self.smem_bytes, self.archs))
+
+    def options(self, arch: str) -> list[str]:
+        opts = [f"--gpu-architecture={arch}", "-std=c++17", "--ptxas-options=-v",
+                f"-I{SOURCE_DIR}", "-DPTXATTN_ARCH=" + arch.removeprefix("sm_").rstrip("a")]
+        opts += [f"-D{key}={value}" for key, value in sorted(self.defines.items())]
+        return opts
+
+
+@dataclasses.dataclass(frozen=True)
+class PtxasReport:
+    """What ptxas said about the entry function: the numbers budgets are checked against."""
+
+    registers: int
+    spill_stores: int
+    spill_loads: int
+    static_smem: int
+    stack_bytes: int
+
+    @classmethod
+    def parse(cls, log: str, entry: str) -> "PtxasReport":
+        # ptxas prints one "Function properties for <entry>" block per function; take ours.
+        start = log.find(f"Function properties for {entry}")
+        if start < 0:
+            raise PtxattnError(f"ptxas report for {entry!r} not found in log:\n{log}")
+        section = log[start:]
+        nxt = section.find("Function properties for", 1)
+        section = section if nxt < 0 else section[:nxt]
+
+        def number(pattern: str) -> int:
+            match = re.search(pattern, section)
+            return int(match.group(1)) if match else 0
+
+        return cls(
+            registers=number(r"Used (\d+) registers"),
+            spill_stores=number(r"(\d+) bytes spill stores"),
+            spill_loads=number(r"(\d+) bytes spill loads"),
+            static_smem=number(r"(\d+) bytes smem"),
+            stack_bytes=number(r"(\d+) bytes stack frame"),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledKernel:
+    spec: KernelSpec
+    arch: str
+    cubin: bytes
+    report: PtxasReport
+    log: str
+
+    @property
+    def spill_bytes(self) -> int:
+        return self.report.spill_stores + self.report.spill_loads
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.report.static_smem + self.spec.smem_bytes
+
+
+def _nvrtc():
+    from cuda.bindings import nvrtc
+    return nvrtc
+
+
+def nvrtc_version() -> tuple[int, int]:
+    nvrtc = _nvrtc()
+    err, major, minor = nvrtc.nvrtcVersion()
+    _check_nvrtc(err, "nvrtcVersion")
+    return major, minor
+
+
+def _check_nvrtc(err, what: str) -> None:
+    if int(err) != 0:
+        raise PtxattnError(f"{what} failed: {err}")
+
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+
+
+def _include_tree(source: str) -> list[tuple[str, str]]:
+    """The source file and every header it includes (transitively), as (name, text) pairs."""
+    seen: dict[str, str] = {}
+    pending = [source]
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        path = SOURCE_DIR / name
+        if not path.is_file():
+            raise PtxattnError(f"kernel source {name!r} not found in {SOURCE_DIR}")
+        text = path.read_text()
+        seen[name] = text
+        pending.extend(_INCLUDE.findall(text))
+    return sorted(seen.items())
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PTXATTN_CACHE_DIR")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "ptxattn"
+
+
+def cache_key(spec: KernelSpec, arch: str) -> str:
+    digest = hashlib.sha256()
+    for name, text in _include_tree(spec.source):
+        digest.update(name.encode() + b"\0" + text.encode() + b"\0")
+    digest.update(spec.entry.encode() + b"\0")
+    digest.update("\0".join(spec.options(arch)).encode())
+    digest.update(repr(nvrtc_version()).encode())
+    return f"{spec.entry}-{arch}-{digest.hexdigest()[:32]}"
+
+
+def _read_cache_entry(path: Path) -> tuple[bytes, str] | None:
+    """(cubin, log) from a cache file, or None if it is missing, truncated or corrupt."""
+    try:
+        blob = path.read_bytes()
+    except OSError:
+        return None
+    if not blob.startswith(_CACHE_MAGIC):
+        return None
+    header_end = blob.find(b"\n", len(_CACHE_MAGIC))
+    if header_end < 0:
+        return None
+    try:
+        header = json.loads(blob[len(_CACHE_MAGIC):header_end])
+        payload = blob[header_end + 1:]
+        if len(payload) != header["size"] or hashlib.sha256(payload).hexdigest() != header["sha256"]:
+            return None
+        log_len = header["log_size"]
+        return payload[log_len:], payload[:log_len].decode()
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return None
+
+
+def _write_cache_entry(path: Path, cubin: bytes, log: str) -> None:
+    log_bytes = log.encode()
+    payload = log_bytes + cubin
+    header = json.dumps({"size": len(payload), "log_size": len(log_bytes),
+                         "sha256": hashlib.sha256(payload).hexdigest()}).encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Publish atomically so a concurrent reader sees either nothing or a whole entry.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(_CACHE_MAGIC + header + b"\n" + payload)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _nvrtc_compile(spec: KernelSpec, arch: str) -> tuple[bytes, str]:
+    nvrtc = _nvrtc()
+    text = (SOURCE_DIR / spec.source).read_text()
+    err, prog = nvrtc.nvrtcCreateProgram(text.encode(), spec.source.encode(), 0, [], [])
+    _check_nvrtc(err, "nvrtcCreateProgram")
+    try:
+        opts = [o.encode() for o in spec.options(arch)]
+        (result,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        err, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        _check_nvrtc(err, "nvrtcGetProgramLogSize")
+        log = b" " * size
+        (err,) = nvrtc.nvrtcGetProgramLog(prog, log)
+        log_text = log.rstrip(b"\0 ").decode(errors="replace")
+        if int(result) != 0:
+            raise CompileError(spec.name, arch, log_text)
+        err, size = nvrtc.nvrtcGetCUBINSize(prog)
+        _check_nvrtc(err, "nvrtcGetCUBINSize")
+        cubin = b" " * size
+        (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
+        _check_nvrtc(err, "nvrtcGetCUBIN")
+        return bytes(cubin), log_text
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+_compiled: dict[tuple[KernelSpec, str], CompiledKernel] = {}
+_lock = threading.Lock()
+
+
+def compile(spec: KernelSpec, arch: str) -> CompiledKernel:  # noqa: A001 - the natural name
+    """CUBIN and ptxas report of ``spec`` for ``arch``, from memory, disk cache or NVRTC."""
+    if arch not in spec.archs:
+        raise PtxattnError(f"kernel {spec.name!r} is not built for {arch} (only {spec.archs})")
+    with _lock:
+        hit = _compiled.get((spec, arch))
+    if hit is not None:
+        return hit
+    path = cache_dir() / (cache_key(spec, arch) + ".cubin")
+    entry = _read_cache_entry(path)
+    if entry is None:
+        entry = _nvrtc_compile(spec, arch)
+        _write_cache_entry(path, *entry)
+    cubin, log = entry
+    compiled = CompiledKernel(spec, arch, cubin, PtxasReport.parse(log, spec.entry), log)
+    with _lock:
+        _compiled[(spec, arch)] = compiled
+    return compiled
+
+
+# ---------------------------------------------------------------------------------------------
+# Device side: everything below needs a GPU.
+
+
+def _driver():
+    from cuda.bindings import driver
+    return driver
+
+
+def _check(result, what: str):
+    """Unwraps a cuda.bindings (err, *values) tuple, raising CudaError on failure."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        driver = _driver()
+        _, name = driver.cuGetErrorName(err)
+        raise CudaError(f"{what} failed: {name.decode() if name else err}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def arch_for_capability(major: int, minor: int) -> str:
+    if (major, minor) == (9, 0):
+        return "sm_90a"
+    if (major, minor) == (12, 0):
+        return "sm_120a"
+    return f"sm_{major}{minor}"
+
+
+def device_arch(device_id: int | None = None) -> str:
+    import cupy
+    device = cupy.cuda.Device(device_id)
+    major, minor = (int(c) for c in device.compute_capability)
+    return arch_for_capability(major, minor)
+
+
+def _ensure_context() -> None:
+    """Makes CuPy's device's primary context current for the driver API calls."""
+    import cupy
+    driver = _driver()
+    _check(driver.cuInit(0), "cuInit")
+    device_id = cupy.cuda.runtime.getDevice()
+    ctx = _check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    if ctx is None or int(ctx) == 0:
+        primary = _check(driver.cuDevicePrimaryCtxRetain(device_id), "cuDevicePrimaryCtxRetain")
+        _check(driver.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
+
+
+@dataclasses.dataclass
+class LoadedKernel:
+    compiled: CompiledKernel
+    module: object
+    function: object
+    device_id: int
+
+    @property
+    def spec(self) -> KernelSpec:
+        return self.compiled.spec
+
+
+_loaded: dict[tuple[KernelSpec, int], LoadedKernel] = {}
+
+
+def load(spec: KernelSpec) -> LoadedKernel:
+    """``spec`` compiled for, and loaded on, the current CuPy device."""
+    import cupy
+    device_id = cupy.cuda.runtime.getDevice()
+    key = (spec, device_id)
+    with _lock:
+        hit = _loaded.get(key)
+    if hit is not None:
+        return hit
+    compiled = compile(spec, device_arch(device_id))
+    _ensure_context()
+    driver = _driver()
+    module = _check(driver.cuModuleLoadData(compiled.cubin), f"cuModuleLoadData({spec.name})")
+    function = _check(driver.cuModuleGetFunction(module, spec.entry.encode()),
+                      f"cuModuleGetFunction({spec.entry})")
+    if spec.smem_bytes > 48 * 1024:
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        _check(driver.cuFuncSetAttribute(function, attr, spec.smem_bytes),
+               f"raising the dynamic shared memory of {spec.name} to {spec.smem_bytes} bytes")
+    loaded = LoadedKernel(compiled, module, function, device_id)
+    with _lock:
+        _loaded[key] = loaded
+    return loaded
+
+
+class TensorMap:
+    """A CUtensorMap (TMA descriptor) to pass by value as a ``__grid_constant__`` parameter.
+
+    Keeps the array it describes alive, since the descriptor holds its raw address.
+    """
+
+    def __init__(self, raw: bytes, array):
+        self._buffer = (ctypes.c_ubyte * 128).from_buffer_copy(raw)
+        self.array = array
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(self._buffer)
+
+
+_TMA_DTYPES = {
+    "float16": "CU_TENSOR_MAP_DATA_TYPE_FLOAT16",
+    "bfloat16": "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16",
+    "float32": "CU_TENSOR_MAP_DATA_TYPE_FLOAT32",
+    "uint8": "CU_TENSOR_MAP_DATA_TYPE_UINT8",
+    "int8": "CU_TENSOR_MAP_DATA_TYPE_UINT8",
+}
+
+_TMA_SWIZZLES = {0: "CU_TENSOR_MAP_SWIZZLE_NONE", 32: "CU_TENSOR_MAP_SWIZZLE_32B",
+                 64: "CU_TENSOR_MAP_SWIZZLE_64B", 128: "CU_TENSOR_MAP_SWIZZLE_128B"}
+
+
+def tensor_map(array, box: Sequence[int], swizzle: int = 128, oob_zero: bool = True) -> TensorMap:
+    """A tiled TMA descriptor over a CuPy array view.
+
+    ``box`` is given in the array's own dimension order (outermost first); the descriptor's
+    dimensions are the array's reversed, so kernel coordinates are innermost first.
+    """
+    driver = _driver()
+    dtype = str(array.dtype)
+    if dtype not in _TMA_DTYPES:
+        raise TypeError(f"tensor_map: unsupported dtype {dtype}; expected one of {sorted(_TMA_DTYPES)}")
+    if swizzle not in _TMA_SWIZZLES:
+        raise ValueError(f"tensor_map: swizzle must be one of {sorted(_TMA_SWIZZLES)}, got {swizzle}")
+    if len(box) != array.ndim or not 1 <= array.ndim <= 5:
+        raise ValueError(f"tensor_map: box {tuple(box)} must have one entry per dimension of "
+                         f"the {array.ndim}-d array (1 to 5 dimensions)")
+    item = array.dtype.itemsize
+    if array.strides[-1] != item:
+        raise ValueError("tensor_map: the innermost dimension must have unit stride")
+    if array.data.ptr % 16:
+        raise ValueError("tensor_map: the array's base address must be 16-byte aligned")
+    if any(s % 16 or s <= 0 for s in array.strides[:-1]):
+        raise ValueError(f"tensor_map: strides {array.strides} must be positive multiples of 16 bytes")
+    if any(not 1 <= b <= 256 for b in box):
+        raise ValueError(f"tensor_map: box entries must be in [1, 256], got {tuple(box)}")
+    if swizzle and box[-1] * item > swizzle:
+        raise ValueError(f"tensor_map: inner box of {box[-1] * item} bytes exceeds the "
+                         f"{swizzle}-byte swizzle span")
+    dims = [driver.cuuint64_t(int(n)) for n in reversed(array.shape)]
+    strides = [driver.cuuint64_t(int(s)) for s in reversed(array.strides[:-1])]
+    boxes = [driver.cuuint32_t(int(b)) for b in reversed(box)]
+    ones = [driver.cuuint32_t(1)] * array.ndim
+    fill = (driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    if not oob_zero:
+        fill = driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA
+    raw = _check(driver.cuTensorMapEncodeTiled(
+        getattr(driver.CUtensorMapDataType, _TMA_DTYPES[dtype]), array.ndim, array.data.ptr,
+        dims, strides, boxes, ones,
+        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        getattr(driver.CUtensorMapSwizzle, _TMA_SWIZZLES[swizzle]),
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B, fill),
+        "cuTensorMapEncodeTiled")
+    return TensorMap(ctypes.string_at(raw.getPtr(), 128), array)
+
+
+def _argument(value) -> ctypes._SimpleCData | ctypes.Array:
+    import cupy
+    if isinstance(value, cupy.ndarray):
+        return ctypes.c_uint64(value.data.ptr)
+    if isinstance(value, TensorMap):
+        return value._buffer
+    if isinstance(value, np.generic):
+        return (ctypes.c_ubyte * value.nbytes).from_buffer_copy(value.tobytes())
+    raise TypeError(f"kernel argument of type {type(value).__name__} is not supported: pass a "
+                    "cupy.ndarray, a TensorMap or a NumPy scalar such as np.int32(...)")
+
+
+def launch(kernel: LoadedKernel, grid: Sequence[int], block: Sequence[int], args: Sequence,
+           smem_bytes: int | None = None, stream=None) -> None:
+    """Launches ``kernel`` with cuLaunchKernelEx on ``stream`` (default: CuPy's current one)."""
+    import cupy
+    driver = _driver()
+    smem = kernel.spec.smem_bytes if smem_bytes is None else smem_bytes
+    holders = [_argument(a) for a in args]
+    pointers = (ctypes.c_void_p * max(len(holders), 1))(*[ctypes.addressof(h) for h in holders])
+    stream = cupy.cuda.get_current_stream() if stream is None else stream
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = (int(g) for g in _dim3(grid))
+    config.blockDimX, config.blockDimY, config.blockDimZ = (int(b) for b in _dim3(block))
+    config.sharedMemBytes = int(smem)
+    config.hStream = driver.CUstream(stream.ptr)
+    config.numAttrs = 0
+    _check(driver.cuLaunchKernelEx(config, kernel.function, ctypes.addressof(pointers), 0),
+           f"launching {kernel.spec.name}")
+
+
+def _dim3(dims: Sequence[int]) -> tuple[int, int, int]:
+    dims = tuple(dims) + (1,) * (3 - len(dims))
+    if len(dims) != 3 or any(d < 1 for d in dims):
+        raise ValueError(f"launch dimensions must be 1 to 3 positive integers, got {dims}")
+    return dims

@@ -1,0 +1,189 @@
+"""Attention forward throughput: ptxattn's backends beside every peer importable here.
+
+    python scripts/profile.py [--quick] [--csv FILE] [--json FILE]
+
+TFLOP/s = 4 * batch * heads * seqlen_q * seqlen_k * head_dim / time (halved for causal), time
+being the median of repeated CUDA-event-timed runs after warm-up. Peers run in the same process
+on the same GPU: torch SDPA's FlashAttention-2 and cuDNN backends when torch is installed, and
+ptxattn's plain CuPy reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import sys
+
+# This file's name shadows the standard library's `profile`, which cProfile (imported by torch)
+# loads: keep this folder off the import path.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+
+def configs(quick: bool) -> list[dict]:
+    """The standard sweep: batch*seqlen = 16384 and heads*head_dim = 2048, plus one fixed shape."""
+    seqlens = [2048, 8192] if quick else [512, 1024, 2048, 4096, 8192, 16384]
+    dims = [128] if quick else [64, 128, 256]
+    rows = [dict(batch=4, seqlen=2048, heads=32, head_dim=128, causal=causal)
+            for causal in (False, True)]
+    for head_dim in dims:
+        for seqlen in seqlens:
+            for causal in (False, True):
+                rows.append(dict(batch=16384 // seqlen, seqlen=seqlen, heads=2048 // head_dim,
+                                 head_dim=head_dim, causal=causal))
+    return rows
+
+
+def flops(cfg: dict) -> float:
+    total = 4.0 * cfg["batch"] * cfg["heads"] * cfg["seqlen"] ** 2 * cfg["head_dim"]
+    return total / 2 if cfg["causal"] else total
+
+
+def time_ms(fn, warmup: int, repeats: int) -> float:
+    import cupy
+
+    for _ in range(warmup):
+        fn()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop))
+    return statistics.median(times)
+
+
+def ptxattn_runners(arch: str) -> dict:
+    import ptxattn
+    from ptxattn import api
+
+    runners = {}
+    for name in api.BACKENDS:
+        module = api.backend_module(name)
+        if arch in module.ARCHS:
+            runners[f"ptxattn-{name}"] = (
+                module.HEAD_DIMS,
+                lambda q, k, v, causal, name=name: ptxattn.attention(q, k, v, causal=causal,
+                                                                      backend=name))
+    return runners
+
+
+def torch_runners() -> dict:
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention
+    except ImportError:
+        return {}
+
+    def make(backend):
+        def run(q, k, v, causal):
+            # SDPA wants (batch, heads, seqlen, dim); these are views of our (b, s, h, d) data.
+            with sdpa_kernel(backend):
+                return scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                    v.transpose(1, 2), is_causal=causal)
+        return run
+
+    return {"torch-sdpa-flash": ((64, 128, 256), make(SDPBackend.FLASH_ATTENTION)),
+            "torch-sdpa-cudnn": ((64, 128, 256), make(SDPBackend.CUDNN_ATTENTION))}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a few shapes, fewer repeats")
+    parser.add_argument("--csv", help="write the results to this CSV file")
+    parser.add_argument("--json", help="write the results to this JSON file")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--reference-max-seqlen", type=int, default=4096,
+                        help="skip the (slow, memory-hungry) CuPy reference above this seqlen")
+    args = parser.parse_args(argv)
+
+    try:
+        import cupy
+        gpu = cupy.is_available()
+    except ImportError:
+        gpu = False
+    if not gpu:
+        print("profile.py: no CUDA GPU is visible to CuPy; nothing to measure.", file=sys.stderr)
+        return 2
+
+    from ptxattn import reference
+    from ptxattn.runtime import device_arch
+
+    arch = device_arch()
+    repeats = args.repeats or (10 if args.quick else 30)
+    runners = ptxattn_runners(arch)
+    peers = torch_runners()
+    if "torch-sdpa-flash" not in peers:
+        print("profile.py: torch is not importable, so no SDPA peers in this run", file=sys.stderr)
+    cupy_dtype = cupy.dtype(args.dtype)
+    torch = None
+    if peers:
+        import torch
+    runners.update(peers)
+    runners["cupy-reference"] = (
+        (64, 128, 256), lambda q, k, v, causal: reference.attention(q, k, v, causal=causal))
+
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    print(f"# {props['name'].decode()} ({arch}), dtype {args.dtype}, median of {repeats} runs")
+    results = []
+    rows = configs(args.quick)
+    for index, cfg in enumerate(rows, 1):
+        shape = (cfg["batch"], cfg["seqlen"], cfg["heads"], cfg["head_dim"])
+        rng = cupy.random.default_rng(index)
+        q, k, v = (rng.standard_normal(shape, dtype=cupy.float32).astype(cupy_dtype)
+                   for _ in range(3))
+        tensors = None
+        row = dict(cfg)
+        for name, (dims, run) in runners.items():
+            print(f"\r[{index}/{len(rows)}] {shape} causal={cfg['causal']} {name:<22}",
+                  end="", file=sys.stderr, flush=True)
+            if cfg["head_dim"] not in dims or (name == "cupy-reference"
+                                               and cfg["seqlen"] > args.reference_max_seqlen):
+                row[name] = None
+                continue
+            if name.startswith("torch"):
+                if tensors is None:
+                    tensors = tuple(torch.from_dlpack(x) for x in (q, k, v))
+                inputs = tensors
+            else:
+                inputs = (q, k, v)
+            try:
+                ms = time_ms(lambda: run(*inputs, cfg["causal"]), warmup=3, repeats=repeats)
+                row[name] = flops(cfg) / ms / 1e9
+            except Exception as err:  # a peer that cannot run this shape is reported, not fatal
+                print(f"\n{name} failed on {shape}: {type(err).__name__}: {err}", file=sys.stderr)
+                row[name] = None
+        results.append(row)
+    print("\r" + " " * 80 + "\r", end="", file=sys.stderr)
+
+    names = list(runners)
+    header = f"{'batch':>5} {'seqlen':>6} {'heads':>5} {'dim':>4} {'causal':>6} " + " ".join(
+        f"{n:>18}" for n in names)
+    print("TFLOP/s")
+    print(header)
+    for row in results:
+        cells = " ".join(f"{row[n]:18.1f}" if row[n] is not None else f"{'-':>18}" for n in names)
+        print(f"{row['batch']:5d} {row['seqlen']:6d} {row['heads']:5d} {row['head_dim']:4d} "
+              f"{str(row['causal']):>6} {cells}")
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(results[0]))
+            writer.writeheader()
+            writer.writerows(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": props["name"].decode(), "arch": arch, "dtype": args.dtype,
+                       "unit": "TFLOP/s", "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Bad arguments are refused with a clear error before anything reaches a GPU.
+
+The checks read only array metadata, so they run here on stand-ins with a CuPy array's
+metadata attributes; the GPU tests cover the same path with real arrays.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import ptxattn
+from ptxattn import api
+
+
+@dataclasses.dataclass
+class _Data:
+    ptr: int
+
+
+@dataclasses.dataclass
+class _Device:
+    id: int
+
+
+class MetaArray:
+    """Shape, dtype, strides, data pointer and device of an array, without its contents."""
+
+    def __init__(self, shape, dtype="bfloat16", strides=None, ptr=1 << 20, device=0):
+        self.shape = tuple(shape)
+        self.dtype = np.dtype("float16") if dtype == "float16" else dtype
+        self.itemsize = 4 if dtype in ("float32", "int32") else 2
+        if strides is None:
+            strides, step = [], self.itemsize
+            for n in reversed(self.shape):
+                strides.insert(0, step)
+                step *= n
+        self.strides = tuple(strides)
+        self.ndim = len(self.shape)
+        self.size = int(np.prod(self.shape))
+        self.data = _Data(ptr)
+        self.device = _Device(device)
+
+
+def qkv(batch=2, seqlen_q=16, seqlen_k=16, heads_q=4, heads_kv=4, dim=64):
+    return (MetaArray((batch, seqlen_q, heads_q, dim)), MetaArray((batch, seqlen_k, heads_kv, dim)),
+            MetaArray((batch, seqlen_k, heads_kv, dim)))
+
+
+def test_valid_arguments_pass_and_default_scale():
+    q, k, v = qkv(heads_q=8, heads_kv=2)
+    assert api.validate(q, k, v, None, None) == pytest.approx(1 / 8)
+    assert api.validate(q, k, v, MetaArray(q.shape), 0.5) == 0.5
+
+
+def test_numpy_arrays_are_a_type_error():
+    x = np.zeros((1, 4, 2, 64), np.float16)
+    with pytest.raises(TypeError, match=r"q must be a cupy.ndarray, got numpy.ndarray"):
+        ptxattn.attention(x, x, x)
+
+
+@pytest.mark.parametrize("case,error,match", [
+    ("q_3d", ValueError, r"q must have 4 dimensions"),
+    ("k_float32", TypeError, r"k must have dtype float16 or bfloat16, got float32"),
+    ("mixed_dtypes", TypeError, r"q, k and v must share a dtype"),
+    ("kv_shapes", ValueError, r"k and v must have the same shape"),
+    ("batch", ValueError, r"k must have batch 2 like q"),
+    ("head_dim", ValueError, r"head_dim 64 like q"),
+    ("heads", ValueError, r"q's heads \(6\) must be a multiple of k/v's heads \(4\)"),
+    ("empty", ValueError, r"v must not be empty"),
+    ("strided_dim", ValueError, r"q must have unit stride in head_dim"),
+    ("misaligned_stride", ValueError, r"k must have a 16-byte aligned base"),
+    ("misaligned_ptr", ValueError, r"v must have a 16-byte aligned base"),
+    ("devices", ValueError, r"q, k and v must be on one device"),
+    ("out_shape", ValueError, r"out must have q's shape"),
+    ("out_device", ValueError, r"out must be on q's device"),
+    ("scale_negative", ValueError, r"softmax_scale must be a finite positive number"),
+    ("scale_nan", ValueError, r"softmax_scale must be a finite positive number"),
+    ("scale_string", ValueError, r"softmax_scale must be a finite positive number"),
+])
+def test_bad_arguments_name_the_argument(case, error, match):
+    q, k, v = qkv()
+    out, scale = None, None
+    if case == "q_3d":
+        q = MetaArray((2, 16, 64))
+    elif case == "k_float32":
+        k = MetaArray(k.shape, dtype="float32")
+    elif case == "mixed_dtypes":
+        v = MetaArray(v.shape, dtype="float16")
+    elif case == "kv_shapes":
+        v = MetaArray((2, 17, 4, 64))
+    elif case == "batch":
+        k = v = MetaArray((3, 16, 4, 64))
+    elif case == "head_dim":
+        k = v = MetaArray((2, 16, 4, 128))
+    elif case == "heads":
+        q = MetaArray((2, 16, 6, 64))
+    elif case == "empty":
+        v = MetaArray((2, 0, 4, 64))
+    elif case == "strided_dim":
+        q = MetaArray(q.shape, strides=(4096, 1024, 256, 4))
+    elif case == "misaligned_stride":
+        k = MetaArray(k.shape, strides=(8 * 65 * 16, 8 * 65, 130, 2))
+    elif case == "misaligned_ptr":
+        v = MetaArray(v.shape, ptr=(1 << 20) + 2)
+    elif case == "devices":
+        v = MetaArray(v.shape, device=1)
+    elif case == "out_shape":
+        out = MetaArray((2, 16, 4, 128))
+    elif case == "out_device":
+        out = MetaArray(q.shape, device=1)
+    elif case.startswith("scale"):
+        scale = {"scale_negative": -1.0, "scale_nan": float("nan"), "scale_string": "0.1"}[case]
+    with pytest.raises(error, match=match):
+        api.validate(q, k, v, out, scale)
+
+
+def test_unknown_backend_is_named():
+    with pytest.raises(ValueError, match=r"backend must be one of \['hopper', 'portable'\]"):
+        api.backend_module("cudnn")

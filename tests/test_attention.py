@@ -1,0 +1,163 @@
+"""Every attention backend against the FP32 reference, on the GPU.
+
+Tolerance, as FlashAttention's own tests justify it: the kernel's max error against FP32 must be
+at most twice the max error of the same math done naively in the input precision
+(reference.attention(precision="input")), plus the rounding noise of one value in that dtype.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+BACKENDS = ("portable", "hopper")
+SEQLEN_PAIRS = [(1, 1), (17, 17), (127, 127), (1000, 1000), (4097, 4097), (17, 1000),
+                (1000, 17), (127, 4097)]
+
+
+def _module(backend):
+    import ptxattn.api as api
+    from ptxattn.runtime import device_arch
+
+    module = api.backend_module(backend)
+    if device_arch() not in module.ARCHS:
+        pytest.skip(f"backend {backend} does not run on {device_arch()}")
+    return module
+
+
+def _random(shape, dtype, rng, scale=1.0):
+    import cupy
+    return cupy.asarray(rng.standard_normal(shape, dtype=np.float32) * scale).astype(dtype)
+
+
+def _assert_close(q, k, v, out, lse, *, causal, softmax_scale=None):
+    import cupy
+    from ptxattn import reference
+
+    ref, ref_lse = reference.attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                       return_lse=True)
+    naive, naive_lse = reference.attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                           return_lse=True, precision="input")
+    assert bool(cupy.isfinite(out).all()), "output has NaN/Inf (or was not written)"
+    noise = float(cupy.abs((ref + 0.3 - 0.3).astype(q.dtype).astype(cupy.float32) - ref).max())
+    err = float(cupy.abs(out.astype(cupy.float32) - ref).max())
+    naive_err = float(cupy.abs(naive - ref).max())
+    assert err <= 2 * naive_err + 2 * noise + 1e-6, (err, naive_err, noise)
+
+    visible = cupy.isfinite(ref_lse)
+    assert bool((cupy.isfinite(lse) == visible).all()), "LSE -inf pattern differs"
+    lse_err = float(cupy.abs(cupy.where(visible, lse - ref_lse, 0)).max())
+    naive_lse_err = float(cupy.abs(cupy.where(visible, naive_lse - ref_lse, 0)).max())
+    assert lse_err <= 2 * naive_lse_err + 1e-4, (lse_err, naive_lse_err)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("seqlens", SEQLEN_PAIRS, ids=lambda p: f"{p[0]}x{p[1]}")
+def test_matches_fp32_reference(backend, dtype, causal, head_dim, seqlens, rng):
+    import cupy
+    import ptxattn
+
+    module = _module(backend)
+    if head_dim not in module.HEAD_DIMS:
+        pytest.skip(f"backend {backend} supports head dims {module.HEAD_DIMS}")
+    seqlen_q, seqlen_k = seqlens
+    batch = 2 if seqlen_q * seqlen_k < 10 ** 6 else 1
+    q = _random((batch, seqlen_q, 2, head_dim), dtype, rng)
+    k = _random((batch, seqlen_k, 2, head_dim), dtype, rng)
+    v = _random((batch, seqlen_k, 2, head_dim), dtype, rng)
+    out = cupy.full(q.shape, cupy.nan, dtype=q.dtype)
+    _, lse = ptxattn.attention(q, k, v, causal=causal, return_lse=True, out=out, backend=backend)
+    _assert_close(q, k, v, out, lse, causal=causal)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("heads", [(8, 2), (6, 1)], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_grouped_query_heads(backend, heads, causal, rng):
+    import ptxattn
+
+    _module(backend)
+    heads_q, heads_kv = heads
+    q = _random((3, 300, heads_q, 128), "bfloat16", rng)
+    k = _random((3, 257, heads_kv, 128), "bfloat16", rng)
+    v = _random((3, 257, heads_kv, 128), "bfloat16", rng)
+    out, lse = ptxattn.attention(q, k, v, causal=causal, return_lse=True, backend=backend)
+    _assert_close(q, k, v, out, lse, causal=causal)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_non_contiguous_inputs_and_output(backend, causal, rng):
+    """q/k/v sliced out of one packed (batch, seqlen, 3, heads, dim) buffer, out a strided view."""
+    import cupy
+    import ptxattn
+
+    _module(backend)
+    packed = _random((2, 333, 3, 4, 64), "float16", rng)
+    q, k, v = packed[:, :, 0], packed[:, :, 1], packed[:, :, 2]
+    assert not q.flags.c_contiguous
+    big_out = cupy.full((2, 333, 8, 64), cupy.nan, dtype=cupy.float16)
+    out = big_out[:, :, 1::2]
+    _, lse = ptxattn.attention(q, k, v, causal=causal, return_lse=True, out=out,
+                               softmax_scale=0.3, backend=backend)
+    _assert_close(q, k, v, out, lse, causal=causal, softmax_scale=0.3)
+    assert bool(cupy.isnan(big_out[:, :, 0::2]).all()), "wrote outside the out view"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_large_logits_stay_finite(backend, rng):
+    """Scores around +-60 overflow a naive exp; the online softmax must keep them finite."""
+    import ptxattn
+
+    _module(backend)
+    q = _random((1, 513, 2, 64), "bfloat16", rng, scale=8.0)
+    k = _random((1, 700, 2, 64), "bfloat16", rng, scale=8.0)
+    v = _random((1, 700, 2, 64), "bfloat16", rng)
+    out, lse = ptxattn.attention(q, k, v, return_lse=True, backend=backend)
+    _assert_close(q, k, v, out, lse, causal=False)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_causal_rows_that_see_no_key(backend, rng):
+    """seqlen_q > seqlen_k, bottom-right aligned: the first rows see nothing -> 0 and -inf."""
+    import cupy
+    import ptxattn
+
+    _module(backend)
+    q = _random((1, 200, 2, 64), "bfloat16", rng)
+    k = _random((1, 50, 2, 64), "bfloat16", rng)
+    v = _random((1, 50, 2, 64), "bfloat16", rng)
+    out, lse = ptxattn.attention(q, k, v, causal=True, return_lse=True, backend=backend)
+    assert bool((out[:, :150] == 0).all())
+    assert bool(cupy.isneginf(lse[:, :, :150]).all())
+    _assert_close(q, k, v, out, lse, causal=True)
+
+
+def test_default_backend_follows_the_gpu():
+    import ptxattn.api as api
+    from ptxattn.runtime import device_arch
+
+    expected = "hopper" if device_arch() == "sm_90a" else "portable"
+    assert api.default_backend(device_arch()) == expected
+
+
+def test_reference_matches_a_float64_softmax(rng):
+    """The yardstick itself, against a direct float64 NumPy computation."""
+    import cupy
+    from ptxattn import reference
+
+    q = _random((1, 37, 3, 64), "float16", rng)
+    k = _random((1, 53, 3, 64), "float16", rng)
+    v = _random((1, 53, 3, 64), "float16", rng)
+    out = reference.attention(q, k, v, causal=True).get()
+    qh, kh, vh = (cupy.asnumpy(x).astype(np.float64).transpose(0, 2, 1, 3) for x in (q, k, v))
+    s = qh @ kh.transpose(0, 1, 3, 2) / math.sqrt(64)
+    s[..., np.arange(53)[None, :] > np.arange(37)[:, None] + 16] = -np.inf
+    p = np.exp(s - s.max(-1, keepdims=True))
+    expected = (p / p.sum(-1, keepdims=True)) @ vh
+    np.testing.assert_allclose(out, expected.transpose(0, 2, 1, 3), atol=2e-5)

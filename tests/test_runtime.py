@@ -1,0 +1,136 @@
+"""The runtime on its own: NVRTC compile, ptxas reports, the disk cache, TMA descriptors."""
+
+import numpy as np
+import pytest
+
+from ptxattn import runtime
+
+PROBE = runtime.KernelSpec("tma_copy_probe", "tma_copy_probe.cu", "tma_copy_probe",
+                           smem_bytes=64 * 1024, archs=("sm_90a", "sm_120a"))
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PTXATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(runtime, "_compiled", {})
+    return tmp_path
+
+
+def test_compile_reports_ptxas_numbers(cache):
+    compiled = runtime.compile(PROBE, "sm_90a")
+    assert compiled.cubin[:4] == b"\x7fELF"
+    assert compiled.report.registers > 0
+    assert compiled.spill_bytes == 0
+    assert compiled.smem_bytes >= PROBE.smem_bytes + 8  # dynamic tile + the static mbarrier
+
+
+def test_cache_is_reused_by_a_new_process_state(cache, monkeypatch):
+    first = runtime.compile(PROBE, "sm_90a")
+    monkeypatch.setattr(runtime, "_compiled", {})
+    monkeypatch.setattr(runtime, "_nvrtc_compile",
+                        lambda spec, arch: pytest.fail("cache entry was not reused"))
+    assert runtime.compile(PROBE, "sm_90a").cubin == first.cubin
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage"])
+def test_corrupt_cache_entry_is_rebuilt_not_loaded(cache, monkeypatch, damage):
+    good = runtime.compile(PROBE, "sm_90a")
+    (path,) = cache.glob("*.cubin")
+    blob = path.read_bytes()
+    if damage == "truncate":
+        path.write_bytes(blob[: len(blob) // 2])
+    elif damage == "flip":
+        path.write_bytes(blob[:-10] + bytes([blob[-10] ^ 0xFF]) + blob[-9:])
+    else:
+        path.write_bytes(b"not a cache entry")
+    monkeypatch.setattr(runtime, "_compiled", {})
+    rebuilt = []
+    real = runtime._nvrtc_compile
+    monkeypatch.setattr(runtime, "_nvrtc_compile",
+                        lambda spec, arch: rebuilt.append(1) or real(spec, arch))
+    assert runtime.compile(PROBE, "sm_90a").cubin == good.cubin
+    assert rebuilt == [1]
+    assert runtime._read_cache_entry(path) is not None
+
+
+def test_cache_key_tracks_everything_that_changes_the_binary(cache, monkeypatch):
+    base = runtime.cache_key(PROBE, "sm_90a")
+    assert runtime.cache_key(PROBE, "sm_120a") != base
+    other = runtime.KernelSpec(PROBE.name, PROBE.source, PROBE.entry, defines={"X": 1},
+                               archs=PROBE.archs)
+    assert runtime.cache_key(other, "sm_90a") != base
+    monkeypatch.setattr(runtime, "nvrtc_version", lambda: (99, 0))
+    assert runtime.cache_key(PROBE, "sm_90a") != base
+
+
+def test_cache_key_tracks_included_headers(tmp_path, monkeypatch):
+    (tmp_path / "k.cu").write_text('#include "a.cuh"\n')
+    (tmp_path / "a.cuh").write_text('#include "b.cuh"\n')
+    (tmp_path / "b.cuh").write_text("// one\n")
+    monkeypatch.setattr(runtime, "SOURCE_DIR", tmp_path)
+    spec = runtime.KernelSpec("k", "k.cu", "k")
+    before = runtime.cache_key(spec, "sm_80")
+    (tmp_path / "b.cuh").write_text("// two\n")
+    assert runtime.cache_key(spec, "sm_80") != before
+
+
+def test_compile_error_carries_log_and_kernel_name(tmp_path, monkeypatch, cache):
+    (tmp_path / "broken.cu").write_text('extern "C" __global__ void broken() { not_declared(); }\n')
+    monkeypatch.setattr(runtime, "SOURCE_DIR", tmp_path)
+    spec = runtime.KernelSpec("broken_variant", "broken.cu", "broken")
+    with pytest.raises(runtime.CompileError) as info:
+        runtime.compile(spec, "sm_80")
+    assert info.value.kernel == "broken_variant"
+    assert "not_declared" in info.value.log
+    assert "broken_variant" in str(info.value)
+
+
+def test_spec_refuses_arch_it_is_not_built_for(cache):
+    with pytest.raises(runtime.PtxattnError, match="not built for sm_80"):
+        runtime.compile(PROBE, "sm_80")
+
+
+def test_ptxas_report_parse_picks_the_entry():
+    log = ("ptxas info    : Function properties for helper\n"
+           "ptxas         .     8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads\n"
+           "ptxas info    : Function properties for k\n"
+           "ptxas         .     0 bytes stack frame, 12 bytes spill stores, 16 bytes spill loads\n"
+           "ptxas info    : Used 168 registers, used 1 barriers, 2048 bytes smem\n")
+    report = runtime.PtxasReport.parse(log, "k")
+    assert report == runtime.PtxasReport(168, 12, 16, 2048, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,box", [("bfloat16", (1, 64, 1, 64)), ("uint8", (1, 32, 1, 128))])
+def test_tma_moves_a_tile_bit_for_bit(dtype, box):
+    import cupy
+
+    if runtime.device_arch() not in PROBE.archs:
+        pytest.skip("TMA needs sm_90 or newer")
+    rng = np.random.default_rng()
+    shape = (2, 100, 3, box[3] * 2)
+    nbytes = int(np.prod(shape)) * cupy.dtype(dtype).itemsize
+    src = cupy.asarray(rng.integers(0, 256, size=nbytes, dtype=np.uint8))
+    src = src.view(cupy.dtype(dtype)).reshape(shape)
+    dst = cupy.zeros_like(src)
+    kernel = runtime.load(PROBE)
+    # A box hanging over the seqlen edge: TMA must zero-fill the load and clip the store.
+    coords = (box[3], 2, 80, 1)
+    tile_bytes = int(np.prod(box)) * src.itemsize
+    runtime.launch(kernel, (1,), (32,),
+                   [runtime.tensor_map(src, box, swizzle=128), runtime.tensor_map(dst, box, swizzle=128),
+                    *(np.int32(c) for c in coords), np.int32(tile_bytes)])
+    cupy.cuda.get_current_stream().synchronize()
+    expected = cupy.zeros_like(src)
+    window = (1, slice(80, 80 + box[1]), 2, slice(box[3], 2 * box[3]))
+    expected[window] = src[window]
+    assert bool((dst.view(cupy.uint8) == expected.view(cupy.uint8)).all())
+
+
+@pytest.mark.gpu
+def test_launch_rejects_python_scalars():
+    kernel = runtime.load(PROBE) if runtime.device_arch() in PROBE.archs else None
+    if kernel is None:
+        pytest.skip("TMA needs sm_90 or newer")
+    with pytest.raises(TypeError, match="np.int32"):
+        runtime.launch(kernel, (1,), (32,), [1])
