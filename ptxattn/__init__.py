@@ -1,5 +1,7 @@
 """ptxattn: FlashAttention forward kernels in handwritten CUDA + inline PTX, compiled by NVRTC."""
 
+import ml_dtypes  # noqa: F401  registers the bfloat16 (and FP8) dtypes with NumPy, hence CuPy
+
 from .runtime import CompileError, CudaError, PtxattnError
 
 __version__ = "0.1.0"

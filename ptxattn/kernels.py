@@ -35,7 +35,7 @@ def _row(spec: runtime.KernelSpec, arch: str) -> dict:
         compiled = runtime.compile(spec, arch)
     except runtime.CompileError as err:
         return {"name": spec.name, "arch": arch, "error": err.log}
-    return {"name": spec.name, "arch": arch, "registers": compiled.report.registers,
+    return {"name": spec.name, "arch": arch, "registers": compiled.reported().registers,
             "spill_bytes": compiled.spill_bytes, "smem_bytes": compiled.smem_bytes}
 
 
