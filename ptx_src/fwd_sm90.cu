@@ -1,0 +1,389 @@
+// Attention forward for Hopper (sm_90a): TMA + mbarrier pipeline, wgmma, warp specialisation.
+//
+// One block computes a tile of kBlockM = 128 query rows of one (batch, head) with 3 warpgroups:
+//   warpgroup 0  producer: gives most of its registers away (setmaxnreg) and one thread issues
+//                TMA loads: Q once, then K and V tiles of kBlockN keys through a kStages-deep
+//                ring of shared-memory buffers guarded by full/empty mbarriers.
+//   warpgroups 1, 2  consumers: each owns 64 query rows. S = Q K^T is a wgmma with both operands
+//                in shared memory; P = softmax(S) stays in registers and O += P V is a wgmma with
+//                A from registers and V read transposed (MN-major) from shared memory.
+// Schedule (FlashAttention-3): within a warpgroup the GEMMs of key block j+1 (Q K^T) and of
+// block j (P V) are issued together and the softmax of block j+1 runs while P V is in flight;
+// between the two consumer warpgroups two named barriers hand the tensor cores back and forth,
+// so one warpgroup's softmax overlaps the other's GEMMs.
+// Key blocks are visited from the last to the first, so the blocks that need a mask (the
+// seqlen_k tail, the causal diagonal) come first and the rest run mask-free.
+// Epilogue: O is normalised, written in the same 128-byte-swizzled layout over this warpgroup's
+// rows of the Q buffer (no longer read) and stored with TMA, which clips rows past seqlen_q.
+//
+// Compile-time parameters (-D): HEAD_DIM (64, 128, 256), BLOCK_N (keys per tile, multiple of
+// 16), STAGES (K/V ring depth), IS_BF16 (1: bfloat16, 0: float16), IS_CAUSAL, SMEM_BYTES (the
+// dynamic shared memory the launcher requests, checked against the layout below).
+//
+// Global layouts: q, out (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); every access goes through a 4-d
+// tensor map with coordinates (d, head, row, batch) and a box of 64 columns (128 bytes, one swizzle
+// span), so a row of head_dim takes HEAD_DIM / 64 boxes ("slabs"). lse: (B, Hq, Sq) fp32.
+#include "common.cuh"
+#include "mbarrier.cuh"
+#include "mma_sync.cuh"
+#include "softmax.cuh"
+#include "tma.cuh"
+#include "warpgroup.cuh"
+#include "wgmma.cuh"
+
+namespace ptxattn {
+namespace fwd_sm90 {
+
+constexpr int kHeadDim = HEAD_DIM;
+constexpr int kBlockN = BLOCK_N;
+constexpr int kStages = STAGES;
+constexpr bool kBf16 = IS_BF16 != 0;
+constexpr bool kCausal = IS_CAUSAL != 0;
+
+constexpr int kBlockM = 128;
+constexpr int kRowsPerConsumer = 64;  // one wgmma M
+constexpr int kThreads = 3 * 128;
+constexpr int kConsumerWarps = 8;
+// Launched at 168 registers per thread (65536 / 384, rounded down to 8); the producer keeps 24.
+constexpr int kProducerRegs = 24;
+constexpr int kConsumerRegs = 240;
+
+constexpr int kSlabs = kHeadDim / 64;
+constexpr uint32_t kSlabRowBytes = 128;
+constexpr uint32_t kQSlabBytes = kBlockM * kSlabRowBytes;
+constexpr uint32_t kQBytes = kQSlabBytes * kSlabs;
+constexpr uint32_t kKVSlabBytes = kBlockN * kSlabRowBytes;
+constexpr uint32_t kKVBytes = kKVSlabBytes * kSlabs;
+constexpr uint32_t kSwizzleAtomBytes = 1024;
+
+static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head_dim must be 64, 128 or 256");
+static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "BLOCK_N must be a multiple of 16, <= 256");
+static_assert(kKVSlabBytes % kSwizzleAtomBytes == 0, "tiles must stay 1024-byte aligned");
+
+struct Barriers {
+    MBarrier q_full;
+    MBarrier k_full[kStages];
+    MBarrier k_empty[kStages];
+    MBarrier v_full[kStages];
+    MBarrier v_empty[kStages];
+};
+
+// Shared memory: [Q | K stage 0..S-1 | V stage 0..S-1 | barriers], after aligning the base to
+// 1024 bytes (the swizzle atom), which may cost up to 1024 bytes of the allocation.
+constexpr uint32_t kKOffset = kQBytes;
+constexpr uint32_t kVOffset = kKOffset + kStages * kKVBytes;
+constexpr uint32_t kBarrierOffset = kVOffset + kStages * kKVBytes;
+static_assert(kBarrierOffset + sizeof(Barriers) + kSwizzleAtomBytes <= SMEM_BYTES,
+              "SMEM_BYTES too small for this tile configuration");
+
+// Named barriers (0 is __syncthreads): per consumer warpgroup, one for its epilogue and one that
+// it waits on before issuing its GEMMs (the other warpgroup arrives on it).
+constexpr uint32_t kEpilogueBarrier = 1;
+constexpr uint32_t kSchedulerBarrier = 3;
+
+// Key blocks a tile of query rows [m0, m0 + kBlockM) attends to: [0, end).
+__device__ __forceinline__ int kv_block_end(int m0, int seqlen_q, int seqlen_k) {
+    const int blocks = (seqlen_k + kBlockN - 1) / kBlockN;
+    if (!kCausal) return blocks;
+    // Bottom-right alignment: row i sees keys j <= i + seqlen_k - seqlen_q.
+    const int keys_seen_by_last_row = m0 + kBlockM + seqlen_k - seqlen_q;
+    if (keys_seen_by_last_row <= 0) return 0;
+    return min(blocks, (keys_seen_by_last_row + kBlockN - 1) / kBlockN);
+}
+
+// Blocks from this index up need masking: they hold keys past seqlen_k or, when causal, keys
+// that the tile's first row must not see.
+__device__ __forceinline__ int kv_block_first_masked(int m0, int seqlen_q, int seqlen_k) {
+    const int tail = seqlen_k / kBlockN;
+    if (!kCausal) return tail;
+    const int keys_seen_by_first_row = m0 + 1 + seqlen_k - seqlen_q;
+    return min(tail, keys_seen_by_first_row <= 0 ? 0 : keys_seen_by_first_row / kBlockN);
+}
+
+__device__ __forceinline__ void producer(const TensorMap* q_map, const TensorMap* k_map,
+                                         const TensorMap* v_map, uint8_t* smem, Barriers& bars,
+                                         int m0, int head, int kv_head, int batch, int n_end) {
+    tma_prefetch(q_map);
+    tma_prefetch(k_map);
+    tma_prefetch(v_map);
+    bars.q_full.arrive_expect_tx(kQBytes);
+#pragma unroll
+    for (int j = 0; j < kSlabs; ++j) {
+        tma_load_4d(smem + j * kQSlabBytes, q_map, bars.q_full, 64 * j, head, m0, batch);
+    }
+#pragma unroll 1
+    for (int it = 0; it < n_end; ++it) {
+        const int n_block = n_end - 1 - it;
+        const int stage = it % kStages;
+        const uint32_t phase = (it / kStages) & 1;
+        uint8_t* k_tile = smem + kKOffset + stage * kKVBytes;
+        uint8_t* v_tile = smem + kVOffset + stage * kKVBytes;
+        // A fresh barrier counts as having completed the phase before 0, so the first pass
+        // over the ring does not wait.
+        bars.k_empty[stage].wait(phase ^ 1);
+        bars.k_full[stage].arrive_expect_tx(kKVBytes);
+#pragma unroll
+        for (int j = 0; j < kSlabs; ++j) {
+            tma_load_4d(k_tile + j * kKVSlabBytes, k_map, bars.k_full[stage], 64 * j, kv_head,
+                        n_block * kBlockN, batch);
+        }
+        bars.v_empty[stage].wait(phase ^ 1);
+        bars.v_full[stage].arrive_expect_tx(kKVBytes);
+#pragma unroll
+        for (int j = 0; j < kSlabs; ++j) {
+            tma_load_4d(v_tile + j * kKVSlabBytes, v_map, bars.v_full[stage], 64 * j, kv_head,
+                        n_block * kBlockN, batch);
+        }
+    }
+}
+
+template <bool B>
+struct BoolConstant {
+    static constexpr bool value = B;
+};
+
+// Everything one consumer warpgroup needs to run its 64 rows through the key blocks.
+struct Consumer {
+    using ScoreTiles = float[1][kBlockN / 8][4];
+    using OutTiles = float[1][kHeadDim / 8][4];
+
+    uint8_t* smem;
+    Barriers& bars;
+    int wg;         // 0 or 1: which consumer warpgroup
+    int lane;
+    int row0;       // global query row of this thread's first accumulator row (second: + 8)
+    int seqlen_q;
+    int seqlen_k;
+    float scale_log2;
+
+    float o[kHeadDim / 2];
+    uint32_t p[kBlockN / 4];  // P of the block whose P V is pending, as A fragments
+    OnlineSoftmax<1> softmax;
+
+    __device__ __forceinline__ uint32_t q_addr() const {
+        return smem_addr(smem) + wg * kRowsPerConsumer * kSlabRowBytes;
+    }
+
+    __device__ __forceinline__ void release(MBarrier& bar) const {
+        if (lane == 0) bar.arrive();
+    }
+
+    // S = Q K^T over head_dim in k-steps of 16 (4 per 64-wide slab).
+    __device__ __forceinline__ void issue_qk(float (&s)[kBlockN / 2], int stage) const {
+        const uint64_t q_desc = wgmma_desc_sw128(q_addr(), 16, kSwizzleAtomBytes);
+        const uint64_t k_desc =
+            wgmma_desc_sw128(smem_addr(smem + kKOffset + stage * kKVBytes), 16, kSwizzleAtomBytes);
+#pragma unroll
+        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+            const uint32_t step = (kk % 4) * 32;
+            Wgmma16<kBlockN>::ss<kBf16>(s, wgmma_desc_advance(q_desc, (kk / 4) * kQSlabBytes + step),
+                                        wgmma_desc_advance(k_desc, (kk / 4) * kKVSlabBytes + step),
+                                        kk > 0);
+        }
+    }
+
+    // O += P V over the block's keys in k-steps of 16; V's 64-column slabs are kKVSlabBytes apart.
+    __device__ __forceinline__ void issue_pv(int stage) {
+        const uint64_t v_desc = wgmma_desc_sw128(smem_addr(smem + kVOffset + stage * kKVBytes),
+                                                 kKVSlabBytes, kSwizzleAtomBytes);
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+            Wgmma16<kHeadDim>::rs<kBf16>(o, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3],
+                                         wgmma_desc_advance(v_desc, kk * 16 * kSlabRowBytes), 1);
+        }
+    }
+
+    __device__ __forceinline__ void mask(float (&s)[kBlockN / 2], int n_block) const {
+        const int col0 = n_block * kBlockN + 2 * (lane % 4);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + 8 * h;
+            const int limit = kCausal ? min(seqlen_k, row + 1 + seqlen_k - seqlen_q) : seqlen_k;
+#pragma unroll
+            for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    if (col0 + 8 * i + e >= limit) s[4 * i + 2 * h + e] = -__int_as_float(0x7f800000);
+                }
+            }
+        }
+    }
+
+    __device__ __forceinline__ void to_p(const float (&s)[kBlockN / 2]) {
+#pragma unroll
+        for (int j = 0; j < kBlockN / 4; ++j) p[j] = pack_f32x2<kBf16>(s[2 * j], s[2 * j + 1]);
+    }
+
+    __device__ __forceinline__ void scheduler_wait() const {
+        named_barrier_sync(kSchedulerBarrier + wg, 256);
+    }
+
+    __device__ __forceinline__ void scheduler_handoff() const {
+        named_barrier_arrive(kSchedulerBarrier + (1 - wg), 256);
+    }
+
+    __device__ __forceinline__ void mainloop(int n_end, int n_first_masked) {
+        float s[kBlockN / 2];
+        float rescale[1][2];
+        bars.q_full.wait(0);
+        bars.k_full[0].wait(0);
+        wgmma_fence();
+        issue_qk(s, 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operand(s);
+        release(bars.k_empty[0]);
+        if (n_end - 1 >= n_first_masked) mask(s, n_end - 1);
+        softmax.update(reinterpret_cast<ScoreTiles&>(s), scale_log2, rescale);
+        to_p(s);
+
+        // Warpgroup 0 issues first; the matching final wait is after the loop.
+        if (wg == 1) scheduler_handoff();
+
+        // Step `it`: S for key block n_end-1-it, P V for the block before it (ring slot it-1).
+        auto step = [&](int it, auto masked) {
+            const int n_block = n_end - 1 - it;
+            const int stage = it % kStages;
+            const int prev = (it - 1) % kStages;
+            bars.k_full[stage].wait((it / kStages) & 1);
+            scheduler_wait();
+            wgmma_fence_operand(o);
+            wgmma_fence();
+            issue_qk(s, stage);
+            wgmma_commit();
+            bars.v_full[prev].wait(((it - 1) / kStages) & 1);
+            issue_pv(prev);
+            wgmma_commit();
+            scheduler_handoff();
+            wgmma_wait<1>();
+            wgmma_fence_operand(s);
+            release(bars.k_empty[stage]);
+            if constexpr (decltype(masked)::value) mask(s, n_block);
+            softmax.update(reinterpret_cast<ScoreTiles&>(s), scale_log2, rescale);
+            wgmma_wait<0>();
+            wgmma_fence_operand(o);
+            release(bars.v_empty[prev]);
+            to_p(s);
+            scale_rows(reinterpret_cast<OutTiles&>(o), rescale);
+        };
+        int it = 1;
+#pragma unroll 1
+        for (; it < n_end && n_end - 1 - it >= n_first_masked; ++it) step(it, BoolConstant<true>{});
+#pragma unroll 1
+        for (; it < n_end; ++it) step(it, BoolConstant<false>{});
+
+        if (wg == 0) scheduler_wait();
+        const int last = (n_end - 1) % kStages;
+        bars.v_full[last].wait(((n_end - 1) / kStages) & 1);
+        wgmma_fence_operand(o);
+        wgmma_fence();
+        issue_pv(last);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operand(o);
+        release(bars.v_empty[last]);
+    }
+
+    // Normalises O, writes it over this warpgroup's Q rows in the TMA's swizzled layout and
+    // stores it; writes the log-sum-exp of this thread's rows.
+    __device__ __forceinline__ void epilogue(const TensorMap* o_map, float* lse, int m0, int head,
+                                             int heads_q, int batch) {
+        float inv_sum[1][2];
+        float row_lse[1][2];
+        softmax.finalize(inv_sum, row_lse);
+        const int g = lane / 4;
+        const int t = lane % 4;
+        const int warp = (threadIdx.x % 128) / 32;
+        uint8_t* rows = smem + wg * kRowsPerConsumer * kSlabRowBytes;
+#pragma unroll
+        for (int i = 0; i < kHeadDim / 8; ++i) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = warp * 16 + g + 8 * h;  // (r % 8) == g: the swizzle phase
+                const uint32_t offset = (i / 8) * kQSlabBytes + r * kSlabRowBytes +
+                                        (((i % 8) ^ g) << 4) + 4 * t;
+                *reinterpret_cast<uint32_t*>(rows + offset) = pack_f32x2<kBf16>(
+                    o[4 * i + 2 * h] * inv_sum[0][h], o[4 * i + 2 * h + 1] * inv_sum[0][h]);
+            }
+        }
+        fence_proxy_async();
+        named_barrier_sync(kEpilogueBarrier + wg, 128);
+        if (threadIdx.x % 128 == 0) {
+#pragma unroll
+            for (int j = 0; j < kSlabs; ++j) {
+                tma_store_4d(o_map, rows + j * kQSlabBytes, 64 * j, head,
+                             m0 + wg * kRowsPerConsumer, batch);
+            }
+            tma_store_commit();
+        }
+        if (t == 0) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = row0 + 8 * h;
+                if (row < seqlen_q) {
+                    lse[(static_cast<int64_t>(batch) * heads_q + head) * seqlen_q + row] =
+                        row_lse[0][h];
+                }
+            }
+        }
+        if (threadIdx.x % 128 == 0) tma_store_wait_read<0>();
+    }
+};
+
+}  // namespace fwd_sm90
+}  // namespace ptxattn
+
+using namespace ptxattn;
+using namespace ptxattn::fwd_sm90;
+
+// grid: (ceil(seqlen_q / 128), heads_q, batch); block: 384 threads; dynamic smem: SMEM_BYTES.
+// Query tiles run in reverse order so the longest causal tiles start first.
+extern "C" __global__ void __launch_bounds__(kThreads, 1)
+attn_fwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
+              const __grid_constant__ TensorMap v_map, const __grid_constant__ TensorMap o_map,
+              float* __restrict__ lse, int seqlen_q, int seqlen_k, int heads_q, int q_per_kv,
+              float scale_log2) {
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t* smem = smem_raw + ((kSwizzleAtomBytes - (smem_addr(smem_raw) % kSwizzleAtomBytes)) %
+                                kSwizzleAtomBytes);
+    Barriers& bars = *reinterpret_cast<Barriers*>(smem + kBarrierOffset);
+
+    const int m_block = gridDim.x - 1 - blockIdx.x;
+    const int head = blockIdx.y;
+    const int batch = blockIdx.z;
+    const int m0 = m_block * kBlockM;
+    const int n_end = kv_block_end(m0, seqlen_q, seqlen_k);
+
+    if (threadIdx.x == 0) {
+        bars.q_full.init(1);
+#pragma unroll
+        for (int s = 0; s < kStages; ++s) {
+            bars.k_full[s].init(1);
+            bars.v_full[s].init(1);
+            bars.k_empty[s].init(kConsumerWarps);
+            bars.v_empty[s].init(kConsumerWarps);
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();
+
+    if (threadIdx.x < 128) {
+        warpgroup_reg_dealloc<kProducerRegs>();
+        if (threadIdx.x == 0 && n_end > 0) {
+            producer(&q_map, &k_map, &v_map, smem, bars, m0, head, head / q_per_kv, batch, n_end);
+        }
+        return;
+    }
+
+    warpgroup_reg_alloc<kConsumerRegs>();
+    const int wg = threadIdx.x / 128 - 1;
+    const int lane = threadIdx.x % 32;
+    const int row0 = m0 + wg * kRowsPerConsumer + ((threadIdx.x % 128) / 32) * 16 + lane / 4;
+    // Aggregate initialisation zero-fills the remaining members, the O accumulator included.
+    Consumer consumer{smem, bars, wg, lane, row0, seqlen_q, seqlen_k, scale_log2};
+    consumer.softmax.init();
+    if (n_end > 0) {
+        consumer.mainloop(n_end, kv_block_first_masked(m0, seqlen_q, seqlen_k));
+    }
+    consumer.epilogue(&o_map, lse, m0, head, heads_q, batch);
+}

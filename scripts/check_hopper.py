@@ -1,0 +1,208 @@
+"""GPU check of the Hopper forward kernel: correctness grid, timing beside cuDNN, SASS.
+
+    PYTHONPATH=$PWD python3 scripts/check_hopper.py [--skip-grid] [--skip-timing]
+
+1. Correctness: random inputs over dtype x causal x head_dim x (seqlen_q, seqlen_k), plus GQA,
+   MQA, batch > 1, non-contiguous q/k/v/out, against the FP32 CuPy reference. A case passes when
+   the kernel's max error is at most twice that of the same math done naively in the input
+   precision (plus one rounding step of the output), LSE likewise; every case prints its errors.
+2. Timing (bf16): median of CUDA-event-timed runs after warm-up, beside torch SDPA's cuDNN
+   backend measured in the same process.
+3. SASS: the bf16 head_dim-128 cubin disassembled with cuobjdump; HGMMA instructions counted.
+Exits non-zero if any correctness case fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import cupy
+import numpy as np
+
+from ptxattn import api, hopper, reference, runtime
+
+SEQLEN_PAIRS = [(1, 1), (17, 17), (127, 127), (1000, 1000), (4097, 4097), (17, 1000),
+                (1000, 17), (127, 4097), (300, 129)]
+
+
+def random(shape, dtype, rng, scale=1.0):
+    return cupy.asarray(rng.standard_normal(shape, dtype=np.float32) * scale).astype(dtype)
+
+
+def check(q, k, v, *, causal, softmax_scale=None, out=None) -> tuple[bool, str]:
+    scale = api.validate(q, k, v, out, softmax_scale)
+    if out is None:
+        out = cupy.full(q.shape, cupy.nan, dtype=q.dtype)
+    lse = cupy.full((q.shape[0], q.shape[2], q.shape[1]), cupy.nan, dtype=cupy.float32)
+    hopper.forward(q, k, v, out, lse, causal=causal, softmax_scale=scale)
+    ref, ref_lse = reference.attention(q, k, v, causal=causal, softmax_scale=scale,
+                                       return_lse=True)
+    naive, naive_lse = reference.attention(q, k, v, causal=causal, softmax_scale=scale,
+                                           return_lse=True, precision="input")
+    out32 = out.astype(cupy.float32)
+    noise = float(cupy.abs(ref.astype(q.dtype).astype(cupy.float32) - ref).max())
+    diff = cupy.abs(out32 - ref)
+    finite = bool(cupy.isfinite(out32).all())
+    err = float(cupy.nan_to_num(diff, nan=1e9).max())
+    naive_err = float(cupy.abs(naive - ref).max())
+    visible = cupy.isfinite(ref_lse)
+    lse_pattern = bool((cupy.isfinite(lse) == visible).all())
+    lse_err = float(cupy.nan_to_num(cupy.abs(cupy.where(visible, lse - ref_lse, 0)), nan=1e9).max())
+    naive_lse_err = float(cupy.abs(cupy.where(visible, naive_lse - ref_lse, 0)).max())
+    ok = (finite and err <= 2 * naive_err + 2 * noise + 1e-6 and lse_pattern
+          and lse_err <= 2 * naive_lse_err + 1e-4)
+    text = (f"err {err:.2e} (naive {naive_err:.2e}) lse_err {lse_err:.2e} "
+            f"(naive {naive_lse_err:.2e}) finite={finite} lse_pattern={lse_pattern}")
+    if not ok:
+        bad_rows = cupy.argwhere(cupy.nan_to_num(diff, nan=1e9).max(axis=-1)
+                                 > 2 * naive_err + 2 * noise + 1e-6)
+        text += (f"  bad (b,s,h) rows: {len(bad_rows)} of {q.shape[0] * q.shape[1] * q.shape[2]},"
+                 f" first {bad_rows[:4].get().tolist()}")
+    return ok, text
+
+
+def correctness_grid(rng) -> int:
+    failures = 0
+
+    def report(name, result):
+        nonlocal failures
+        ok, text = result
+        failures += not ok
+        print(f"{'PASS' if ok else 'FAIL'} {name}: {text}", flush=True)
+
+    for dtype in ("bfloat16", "float16"):
+        for causal in (False, True):
+            for head_dim in hopper.HEAD_DIMS:
+                for seqlen_q, seqlen_k in SEQLEN_PAIRS:
+                    batch = 2 if seqlen_q * seqlen_k < 10 ** 6 else 1
+                    q = random((batch, seqlen_q, 2, head_dim), dtype, rng)
+                    k = random((batch, seqlen_k, 2, head_dim), dtype, rng)
+                    v = random((batch, seqlen_k, 2, head_dim), dtype, rng)
+                    report(f"{dtype} causal={causal} d={head_dim} b={batch} "
+                           f"sq={seqlen_q} sk={seqlen_k}", check(q, k, v, causal=causal))
+    for heads_q, heads_kv in ((8, 2), (6, 1)):
+        for causal in (False, True):
+            for head_dim in hopper.HEAD_DIMS:
+                q = random((3, 300, heads_q, head_dim), "bfloat16", rng)
+                k = random((3, 257, heads_kv, head_dim), "bfloat16", rng)
+                v = random((3, 257, heads_kv, head_dim), "bfloat16", rng)
+                report(f"gqa {heads_q}/{heads_kv} causal={causal} d={head_dim}",
+                       check(q, k, v, causal=causal))
+    for causal in (False, True):
+        packed = random((2, 333, 3, 4, 128), "float16", rng)
+        q, k, v = packed[:, :, 0], packed[:, :, 1], packed[:, :, 2]
+        big_out = cupy.full((2, 333, 8, 128), cupy.nan, dtype=cupy.float16)
+        out = big_out[:, :, 1::2]
+        ok, text = check(q, k, v, causal=causal, softmax_scale=0.3, out=out)
+        untouched = bool(cupy.isnan(big_out[:, :, 0::2]).all())
+        report(f"non-contiguous q/k/v/out causal={causal}", (ok and untouched,
+                                                             f"{text} untouched={untouched}"))
+    q = random((1, 513, 2, 64), "bfloat16", rng, scale=8.0)
+    k = random((1, 700, 2, 64), "bfloat16", rng, scale=8.0)
+    v = random((1, 700, 2, 64), "bfloat16", rng)
+    report("large logits", check(q, k, v, causal=False))
+    return failures
+
+
+def time_ms(fn, start, stop, warmup=5, repeats=20) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) if hasattr(start, "elapsed_time")
+                     else cupy.cuda.get_elapsed_time(start, stop))
+    return statistics.median(times)
+
+
+def timing(rng) -> None:
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        torch = None
+    shapes = [(4, 2048, 32, 128, False), (4, 2048, 32, 128, True), (2, 8192, 16, 128, False),
+              (2, 8192, 16, 128, True), (8, 2048, 32, 64, False), (8, 2048, 32, 64, True),
+              (8, 2048, 8, 256, False), (8, 2048, 8, 256, True)]
+    print(f"{'shape':34s} {'ptxattn':>16s} {'cuDNN':>16s} {'ratio':>6s}")
+    for batch, seqlen, heads, head_dim, causal in shapes:
+        flops = 4.0 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+        q = random((batch, seqlen, heads, head_dim), "bfloat16", rng)
+        k = random((batch, seqlen, heads, head_dim), "bfloat16", rng)
+        v = random((batch, seqlen, heads, head_dim), "bfloat16", rng)
+        out = cupy.empty_like(q)
+        lse = cupy.empty((batch, heads, seqlen), dtype=cupy.float32)
+        scale = 1.0 / math.sqrt(head_dim)
+        ours = time_ms(lambda: hopper.forward(q, k, v, out, lse, causal=causal,
+                                              softmax_scale=scale),
+                       cupy.cuda.Event(), cupy.cuda.Event())
+        ours_tf = flops / ours / 1e9
+        peer = "n/a"
+        ratio = ""
+        if torch is not None:
+            tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
+            try:
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    peer_ms = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
+                        tq, tk, tv, is_causal=causal), torch.cuda.Event(enable_timing=True),
+                        torch.cuda.Event(enable_timing=True))
+                peer_tf = flops / peer_ms / 1e9
+                peer = f"{peer_tf:7.1f} TFLOP/s"
+                ratio = f"{ours_tf / peer_tf:.3f}"
+            except RuntimeError as err:
+                peer = f"error: {str(err).splitlines()[0][:40]}"
+        name = f"B={batch} S={seqlen} H={heads} D={head_dim} {'causal' if causal else 'full'}"
+        print(f"{name:34s} {ours_tf:7.1f} TFLOP/s {peer:>16s} {ratio:>6s}", flush=True)
+
+
+def sass() -> None:
+    tool = shutil.which("cuobjdump")
+    if tool is None:
+        print("SASS: cuobjdump not found")
+        return
+    for causal in (False, True):
+        compiled = runtime.compile(hopper.spec("bfloat16", 128, causal), "sm_90a")
+        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+            f.write(compiled.cubin)
+        text = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+        os.unlink(f.name)
+        lines = text.splitlines()
+        hgmma = [l for l in lines if "HGMMA" in l]
+        print(f"SASS {compiled.spec.name}: {len(lines)} lines, {len(hgmma)} HGMMA, "
+              f"{sum('WARPGROUP' in l for l in lines)} WARPGROUP.*, "
+              f"{sum('LDL' in l or 'STL' in l for l in lines)} local loads/stores")
+        for line in hgmma[:3]:
+            print("   ", line.strip())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--skip-grid", action="store_true")
+    parser.add_argument("--skip-timing", action="store_true")
+    args = parser.parse_args()
+    print(f"device: {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, "
+          f"arch {runtime.device_arch()}")
+    for s in hopper.variants():
+        r = runtime.compile(s, "sm_90a").report
+        print(f"  {s.name}: {r.registers} regs, spills {r.spill_stores}/{r.spill_loads}")
+    rng = np.random.default_rng(0)
+    failures = 0 if args.skip_grid else correctness_grid(rng)
+    print(f"correctness failures: {failures}", flush=True)
+    sass()
+    if not args.skip_timing:
+        timing(rng)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
