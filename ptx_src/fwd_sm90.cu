@@ -137,11 +137,6 @@ __device__ __forceinline__ void producer(const TensorMap* q_map, const TensorMap
     }
 }
 
-template <bool B>
-struct BoolConstant {
-    static constexpr bool value = B;
-};
-
 // Everything one consumer warpgroup needs to run its 64 rows through the key blocks.
 struct Consumer {
     using ScoreTiles = float[1][kBlockN / 8][4];
@@ -222,6 +217,35 @@ struct Consumer {
         named_barrier_arrive(kSchedulerBarrier + (1 - wg), 256);
     }
 
+    // Step `it`: S for key block n_end-1-it, P V for the block before it (ring slot it-1).
+    template <bool kMasked>
+    __device__ __forceinline__ void step(int it, int n_end, float (&s)[kBlockN / 2],
+                                         float (&rescale)[1][2]) {
+        const int n_block = n_end - 1 - it;
+        const int stage = it % kStages;
+        const int prev = (it - 1) % kStages;
+        bars.k_full[stage].wait((it / kStages) & 1);
+        scheduler_wait();
+        wgmma_fence_operand(o);
+        wgmma_fence();
+        issue_qk(s, stage);
+        wgmma_commit();
+        bars.v_full[prev].wait(((it - 1) / kStages) & 1);
+        issue_pv(prev);
+        wgmma_commit();
+        scheduler_handoff();
+        wgmma_wait<1>();
+        wgmma_fence_operand(s);
+        release(bars.k_empty[stage]);
+        if constexpr (kMasked) mask(s, n_block);
+        softmax.update(reinterpret_cast<ScoreTiles&>(s), scale_log2, rescale);
+        wgmma_wait<0>();
+        wgmma_fence_operand(o);
+        release(bars.v_empty[prev]);
+        to_p(s);
+        scale_rows(reinterpret_cast<OutTiles&>(o), rescale);
+    }
+
     __device__ __forceinline__ void mainloop(int n_end, int n_first_masked) {
         float s[kBlockN / 2];
         float rescale[1][2];
@@ -240,37 +264,13 @@ struct Consumer {
         // Warpgroup 0 issues first; the matching final wait is after the loop.
         if (wg == 1) scheduler_handoff();
 
-        // Step `it`: S for key block n_end-1-it, P V for the block before it (ring slot it-1).
-        auto step = [&](int it, auto masked) {
-            const int n_block = n_end - 1 - it;
-            const int stage = it % kStages;
-            const int prev = (it - 1) % kStages;
-            bars.k_full[stage].wait((it / kStages) & 1);
-            scheduler_wait();
-            wgmma_fence_operand(o);
-            wgmma_fence();
-            issue_qk(s, stage);
-            wgmma_commit();
-            bars.v_full[prev].wait(((it - 1) / kStages) & 1);
-            issue_pv(prev);
-            wgmma_commit();
-            scheduler_handoff();
-            wgmma_wait<1>();
-            wgmma_fence_operand(s);
-            release(bars.k_empty[stage]);
-            if constexpr (decltype(masked)::value) mask(s, n_block);
-            softmax.update(reinterpret_cast<ScoreTiles&>(s), scale_log2, rescale);
-            wgmma_wait<0>();
-            wgmma_fence_operand(o);
-            release(bars.v_empty[prev]);
-            to_p(s);
-            scale_rows(reinterpret_cast<OutTiles&>(o), rescale);
-        };
         int it = 1;
 #pragma unroll 1
-        for (; it < n_end && n_end - 1 - it >= n_first_masked; ++it) step(it, BoolConstant<true>{});
+        for (; it < n_end && n_end - 1 - it >= n_first_masked; ++it) {
+            step<true>(it, n_end, s, rescale);
+        }
 #pragma unroll 1
-        for (; it < n_end; ++it) step(it, BoolConstant<false>{});
+        for (; it < n_end; ++it) step<false>(it, n_end, s, rescale);
 
         if (wg == 0) scheduler_wait();
         const int last = (n_end - 1) % kStages;
