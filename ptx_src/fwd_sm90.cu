@@ -336,21 +336,30 @@ struct Consumer {
 using namespace ptxattn;
 using namespace ptxattn::fwd_sm90;
 
-// grid: (ceil(seqlen_q / 128), heads_q, batch); block: 384 threads; dynamic smem: SMEM_BYTES.
-// Query tiles run in reverse order so the longest causal tiles start first.
+// grid: (batch * heads_q * num_m_blocks); block: 384 threads; dynamic smem: SMEM_BYTES.
+// Tile order: (batch, head) pairs are taken in sections of `section_heads` whose K/V fit in L2
+// together; within a section the query tiles go from the last (the longest when causal) to the
+// first, all heads of the section at each step. Blocks launch roughly in index order, so long
+// causal tiles start first and the short ones fill the tail (longest-processing-time first),
+// while the K/V a section needs stay resident. section_heads = 1 is plain head-by-head order.
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
 attn_fwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
               const __grid_constant__ TensorMap v_map, const __grid_constant__ TensorMap o_map,
               float* __restrict__ lse, int seqlen_q, int seqlen_k, int heads_q, int q_per_kv,
-              float scale_log2) {
+              int num_m_blocks, int section_heads, float scale_log2) {
     extern __shared__ uint8_t smem_raw[];
     uint8_t* smem = smem_raw + ((kSwizzleAtomBytes - (smem_addr(smem_raw) % kSwizzleAtomBytes)) %
                                 kSwizzleAtomBytes);
     Barriers& bars = *reinterpret_cast<Barriers*>(smem + kBarrierOffset);
 
-    const int m_block = gridDim.x - 1 - blockIdx.x;
-    const int head = blockIdx.y;
-    const int batch = blockIdx.z;
+    const int tiles_per_section = section_heads * num_m_blocks;
+    const int first_pair = (blockIdx.x / tiles_per_section) * section_heads;
+    const int in_section = blockIdx.x % tiles_per_section;
+    const int pairs_here = min(section_heads, gridDim.x / num_m_blocks - first_pair);
+    const int m_block = num_m_blocks - 1 - in_section / pairs_here;
+    const int pair = first_pair + in_section % pairs_here;
+    const int head = pair % heads_q;
+    const int batch = pair / heads_q;
     const int m0 = m_block * kBlockM;
     const int n_end = kv_block_end(m0, seqlen_q, seqlen_k);
 

@@ -23,10 +23,15 @@ STORE_ROWS = 64        # each consumer warpgroup stores its own rows
 BOX_COLS = 64          # head_dim columns per TMA box (128 bytes of 16-bit data)
 THREADS = 384          # producer warpgroup + two consumer warpgroups
 
-# head_dim -> (keys per tile, K/V ring depth). Registers per consumer thread grow with
-# head_dim / 2 (O) + 3/4 * BLOCK_N (S in fp32 and P in 16 bits); shared memory with
-# (128 + 2 * STAGES * BLOCK_N) * head_dim * 2 bytes.
-TILES = {64: (128, 4), 128: (128, 2), 256: (64, 2)}
+# (head_dim, causal) -> (keys per tile, K/V ring depth). Registers per consumer thread grow
+# with head_dim / 2 (O) + 3/4 * BLOCK_N (S in fp32 and P in 16 bits); shared memory with
+# (128 + 2 * STAGES * BLOCK_N) * head_dim * 2 bytes (227 KB at most).
+TILES = {(64, False): (128, 4), (64, True): (128, 4),
+         (128, False): (128, 2), (128, True): (128, 2),
+         (256, False): (64, 2), (256, True): (64, 2)}
+
+# K/V bytes that the heads of one scheduling section may keep in L2 together (H100: 50 MB).
+L2_SECTION_BYTES = 32 << 20
 
 
 def _smem_bytes(head_dim: int, block_n: int, stages: int) -> int:
@@ -35,8 +40,9 @@ def _smem_bytes(head_dim: int, block_n: int, stages: int) -> int:
     return tiles + barriers + 1024  # + alignment of the base to the 1024-byte swizzle atom
 
 
-def spec(dtype: str, head_dim: int, causal: bool) -> runtime.KernelSpec:
-    block_n, stages = TILES[head_dim]
+def spec(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | None = None
+         ) -> runtime.KernelSpec:
+    block_n, stages = tiles or TILES[head_dim, causal]
     return runtime.KernelSpec(
         name=f"fwd_sm90_{dtype}_d{head_dim}_n{block_n}_s{stages}{'_causal' if causal else ''}",
         source="fwd_sm90.cu",
@@ -54,20 +60,33 @@ def variants() -> list[runtime.KernelSpec]:
             for dtype in DTYPES for head_dim in HEAD_DIMS for causal in (False, True)]
 
 
-def forward(q, k, v, out, lse, *, causal: bool, softmax_scale: float) -> None:
+def section_heads(batch: int, heads_q: int, heads_kv: int, seqlen_k: int, head_dim: int,
+                  itemsize: int) -> int:
+    """How many (batch, head) pairs the kernel schedules together (see fwd_sm90.cu)."""
+    kv_bytes_per_q_head = 2 * seqlen_k * head_dim * itemsize * heads_kv / heads_q
+    return int(max(1, min(batch * heads_q, L2_SECTION_BYTES // max(kv_bytes_per_q_head, 1))))
+
+
+def forward(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
+            tiles: tuple[int, int] | None = None, sections: int | None = None) -> None:
+    """``tiles`` (keys per tile, stages) and ``sections`` override the tuned defaults."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
-    block_n, _ = TILES[head_dim]
-    kernel = runtime.load(spec(str(q.dtype), head_dim, causal))
+    kernel_spec = spec(str(q.dtype), head_dim, causal, tiles)
+    block_n = kernel_spec.defines["BLOCK_N"]
+    kernel = runtime.load(kernel_spec)
     q_map = runtime.tensor_map(q, (1, BLOCK_M, 1, BOX_COLS), swizzle=128)
     k_map = runtime.tensor_map(k, (1, block_n, 1, BOX_COLS), swizzle=128)
     v_map = runtime.tensor_map(v, (1, block_n, 1, BOX_COLS), swizzle=128)
     o_map = runtime.tensor_map(out, (1, STORE_ROWS, 1, BOX_COLS), swizzle=128)
+    num_m_blocks = math.ceil(seqlen_q / BLOCK_M)
+    if sections is None:
+        sections = section_heads(batch, heads_q, heads_kv, seqlen_k, head_dim, q.itemsize)
     runtime.launch(
         kernel,
-        grid=(math.ceil(seqlen_q / BLOCK_M), heads_q, batch),
+        grid=(batch * heads_q * num_m_blocks, 1, 1),
         block=(THREADS, 1, 1),
         args=[q_map, k_map, v_map, o_map, lse, np.int32(seqlen_q), np.int32(seqlen_k),
-              np.int32(heads_q), np.int32(heads_q // heads_kv),
-              np.float32(softmax_scale * math.log2(math.e))],
+              np.int32(heads_q), np.int32(heads_q // heads_kv), np.int32(num_m_blocks),
+              np.int32(sections), np.float32(softmax_scale * math.log2(math.e))],
     )

@@ -36,12 +36,12 @@ def random(shape, dtype, rng, scale=1.0):
     return cupy.asarray(rng.standard_normal(shape, dtype=np.float32) * scale).astype(dtype)
 
 
-def check(q, k, v, *, causal, softmax_scale=None, out=None) -> tuple[bool, str]:
+def check(q, k, v, *, causal, softmax_scale=None, out=None, **launch) -> tuple[bool, str]:
     scale = api.validate(q, k, v, out, softmax_scale)
     if out is None:
         out = cupy.full(q.shape, cupy.nan, dtype=q.dtype)
     lse = cupy.full((q.shape[0], q.shape[2], q.shape[1]), cupy.nan, dtype=cupy.float32)
-    hopper.forward(q, k, v, out, lse, causal=causal, softmax_scale=scale)
+    hopper.forward(q, k, v, out, lse, causal=causal, softmax_scale=scale, **launch)
     ref, ref_lse = reference.attention(q, k, v, causal=causal, softmax_scale=scale,
                                        return_lse=True)
     naive, naive_lse = reference.attention(q, k, v, causal=causal, softmax_scale=scale,
@@ -104,6 +104,11 @@ def correctness_grid(rng) -> int:
         untouched = bool(cupy.isnan(big_out[:, :, 0::2]).all())
         report(f"non-contiguous q/k/v/out causal={causal}", (ok and untouched,
                                                              f"{text} untouched={untouched}"))
+    for sections in (1, 3, 5):  # 5 (batch, head) pairs: a partial last section for 3
+        q = random((5, 700, 1, 128), "bfloat16", rng)
+        k = random((5, 555, 1, 128), "bfloat16", rng)
+        v = random((5, 555, 1, 128), "bfloat16", rng)
+        report(f"tile order sections={sections}", check(q, k, v, causal=True, sections=sections))
     q = random((1, 513, 2, 64), "bfloat16", rng, scale=8.0)
     k = random((1, 700, 2, 64), "bfloat16", rng, scale=8.0)
     v = random((1, 700, 2, 64), "bfloat16", rng)
@@ -165,30 +170,71 @@ def timing(rng) -> None:
         print(f"{name:34s} {ours_tf:7.1f} TFLOP/s {peer:>16s} {ratio:>6s}", flush=True)
 
 
-def sass() -> None:
+def sass(specs, show=0) -> None:
+    """HGMMA and local-memory (spill) instruction counts of each variant's SASS."""
     tool = shutil.which("cuobjdump")
     if tool is None:
         print("SASS: cuobjdump not found")
         return
-    for causal in (False, True):
-        compiled = runtime.compile(hopper.spec("bfloat16", 128, causal), "sm_90a")
+    for kernel_spec in specs:
+        compiled = runtime.compile(kernel_spec, "sm_90a")
         with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
             f.write(compiled.cubin)
         text = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
         os.unlink(f.name)
         lines = text.splitlines()
         hgmma = [l for l in lines if "HGMMA" in l]
-        print(f"SASS {compiled.spec.name}: {len(lines)} lines, {len(hgmma)} HGMMA, "
+        print(f"SASS {compiled.spec.name}: {len(hgmma)} HGMMA, "
               f"{sum('WARPGROUP' in l for l in lines)} WARPGROUP.*, "
-              f"{sum('LDL' in l or 'STL' in l for l in lines)} local loads/stores")
-        for line in hgmma[:3]:
+              f"{sum(' LDL' in l or ' STL' in l for l in lines)} LDL/STL (spills)")
+        for line in hgmma[:show]:
             print("   ", line.strip())
+
+
+SWEEP = {  # (head_dim, causal) -> candidate (keys per tile, stages); shapes as in timing()
+    (128, False): [(128, 2), (160, 2), (176, 2), (192, 2), (128, 3)],
+    (128, True): [(128, 2), (128, 3), (176, 2)],
+    (64, False): [(128, 4), (192, 2), (192, 3), (160, 3)],
+    (64, True): [(128, 4), (192, 3)],
+    (256, False): [(64, 2), (80, 2)],
+    (256, True): [(64, 2), (80, 2)],
+}
+
+
+def sweep(rng) -> int:
+    """Checks then times candidate tile configurations and both tile orders (bf16)."""
+    failures = 0
+    specs = [hopper.spec("bfloat16", d, c, t) for (d, c), ts in SWEEP.items() for t in ts]
+    sass(specs)
+    for (head_dim, causal), candidates in SWEEP.items():
+        batch, heads = (4, 32) if head_dim == 128 else (8, 2048 // head_dim)
+        seqlen = 2048
+        flops = 4.0 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+        q = random((batch, seqlen, heads, head_dim), "bfloat16", rng)
+        k = random((batch, seqlen, heads, head_dim), "bfloat16", rng)
+        v = random((batch, seqlen, heads, head_dim), "bfloat16", rng)
+        out = cupy.empty_like(q)
+        lse = cupy.empty((batch, heads, seqlen), dtype=cupy.float32)
+        small = [random((2, 1000, 2, head_dim), "bfloat16", rng) for _ in range(3)]
+        for tiles in candidates:
+            ok, text = check(*small, causal=causal, tiles=tiles)
+            failures += not ok
+            row = f"d={head_dim} causal={causal} tiles={tiles}: {'PASS' if ok else 'FAIL ' + text}"
+            for sections in (1, None):
+                ms = time_ms(lambda: hopper.forward(q, k, v, out, lse, causal=causal,
+                                                    softmax_scale=head_dim ** -0.5, tiles=tiles,
+                                                    sections=sections),
+                             cupy.cuda.Event(), cupy.cuda.Event())
+                row += f"  sections={sections or 'auto'}: {flops / ms / 1e9:6.1f} TFLOP/s"
+            print(row, flush=True)
+    return failures
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--skip-grid", action="store_true")
     parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="time candidate tile configs")
     args = parser.parse_args()
     print(f"device: {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, "
           f"arch {runtime.device_arch()}")
@@ -198,9 +244,11 @@ def main() -> int:
     rng = np.random.default_rng(0)
     failures = 0 if args.skip_grid else correctness_grid(rng)
     print(f"correctness failures: {failures}", flush=True)
-    sass()
+    sass([hopper.spec("bfloat16", 128, causal) for causal in (False, True)], show=2)
     if not args.skip_timing:
         timing(rng)
+    if args.sweep:
+        failures += sweep(rng)
     return 1 if failures else 0
 
 
