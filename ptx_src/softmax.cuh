@@ -1,0 +1,130 @@
+// Online softmax on tensor-core accumulator fragments, exp2 form (FlashAttention-2 recurrence).
+//
+// Fragment view: float frag[kRowPairs][kTiles][4]. Slab r covers one 16-row group of which this
+// thread owns rows g and g+8 (g = lane / 4, t = lane % 4); tile j covers 8 columns, and its four
+// values are (row g: columns 8j+2t, 8j+2t+1) then (row g+8: the same columns). This is the
+// mma.sync m16n8 C/D layout repeated over M (kRowPairs) and N (kTiles), and also the accumulator
+// of one warp of a wgmma m64nNk16 (kRowPairs = 1, kTiles = N / 8), so both kernel families share
+// this file. The four threads of a quad own one row together: a row max is completed with two
+// xor-shuffles (ex2 and shfl.sync.bfly PTX); row sums stay per thread until finalize(), because
+// the rescale factors are already uniform across the quad.
+//
+// Scores enter raw (unscaled). With c = softmax_scale * log2(e) > 0, the running max is kept
+// scaled (m = c * max s, -inf while a row has seen no key) and probabilities are
+// exp2(c * s - m): one FFMA and one ex2.approx per score. A row that so far sees only masked
+// (-inf) scores uses 0 in place of m, so that it produces zeros instead of NaN.
+#pragma once
+#include "common.cuh"
+
+namespace ptxattn {
+
+// ex2.approx.ftz.f32: 2^x, 2 ulp, exp2(-inf) = +0.
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// rcp.approx.ftz.f32: 1/x, 1 ulp.
+__device__ __forceinline__ float reciprocal_approx(float x) {
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// Multiplies each owned row of an accumulator (same fragment view) by its factor.
+template <int kRowPairs, int kTiles>
+__device__ __forceinline__ void scale_rows(float (&acc)[kRowPairs][kTiles][4],
+                                           const float (&factor)[kRowPairs][2]) {
+#pragma unroll
+    for (int r = 0; r < kRowPairs; ++r) {
+#pragma unroll
+        for (int j = 0; j < kTiles; ++j) {
+            acc[r][j][0] *= factor[r][0];
+            acc[r][j][1] *= factor[r][0];
+            acc[r][j][2] *= factor[r][1];
+            acc[r][j][3] *= factor[r][1];
+        }
+    }
+}
+
+template <int kRowPairs>
+struct OnlineSoftmax {
+    float row_max[kRowPairs][2];  // scaled running max (log2 units), -inf before any key
+    float row_sum[kRowPairs][2];  // this thread's share of the running denominator
+
+    __device__ __forceinline__ void init() {
+#pragma unroll
+        for (int r = 0; r < kRowPairs; ++r) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                row_max[r][h] = -__int_as_float(0x7f800000);
+                row_sum[r][h] = 0.0f;
+            }
+        }
+    }
+
+    // Folds one block of raw scores into the running statistics. Overwrites `s` with the
+    // unnormalised probabilities and returns in `rescale` the factor by which rows of the output
+    // accumulated so far must be multiplied.
+    template <int kTiles>
+    __device__ __forceinline__ void update(float (&s)[kRowPairs][kTiles][4], float scale_log2,
+                                           float (&rescale)[kRowPairs][2]) {
+#pragma unroll
+        for (int r = 0; r < kRowPairs; ++r) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float block_max = s[r][0][2 * h];
+#pragma unroll
+                for (int j = 0; j < kTiles; ++j) {
+                    block_max = fmaxf(block_max, fmaxf(s[r][j][2 * h], s[r][j][2 * h + 1]));
+                }
+                const float new_max = fmaxf(row_max[r][h], quad_max(block_max) * scale_log2);
+                const float bias = new_max == -__int_as_float(0x7f800000) ? 0.0f : new_max;
+                rescale[r][h] = exp2_approx(row_max[r][h] - bias);
+                row_max[r][h] = new_max;
+                float block_sum = 0.0f;
+#pragma unroll
+                for (int j = 0; j < kTiles; ++j) {
+#pragma unroll
+                    for (int c = 2 * h; c < 2 * h + 2; ++c) {
+                        s[r][j][c] = exp2_approx(fmaf(s[r][j][c], scale_log2, -bias));
+                        block_sum += s[r][j][c];
+                    }
+                }
+                row_sum[r][h] = fmaf(row_sum[r][h], rescale[r][h], block_sum);
+            }
+        }
+    }
+
+    // Completes the row sums across the quad. Returns per owned row the factor that normalises
+    // the output (0 for a row that saw no key, so it comes out as zeros) and the log-sum-exp of
+    // the scaled scores in natural-log units (-inf for such a row).
+    __device__ __forceinline__ void finalize(float (&inv_sum)[kRowPairs][2],
+                                             float (&lse)[kRowPairs][2]) const {
+        constexpr float kLn2 = 0.693147180559945309f;
+#pragma unroll
+        for (int r = 0; r < kRowPairs; ++r) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float sum = quad_sum(row_sum[r][h]);
+                const bool seen = sum > 0.0f;
+                inv_sum[r][h] = seen ? reciprocal_approx(sum) : 0.0f;
+                lse[r][h] = seen ? (row_max[r][h] + log2f(sum)) * kLn2
+                                 : -__int_as_float(0x7f800000);
+            }
+        }
+    }
+};
+
+}  // namespace ptxattn
