@@ -1,9 +1,9 @@
 // Attention forward for Hopper (sm_90a): TMA + mbarrier pipeline, wgmma, warp specialisation.
 //
-// One block computes a tile of kBlockM = 128 query rows of one (batch, head) with 3 warpgroups:
+// A block computes tiles of kBlockM = 128 query rows of one (batch, head) with 3 warpgroups:
 //   warpgroup 0  producer: gives most of its registers away (setmaxnreg) and one thread issues
-//                TMA loads: Q once, then K and V tiles of kBlockN keys through a kStages-deep
-//                ring of shared-memory buffers guarded by full/empty mbarriers.
+//                TMA loads: each tile's Q, then K and V tiles of kBlockN keys through a
+//                kStages-deep ring of shared-memory buffers guarded by full/empty mbarriers.
 //   warpgroups 1, 2  consumers: each owns 64 query rows. S = Q K^T is a wgmma with both operands
 //                in shared memory; P = softmax(S) stays in registers and O += P V is a wgmma with
 //                A from registers and V read transposed (MN-major) from shared memory.
@@ -13,16 +13,19 @@
 // so one warpgroup's softmax overlaps the other's GEMMs.
 // Key blocks are visited from the last to the first, so the blocks that need a mask (the
 // seqlen_k tail, the causal diagonal) come first and the rest run mask-free.
-// Epilogue: O is normalised, written in the same 128-byte-swizzled layout over this warpgroup's
-// rows of the Q buffer (no longer read) and stored with TMA, which clips rows past seqlen_q.
+// Tiles: the grid is either one block per tile or persistent (fewer blocks striding over the
+// tile list); the K/V ring and its phases run on across tiles, the producer loads the next
+// tile's Q as soon as both consumers finished their last Q K^T (q_empty), and the epilogue
+// stores O straight from registers, so nothing waits for the output to drain.
 //
 // Compile-time parameters (-D): HEAD_DIM (64, 128, 256), BLOCK_N (keys per tile, multiple of
 // 16), STAGES (K/V ring depth), IS_BF16 (1: bfloat16, 0: float16), IS_CAUSAL, SMEM_BYTES (the
 // dynamic shared memory the launcher requests, checked against the layout below).
 //
-// Global layouts: q, out (B, Sq, Hq, D); k, v (B, Sk, Hkv, D); every access goes through a 4-d
-// tensor map with coordinates (d, head, row, batch) and a box of 64 columns (128 bytes, one swizzle
-// span), so a row of head_dim takes HEAD_DIM / 64 boxes ("slabs"). lse: (B, Hq, Sq) fp32.
+// Global layouts: q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D), read through 4-d tensor maps with
+// coordinates (d, head, row, batch) and a box of 64 columns (128 bytes, one swizzle span), so a
+// row of head_dim takes HEAD_DIM / 64 boxes ("slabs"); rows past the end are zero-filled.
+// out (B, Sq, Hq, D) with element strides given; lse (B, Hq, Sq) fp32, contiguous.
 #include "common.cuh"
 #include "mbarrier.cuh"
 #include "mma_sync.cuh"
@@ -62,6 +65,7 @@ static_assert(kKVSlabBytes % kSwizzleAtomBytes == 0, "tiles must stay 1024-byte 
 
 struct Barriers {
     MBarrier q_full;
+    MBarrier q_empty;
     MBarrier k_full[kStages];
     MBarrier k_empty[kStages];
     MBarrier v_full[kStages];
@@ -76,10 +80,9 @@ constexpr uint32_t kBarrierOffset = kVOffset + kStages * kKVBytes;
 static_assert(kBarrierOffset + sizeof(Barriers) + kSwizzleAtomBytes <= SMEM_BYTES,
               "SMEM_BYTES too small for this tile configuration");
 
-// Named barriers (0 is __syncthreads): per consumer warpgroup, one for its epilogue and one that
-// it waits on before issuing its GEMMs (the other warpgroup arrives on it).
-constexpr uint32_t kEpilogueBarrier = 1;
-constexpr uint32_t kSchedulerBarrier = 3;
+// Named barriers (0 is __syncthreads): per consumer warpgroup, one that it waits on before
+// issuing its GEMMs (the other warpgroup arrives on it).
+constexpr uint32_t kSchedulerBarrier = 1;
 
 // Key blocks a tile of query rows [m0, m0 + kBlockM) attends to: [0, end).
 __device__ __forceinline__ int kv_block_end(int m0, int seqlen_q, int seqlen_k) {
@@ -100,39 +103,83 @@ __device__ __forceinline__ int kv_block_first_masked(int m0, int seqlen_q, int s
     return min(tail, keys_seen_by_first_row <= 0 ? 0 : keys_seen_by_first_row / kBlockN);
 }
 
+// Tile order: (batch, head) pairs are taken in sections of `section_heads` whose K/V fit in L2
+// together; within a section the query tiles go from the last (the longest when causal) to the
+// first, all pairs of the section at each step. Tiles are handed out in index order, so long
+// causal tiles start first and short ones fill the tail (longest-processing-time first).
+// section_heads = 1 is plain pair-by-pair order.
+struct TileScheduler {
+    int num_m_blocks;
+    int num_pairs;  // batch * heads_q
+    int section_heads;
+    int heads_q;
+
+    __device__ __forceinline__ int num_tiles() const { return num_pairs * num_m_blocks; }
+
+    __device__ __forceinline__ void decode(int tile, int& m_block, int& head, int& batch) const {
+        const int tiles_per_section = section_heads * num_m_blocks;
+        const int first_pair = (tile / tiles_per_section) * section_heads;
+        const int in_section = tile % tiles_per_section;
+        const int pairs_here = min(section_heads, num_pairs - first_pair);
+        m_block = num_m_blocks - 1 - in_section / pairs_here;
+        const int pair = first_pair + in_section % pairs_here;
+        head = pair % heads_q;
+        batch = pair / heads_q;
+    }
+};
+
+// Position in the K/V ring, carried across tiles: slot and the parity of the slot's current use.
+struct RingCursor {
+    int count = 0;
+    __device__ __forceinline__ int stage() const { return count % kStages; }
+    __device__ __forceinline__ uint32_t phase() const { return (count / kStages) & 1; }
+};
+
 __device__ __forceinline__ void producer(const TensorMap* q_map, const TensorMap* k_map,
                                          const TensorMap* v_map, uint8_t* smem, Barriers& bars,
-                                         int m0, int head, int kv_head, int batch, int n_end) {
+                                         const TileScheduler& sched, int seqlen_q, int seqlen_k,
+                                         int q_per_kv) {
     tma_prefetch(q_map);
     tma_prefetch(k_map);
     tma_prefetch(v_map);
-    bars.q_full.arrive_expect_tx(kQBytes);
-#pragma unroll
-    for (int j = 0; j < kSlabs; ++j) {
-        tma_load_4d(smem + j * kQSlabBytes, q_map, bars.q_full, 64 * j, head, m0, batch);
-    }
+    RingCursor ring;
+    int q_loads = 0;
 #pragma unroll 1
-    for (int it = 0; it < n_end; ++it) {
-        const int n_block = n_end - 1 - it;
-        const int stage = it % kStages;
-        const uint32_t phase = (it / kStages) & 1;
-        uint8_t* k_tile = smem + kKOffset + stage * kKVBytes;
-        uint8_t* v_tile = smem + kVOffset + stage * kKVBytes;
-        // A fresh barrier counts as having completed the phase before 0, so the first pass
-        // over the ring does not wait.
-        bars.k_empty[stage].wait(phase ^ 1);
-        bars.k_full[stage].arrive_expect_tx(kKVBytes);
+    for (int tile = blockIdx.x; tile < sched.num_tiles(); tile += gridDim.x) {
+        int m_block, head, batch;
+        sched.decode(tile, m_block, head, batch);
+        const int m0 = m_block * kBlockM;
+        const int n_end = kv_block_end(m0, seqlen_q, seqlen_k);
+        if (n_end == 0) continue;
+        const int kv_head = head / q_per_kv;
+        // The previous tile's Q is free once both consumers issued and finished their last
+        // Q K^T; a fresh barrier passes the wait for parity 1, so the first load does not wait.
+        bars.q_empty.wait((q_loads & 1) ^ 1);
+        bars.q_full.arrive_expect_tx(kQBytes);
 #pragma unroll
         for (int j = 0; j < kSlabs; ++j) {
-            tma_load_4d(k_tile + j * kKVSlabBytes, k_map, bars.k_full[stage], 64 * j, kv_head,
-                        n_block * kBlockN, batch);
+            tma_load_4d(smem + j * kQSlabBytes, q_map, bars.q_full, 64 * j, head, m0, batch);
         }
-        bars.v_empty[stage].wait(phase ^ 1);
-        bars.v_full[stage].arrive_expect_tx(kKVBytes);
+        ++q_loads;
+#pragma unroll 1
+        for (int n_block = n_end - 1; n_block >= 0; --n_block, ++ring.count) {
+            const int stage = ring.stage();
+            uint8_t* k_tile = smem + kKOffset + stage * kKVBytes;
+            uint8_t* v_tile = smem + kVOffset + stage * kKVBytes;
+            bars.k_empty[stage].wait(ring.phase() ^ 1);
+            bars.k_full[stage].arrive_expect_tx(kKVBytes);
 #pragma unroll
-        for (int j = 0; j < kSlabs; ++j) {
-            tma_load_4d(v_tile + j * kKVSlabBytes, v_map, bars.v_full[stage], 64 * j, kv_head,
-                        n_block * kBlockN, batch);
+            for (int j = 0; j < kSlabs; ++j) {
+                tma_load_4d(k_tile + j * kKVSlabBytes, k_map, bars.k_full[stage], 64 * j, kv_head,
+                            n_block * kBlockN, batch);
+            }
+            bars.v_empty[stage].wait(ring.phase() ^ 1);
+            bars.v_full[stage].arrive_expect_tx(kKVBytes);
+#pragma unroll
+            for (int j = 0; j < kSlabs; ++j) {
+                tma_load_4d(v_tile + j * kKVSlabBytes, v_map, bars.v_full[stage], 64 * j, kv_head,
+                            n_block * kBlockN, batch);
+            }
         }
     }
 }
@@ -144,16 +191,18 @@ struct Consumer {
 
     uint8_t* smem;
     Barriers& bars;
-    int wg;         // 0 or 1: which consumer warpgroup
+    int wg;    // 0 or 1: which consumer warpgroup
     int lane;
-    int row0;       // global query row of this thread's first accumulator row (second: + 8)
     int seqlen_q;
     int seqlen_k;
     float scale_log2;
+    int row0;  // query row of this thread's first accumulator row in the tile (second: + 8)
 
     float o[kHeadDim / 2];
     uint32_t p[kBlockN / 4];  // P of the block whose P V is pending, as A fragments
     OnlineSoftmax<1> softmax;
+    RingCursor ring;
+    int q_loads = 0;
 
     __device__ __forceinline__ uint32_t q_addr() const {
         return smem_addr(smem) + wg * kRowsPerConsumer * kSlabRowBytes;
@@ -217,116 +266,95 @@ struct Consumer {
         named_barrier_arrive(kSchedulerBarrier + (1 - wg), 256);
     }
 
-    // Step `it`: S for key block n_end-1-it, P V for the block before it (ring slot it-1).
+    // One step: S for key block n_block (ring slot `cur`), P V for the block before it (`prev`).
     template <bool kMasked>
-    __device__ __forceinline__ void step(int it, int n_end, float (&s)[kBlockN / 2],
+    __device__ __forceinline__ void step(int n_block, float (&s)[kBlockN / 2],
                                          float (&rescale)[1][2]) {
-        const int n_block = n_end - 1 - it;
-        const int stage = it % kStages;
-        const int prev = (it - 1) % kStages;
-        bars.k_full[stage].wait((it / kStages) & 1);
+        const RingCursor prev = ring;
+        ++ring.count;
+        bars.k_full[ring.stage()].wait(ring.phase());
         scheduler_wait();
         wgmma_fence_operand(o);
         wgmma_fence();
-        issue_qk(s, stage);
+        issue_qk(s, ring.stage());
         wgmma_commit();
-        bars.v_full[prev].wait(((it - 1) / kStages) & 1);
-        issue_pv(prev);
+        bars.v_full[prev.stage()].wait(prev.phase());
+        issue_pv(prev.stage());
         wgmma_commit();
         scheduler_handoff();
         wgmma_wait<1>();
         wgmma_fence_operand(s);
-        release(bars.k_empty[stage]);
+        release(bars.k_empty[ring.stage()]);
         if constexpr (kMasked) mask(s, n_block);
         softmax.update(reinterpret_cast<ScoreTiles&>(s), scale_log2, rescale);
         wgmma_wait<0>();
         wgmma_fence_operand(o);
-        release(bars.v_empty[prev]);
+        release(bars.v_empty[prev.stage()]);
         to_p(s);
         scale_rows(reinterpret_cast<OutTiles&>(o), rescale);
     }
 
+    // Runs the tile's key blocks n_end-1 .. 0; leaves the ring cursor past the tile's last slot.
     __device__ __forceinline__ void mainloop(int n_end, int n_first_masked) {
         float s[kBlockN / 2];
         float rescale[1][2];
-        bars.q_full.wait(0);
-        bars.k_full[0].wait(0);
+        bars.q_full.wait(q_loads & 1);
+        ++q_loads;
+        bars.k_full[ring.stage()].wait(ring.phase());
         wgmma_fence();
-        issue_qk(s, 0);
+        issue_qk(s, ring.stage());
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_operand(s);
-        release(bars.k_empty[0]);
+        release(bars.k_empty[ring.stage()]);
         if (n_end - 1 >= n_first_masked) mask(s, n_end - 1);
         softmax.update(reinterpret_cast<ScoreTiles&>(s), scale_log2, rescale);
         to_p(s);
 
         // Warpgroup 0 issues first; the matching final wait is after the loop.
         if (wg == 1) scheduler_handoff();
-
-        int it = 1;
+        int n_block = n_end - 2;
 #pragma unroll 1
-        for (; it < n_end && n_end - 1 - it >= n_first_masked; ++it) {
-            step<true>(it, n_end, s, rescale);
-        }
+        for (; n_block >= 0 && n_block >= n_first_masked; --n_block) step<true>(n_block, s, rescale);
 #pragma unroll 1
-        for (; it < n_end; ++it) step<false>(it, n_end, s, rescale);
-
+        for (; n_block >= 0; --n_block) step<false>(n_block, s, rescale);
         if (wg == 0) scheduler_wait();
-        const int last = (n_end - 1) % kStages;
-        bars.v_full[last].wait(((n_end - 1) / kStages) & 1);
+        // Every Q K^T of this tile has completed: the producer may load the next tile's Q.
+        release(bars.q_empty);
+
+        bars.v_full[ring.stage()].wait(ring.phase());
         wgmma_fence_operand(o);
         wgmma_fence();
-        issue_pv(last);
+        issue_pv(ring.stage());
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_operand(o);
-        release(bars.v_empty[last]);
+        release(bars.v_empty[ring.stage()]);
+        ++ring.count;
     }
 
-    // Normalises O, writes it over this warpgroup's Q rows in the TMA's swizzled layout and
-    // stores it; writes the log-sum-exp of this thread's rows.
-    __device__ __forceinline__ void epilogue(const TensorMap* o_map, float* lse, int m0, int head,
-                                             int heads_q, int batch) {
+    // Normalises O and stores it from registers (each quad writes 16 contiguous bytes of a row),
+    // and the log-sum-exp of this thread's rows. Rows past seqlen_q are skipped.
+    __device__ __forceinline__ void epilogue(uint16_t* out, int64_t out_stride_b,
+                                             int64_t out_stride_s, int64_t out_stride_h,
+                                             float* lse, int head, int heads_q, int batch) {
         float inv_sum[1][2];
         float row_lse[1][2];
         softmax.finalize(inv_sum, row_lse);
-        const int g = lane / 4;
         const int t = lane % 4;
-        const int warp = (threadIdx.x % 128) / 32;
-        uint8_t* rows = smem + wg * kRowsPerConsumer * kSlabRowBytes;
 #pragma unroll
-        for (int i = 0; i < kHeadDim / 8; ++i) {
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + 8 * h;
+            if (row >= seqlen_q) continue;
+            uint16_t* out_row = out + batch * out_stride_b + row * out_stride_s + head * out_stride_h;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = warp * 16 + g + 8 * h;  // (r % 8) == g: the swizzle phase
-                const uint32_t offset = (i / 8) * kQSlabBytes + r * kSlabRowBytes +
-                                        (((i % 8) ^ g) << 4) + 4 * t;
-                *reinterpret_cast<uint32_t*>(rows + offset) = pack_f32x2<kBf16>(
+            for (int i = 0; i < kHeadDim / 8; ++i) {
+                *reinterpret_cast<uint32_t*>(out_row + 8 * i + 2 * t) = pack_f32x2<kBf16>(
                     o[4 * i + 2 * h] * inv_sum[0][h], o[4 * i + 2 * h + 1] * inv_sum[0][h]);
             }
+            if (t == 0) lse[(static_cast<int64_t>(batch) * heads_q + head) * seqlen_q + row] =
+                row_lse[0][h];
         }
-        fence_proxy_async();
-        named_barrier_sync(kEpilogueBarrier + wg, 128);
-        if (threadIdx.x % 128 == 0) {
-#pragma unroll
-            for (int j = 0; j < kSlabs; ++j) {
-                tma_store_4d(o_map, rows + j * kQSlabBytes, 64 * j, head,
-                             m0 + wg * kRowsPerConsumer, batch);
-            }
-            tma_store_commit();
-        }
-        if (t == 0) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = row0 + 8 * h;
-                if (row < seqlen_q) {
-                    lse[(static_cast<int64_t>(batch) * heads_q + head) * seqlen_q + row] =
-                        row_lse[0][h];
-                }
-            }
-        }
-        if (threadIdx.x % 128 == 0) tma_store_wait_read<0>();
     }
 };
 
@@ -336,35 +364,24 @@ struct Consumer {
 using namespace ptxattn;
 using namespace ptxattn::fwd_sm90;
 
-// grid: (batch * heads_q * num_m_blocks); block: 384 threads; dynamic smem: SMEM_BYTES.
-// Tile order: (batch, head) pairs are taken in sections of `section_heads` whose K/V fit in L2
-// together; within a section the query tiles go from the last (the longest when causal) to the
-// first, all heads of the section at each step. Blocks launch roughly in index order, so long
-// causal tiles start first and the short ones fill the tail (longest-processing-time first),
-// while the K/V a section needs stay resident. section_heads = 1 is plain head-by-head order.
+// grid: (any number of blocks up to batch * heads_q * num_m_blocks; each strides over the
+// tiles); block: 384 threads; dynamic smem: SMEM_BYTES. out strides are in elements.
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
 attn_fwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
-              const __grid_constant__ TensorMap v_map, const __grid_constant__ TensorMap o_map,
-              float* __restrict__ lse, int seqlen_q, int seqlen_k, int heads_q, int q_per_kv,
-              int num_m_blocks, int section_heads, float scale_log2) {
+              const __grid_constant__ TensorMap v_map, uint16_t* __restrict__ out,
+              int64_t out_stride_b, int64_t out_stride_s, int64_t out_stride_h,
+              float* __restrict__ lse, int seqlen_q, int seqlen_k, int batch_size, int heads_q,
+              int q_per_kv, int section_heads, float scale_log2) {
     extern __shared__ uint8_t smem_raw[];
     uint8_t* smem = smem_raw + ((kSwizzleAtomBytes - (smem_addr(smem_raw) % kSwizzleAtomBytes)) %
                                 kSwizzleAtomBytes);
     Barriers& bars = *reinterpret_cast<Barriers*>(smem + kBarrierOffset);
-
-    const int tiles_per_section = section_heads * num_m_blocks;
-    const int first_pair = (blockIdx.x / tiles_per_section) * section_heads;
-    const int in_section = blockIdx.x % tiles_per_section;
-    const int pairs_here = min(section_heads, gridDim.x / num_m_blocks - first_pair);
-    const int m_block = num_m_blocks - 1 - in_section / pairs_here;
-    const int pair = first_pair + in_section % pairs_here;
-    const int head = pair % heads_q;
-    const int batch = pair / heads_q;
-    const int m0 = m_block * kBlockM;
-    const int n_end = kv_block_end(m0, seqlen_q, seqlen_k);
+    const TileScheduler sched{(seqlen_q + kBlockM - 1) / kBlockM, batch_size * heads_q,
+                              section_heads, heads_q};
 
     if (threadIdx.x == 0) {
         bars.q_full.init(1);
+        bars.q_empty.init(kConsumerWarps);
 #pragma unroll
         for (int s = 0; s < kStages; ++s) {
             bars.k_full[s].init(1);
@@ -378,8 +395,8 @@ attn_fwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ T
 
     if (threadIdx.x < 128) {
         warpgroup_reg_dealloc<kProducerRegs>();
-        if (threadIdx.x == 0 && n_end > 0) {
-            producer(&q_map, &k_map, &v_map, smem, bars, m0, head, head / q_per_kv, batch, n_end);
+        if (threadIdx.x == 0) {
+            producer(&q_map, &k_map, &v_map, smem, bars, sched, seqlen_q, seqlen_k, q_per_kv);
         }
         return;
     }
@@ -387,12 +404,20 @@ attn_fwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ T
     warpgroup_reg_alloc<kConsumerRegs>();
     const int wg = threadIdx.x / 128 - 1;
     const int lane = threadIdx.x % 32;
-    const int row0 = m0 + wg * kRowsPerConsumer + ((threadIdx.x % 128) / 32) * 16 + lane / 4;
-    // Aggregate initialisation zero-fills the remaining members, the O accumulator included.
-    Consumer consumer{smem, bars, wg, lane, row0, seqlen_q, seqlen_k, scale_log2};
-    consumer.softmax.init();
-    if (n_end > 0) {
-        consumer.mainloop(n_end, kv_block_first_masked(m0, seqlen_q, seqlen_k));
+    const int row_in_tile = wg * kRowsPerConsumer + ((threadIdx.x % 128) / 32) * 16 + lane / 4;
+    Consumer consumer{smem, bars, wg, lane, seqlen_q, seqlen_k, scale_log2};
+#pragma unroll 1
+    for (int tile = blockIdx.x; tile < sched.num_tiles(); tile += gridDim.x) {
+        int m_block, head, batch;
+        sched.decode(tile, m_block, head, batch);
+        const int m0 = m_block * kBlockM;
+        const int n_end = kv_block_end(m0, seqlen_q, seqlen_k);
+        consumer.row0 = m0 + row_in_tile;
+#pragma unroll
+        for (int i = 0; i < kHeadDim / 2; ++i) consumer.o[i] = 0.0f;
+        consumer.softmax.init();
+        if (n_end > 0) consumer.mainloop(n_end, kv_block_first_masked(m0, seqlen_q, seqlen_k));
+        consumer.epilogue(out, out_stride_b, out_stride_s, out_stride_h, lse, head, heads_q,
+                          batch);
     }
-    consumer.epilogue(&o_map, lse, m0, head, heads_q, batch);
 }

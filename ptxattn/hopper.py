@@ -2,8 +2,8 @@
 
 TMA descriptors are built here: 4-d maps over the (batch, seqlen, heads, head_dim) arrays with a
 box of 64 head_dim columns (128 bytes, the 128-byte swizzle span) by a tile of rows, so the kernel
-loads a tile of head_dim 128 as two boxes. Tiles hanging past seqlen are zero-filled on load and
-clipped on store by the TMA unit.
+loads a tile of head_dim 128 as two boxes; rows past seqlen are zero-filled by the TMA unit. The
+output is stored from registers with the strides passed here.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ ARCHS = ("sm_90a",)
 HEAD_DIMS = (64, 128, 256)
 DTYPES = {"bfloat16": 1, "float16": 0}
 
-BLOCK_M = 128          # query rows per block: two consumer warpgroups of 64
-STORE_ROWS = 64        # each consumer warpgroup stores its own rows
+BLOCK_M = 128          # query rows per tile: two consumer warpgroups of 64
 BOX_COLS = 64          # head_dim columns per TMA box (128 bytes of 16-bit data)
 THREADS = 384          # producer warpgroup + two consumer warpgroups
 
@@ -30,13 +29,16 @@ TILES = {(64, False): (128, 4), (64, True): (128, 4),
          (128, False): (128, 2), (128, True): (128, 2),
          (256, False): (64, 2), (256, True): (64, 2)}
 
+# causal -> whether the grid is persistent (one block per SM striding over the tiles).
+PERSISTENT = {False: True, True: True}
+
 # K/V bytes that the heads of one scheduling section may keep in L2 together (H100: 50 MB).
 L2_SECTION_BYTES = 32 << 20
 
 
 def _smem_bytes(head_dim: int, block_n: int, stages: int) -> int:
     tiles = (BLOCK_M + 2 * stages * block_n) * head_dim * 2
-    barriers = 8 * (1 + 4 * stages)
+    barriers = 8 * (2 + 4 * stages)
     return tiles + barriers + 1024  # + alignment of the base to the 1024-byte swizzle atom
 
 
@@ -68,8 +70,13 @@ def section_heads(batch: int, heads_q: int, heads_kv: int, seqlen_k: int, head_d
 
 
 def forward(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
-            tiles: tuple[int, int] | None = None, sections: int | None = None) -> None:
-    """``tiles`` (keys per tile, stages) and ``sections`` override the tuned defaults."""
+            tiles: tuple[int, int] | None = None, sections: int | None = None,
+            persistent: bool | None = None, grid_blocks: int | None = None) -> None:
+    """``tiles`` (keys per tile, stages), ``sections``, ``persistent`` and ``grid_blocks`` (the
+    number of blocks, each striding over the tiles) override the tuned defaults, for tests and
+    benchmarks."""
+    import cupy
+
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     kernel_spec = spec(str(q.dtype), head_dim, causal, tiles)
@@ -78,15 +85,23 @@ def forward(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
     q_map = runtime.tensor_map(q, (1, BLOCK_M, 1, BOX_COLS), swizzle=128)
     k_map = runtime.tensor_map(k, (1, block_n, 1, BOX_COLS), swizzle=128)
     v_map = runtime.tensor_map(v, (1, block_n, 1, BOX_COLS), swizzle=128)
-    o_map = runtime.tensor_map(out, (1, STORE_ROWS, 1, BOX_COLS), swizzle=128)
-    num_m_blocks = math.ceil(seqlen_q / BLOCK_M)
+    num_tiles = batch * heads_q * math.ceil(seqlen_q / BLOCK_M)
     if sections is None:
         sections = section_heads(batch, heads_q, heads_kv, seqlen_k, head_dim, q.itemsize)
+    if persistent is None:
+        persistent = PERSISTENT[causal]
+    blocks = num_tiles
+    if persistent:
+        blocks = min(num_tiles, cupy.cuda.Device().attributes["MultiProcessorCount"])
+    if grid_blocks is not None:
+        blocks = min(num_tiles, grid_blocks)
+    stride_b, stride_s, stride_h, _ = (s // out.itemsize for s in out.strides)
     runtime.launch(
         kernel,
-        grid=(batch * heads_q * num_m_blocks, 1, 1),
+        grid=(blocks, 1, 1),
         block=(THREADS, 1, 1),
-        args=[q_map, k_map, v_map, o_map, lse, np.int32(seqlen_q), np.int32(seqlen_k),
-              np.int32(heads_q), np.int32(heads_q // heads_kv), np.int32(num_m_blocks),
-              np.int32(sections), np.float32(softmax_scale * math.log2(math.e))],
+        args=[q_map, k_map, v_map, out, np.int64(stride_b), np.int64(stride_s),
+              np.int64(stride_h), lse, np.int32(seqlen_q), np.int32(seqlen_k), np.int32(batch),
+              np.int32(heads_q), np.int32(heads_q // heads_kv), np.int32(sections),
+              np.float32(softmax_scale * math.log2(math.e))],
     )
