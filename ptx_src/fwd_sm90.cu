@@ -135,6 +135,17 @@ struct RingCursor {
     __device__ __forceinline__ uint32_t phase() const { return (count / kStages) & 1; }
 };
 
+__device__ __forceinline__ void load_kv_tile(uint8_t* tile, const TensorMap* map, MBarrier& full,
+                                             int kv_head, int n_block, int batch) {
+    full.arrive_expect_tx(kKVBytes);
+#pragma unroll
+    for (int j = 0; j < kSlabs; ++j) {
+        tma_load_4d(tile + j * kKVSlabBytes, map, full, 64 * j, kv_head, n_block * kBlockN, batch);
+    }
+}
+
+// Per tile: Q, then K of the first key block, then for each block the K of the next block
+// before the V of this one, since consumers need K(j+1) (for S) before V(j) (for P V).
 __device__ __forceinline__ void producer(const TensorMap* q_map, const TensorMap* k_map,
                                          const TensorMap* v_map, uint8_t* smem, Barriers& bars,
                                          const TileScheduler& sched, int seqlen_q, int seqlen_k,
@@ -142,7 +153,10 @@ __device__ __forceinline__ void producer(const TensorMap* q_map, const TensorMap
     tma_prefetch(q_map);
     tma_prefetch(k_map);
     tma_prefetch(v_map);
-    RingCursor ring;
+    // A fresh barrier passes a wait for parity 1, so the first pass over the ring (and the first
+    // Q load) does not wait.
+    RingCursor k_ring;
+    RingCursor v_ring;
     int q_loads = 0;
 #pragma unroll 1
     for (int tile = blockIdx.x; tile < sched.num_tiles(); tile += gridDim.x) {
@@ -152,8 +166,7 @@ __device__ __forceinline__ void producer(const TensorMap* q_map, const TensorMap
         const int n_end = kv_block_end(m0, seqlen_q, seqlen_k);
         if (n_end == 0) continue;
         const int kv_head = head / q_per_kv;
-        // The previous tile's Q is free once both consumers issued and finished their last
-        // Q K^T; a fresh barrier passes the wait for parity 1, so the first load does not wait.
+        // The previous tile's Q is free once both consumers finished their last Q K^T.
         bars.q_empty.wait((q_loads & 1) ^ 1);
         bars.q_full.arrive_expect_tx(kQBytes);
 #pragma unroll
@@ -161,25 +174,22 @@ __device__ __forceinline__ void producer(const TensorMap* q_map, const TensorMap
             tma_load_4d(smem + j * kQSlabBytes, q_map, bars.q_full, 64 * j, head, m0, batch);
         }
         ++q_loads;
+        bars.k_empty[k_ring.stage()].wait(k_ring.phase() ^ 1);
+        load_kv_tile(smem + kKOffset + k_ring.stage() * kKVBytes, k_map,
+                     bars.k_full[k_ring.stage()], kv_head, n_end - 1, batch);
+        ++k_ring.count;
 #pragma unroll 1
-        for (int n_block = n_end - 1; n_block >= 0; --n_block, ++ring.count) {
-            const int stage = ring.stage();
-            uint8_t* k_tile = smem + kKOffset + stage * kKVBytes;
-            uint8_t* v_tile = smem + kVOffset + stage * kKVBytes;
-            bars.k_empty[stage].wait(ring.phase() ^ 1);
-            bars.k_full[stage].arrive_expect_tx(kKVBytes);
-#pragma unroll
-            for (int j = 0; j < kSlabs; ++j) {
-                tma_load_4d(k_tile + j * kKVSlabBytes, k_map, bars.k_full[stage], 64 * j, kv_head,
-                            n_block * kBlockN, batch);
+        for (int n_block = n_end - 1; n_block >= 0; --n_block) {
+            if (n_block > 0) {
+                bars.k_empty[k_ring.stage()].wait(k_ring.phase() ^ 1);
+                load_kv_tile(smem + kKOffset + k_ring.stage() * kKVBytes, k_map,
+                             bars.k_full[k_ring.stage()], kv_head, n_block - 1, batch);
+                ++k_ring.count;
             }
-            bars.v_empty[stage].wait(ring.phase() ^ 1);
-            bars.v_full[stage].arrive_expect_tx(kKVBytes);
-#pragma unroll
-            for (int j = 0; j < kSlabs; ++j) {
-                tma_load_4d(v_tile + j * kKVSlabBytes, v_map, bars.v_full[stage], 64 * j, kv_head,
-                            n_block * kBlockN, batch);
-            }
+            bars.v_empty[v_ring.stage()].wait(v_ring.phase() ^ 1);
+            load_kv_tile(smem + kVOffset + v_ring.stage() * kKVBytes, v_map,
+                         bars.v_full[v_ring.stage()], kv_head, n_block, batch);
+            ++v_ring.count;
         }
     }
 }

@@ -8,7 +8,9 @@ output is stored from registers with the strides passed here.
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Callable
 
 import numpy as np
 
@@ -69,14 +71,21 @@ def section_heads(batch: int, heads_q: int, heads_kv: int, seqlen_k: int, head_d
     return int(max(1, min(batch * heads_q, L2_SECTION_BYTES // max(kv_bytes_per_q_head, 1))))
 
 
-def forward(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
-            tiles: tuple[int, int] | None = None, sections: int | None = None,
-            persistent: bool | None = None, grid_blocks: int | None = None) -> None:
-    """``tiles`` (keys per tile, stages), ``sections``, ``persistent`` and ``grid_blocks`` (the
-    number of blocks, each striding over the tiles) override the tuned defaults, for tests and
-    benchmarks."""
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_id: int) -> int:
     import cupy
+    return cupy.cuda.runtime.deviceGetAttribute(
+        cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id)
 
+
+def launcher(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
+             tiles: tuple[int, int] | None = None, sections: int | None = None,
+             persistent: bool | None = None, grid_blocks: int | None = None
+             ) -> Callable[[], None]:
+    """Everything forward() does except the launch itself, which the returned callable performs
+    (benchmarks time that alone). ``tiles`` (keys per tile, stages), ``sections``,
+    ``persistent`` and ``grid_blocks`` (blocks striding over the tiles) override the tuned
+    defaults, for tests and benchmarks."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     kernel_spec = spec(str(q.dtype), head_dim, causal, tiles)
@@ -92,16 +101,16 @@ def forward(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
         persistent = PERSISTENT[causal]
     blocks = num_tiles
     if persistent:
-        blocks = min(num_tiles, cupy.cuda.Device().attributes["MultiProcessorCount"])
+        blocks = min(num_tiles, _sm_count(q.device.id))
     if grid_blocks is not None:
         blocks = min(num_tiles, grid_blocks)
     stride_b, stride_s, stride_h, _ = (s // out.itemsize for s in out.strides)
-    runtime.launch(
-        kernel,
-        grid=(blocks, 1, 1),
-        block=(THREADS, 1, 1),
-        args=[q_map, k_map, v_map, out, np.int64(stride_b), np.int64(stride_s),
-              np.int64(stride_h), lse, np.int32(seqlen_q), np.int32(seqlen_k), np.int32(batch),
-              np.int32(heads_q), np.int32(heads_q // heads_kv), np.int32(sections),
-              np.float32(softmax_scale * math.log2(math.e))],
-    )
+    args = [q_map, k_map, v_map, out, np.int64(stride_b), np.int64(stride_s), np.int64(stride_h),
+            lse, np.int32(seqlen_q), np.int32(seqlen_k), np.int32(batch), np.int32(heads_q),
+            np.int32(heads_q // heads_kv), np.int32(sections),
+            np.float32(softmax_scale * math.log2(math.e))]
+    return lambda: runtime.launch(kernel, grid=(blocks, 1, 1), block=(THREADS, 1, 1), args=args)
+
+
+def forward(q, k, v, out, lse, *, causal: bool, softmax_scale: float, **overrides) -> None:
+    launcher(q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, **overrides)()
