@@ -8,7 +8,8 @@
 //                in shared memory; P = softmax(S) stays in registers and O += P V is a wgmma with
 //                A from registers and V read transposed (MN-major) from shared memory.
 // Schedule (FlashAttention-3): within a warpgroup the GEMMs of key block j+1 (Q K^T) and of
-// block j (P V) are issued together and the softmax of block j+1 runs while P V is in flight;
+// block j (P V) are issued together and the softmax of block j+1 runs while P V is in flight
+// (softmax.cuh only asks for O to be rescaled when a row max grew enough to matter);
 // between the two consumer warpgroups two named barriers hand the tensor cores back and forth,
 // so one warpgroup's softmax overlaps the other's GEMMs.
 // Key blocks are visited from the last to the first, so the blocks that need a mask (the
@@ -296,12 +297,13 @@ struct Consumer {
         wgmma_fence_operand(s);
         release(bars.k_empty[ring.stage()]);
         if constexpr (kMasked) mask(s, n_block);
-        softmax.update(reinterpret_cast<ScoreTiles&>(s), scale_log2, rescale);
+        const bool rescale_o =
+            softmax.update(reinterpret_cast<ScoreTiles&>(s), scale_log2, rescale);
         wgmma_wait<0>();
         wgmma_fence_operand(o);
         release(bars.v_empty[prev.stage()]);
         to_p(s);
-        scale_rows(reinterpret_cast<OutTiles&>(o), rescale);
+        if (rescale_o) scale_rows(reinterpret_cast<OutTiles&>(o), rescale);
     }
 
     // Runs the tile's key blocks n_end-1 .. 0; leaves the ring cursor past the tile's last slot.
@@ -318,6 +320,7 @@ struct Consumer {
         wgmma_fence_operand(s);
         release(bars.k_empty[ring.stage()]);
         if (n_end - 1 >= n_first_masked) mask(s, n_end - 1);
+        // O is still zero, so whether it would need rescaling does not matter.
         softmax.update(reinterpret_cast<ScoreTiles&>(s), scale_log2, rescale);
         to_p(s);
 

@@ -8,6 +8,7 @@ output is stored from registers with the strides passed here.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Callable
@@ -24,15 +25,32 @@ BLOCK_M = 128          # query rows per tile: two consumer warpgroups of 64
 BOX_COLS = 64          # head_dim columns per TMA box (128 bytes of 16-bit data)
 THREADS = 384          # producer warpgroup + two consumer warpgroups
 
-# (head_dim, causal) -> (keys per tile, K/V ring depth). Registers per consumer thread grow
-# with head_dim / 2 (O) + 3/4 * BLOCK_N (S in fp32 and P in 16 bits); shared memory with
-# (128 + 2 * STAGES * BLOCK_N) * head_dim * 2 bytes (227 KB at most).
-TILES = {(64, False): (128, 4), (64, True): (128, 4),
-         (128, False): (128, 2), (128, True): (128, 2),
-         (256, False): (64, 2), (256, True): (64, 2)}
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Tuned per (head_dim, causal) on an H100 SXM, bf16, batch*seqlen = 16384 (see
+    scripts/check_hopper.py --sweep).
 
-# causal -> whether the grid is persistent (one block per SM striding over the tiles).
-PERSISTENT = {False: True, True: True}
+    block_n, stages: keys per K/V tile and ring depth. Registers per consumer thread grow with
+      head_dim / 2 (O) + 3/4 * block_n (S in fp32, P in 16 bits); shared memory is
+      (128 + 2 * stages * block_n) * head_dim * 2 bytes (227 KB at most).
+    persistent: one block per SM striding over the tiles, instead of one block per tile.
+    l2_sections: group (batch, head) pairs whose K/V fit in L2 together and run each group's
+      query tiles longest-first across the group; otherwise pair by pair.
+    """
+    block_n: int
+    stages: int
+    persistent: bool
+    l2_sections: bool
+
+
+SCHEDULES = {
+    (64, False): Schedule(192, 2, persistent=True, l2_sections=False),
+    (64, True): Schedule(192, 2, persistent=True, l2_sections=True),
+    (128, False): Schedule(128, 2, persistent=False, l2_sections=False),
+    (128, True): Schedule(128, 2, persistent=False, l2_sections=False),
+    (256, False): Schedule(64, 2, persistent=False, l2_sections=False),
+    (256, True): Schedule(64, 2, persistent=False, l2_sections=False),
+}
 
 # K/V bytes that the heads of one scheduling section may keep in L2 together (H100: 50 MB).
 L2_SECTION_BYTES = 32 << 20
@@ -46,7 +64,8 @@ def _smem_bytes(head_dim: int, block_n: int, stages: int) -> int:
 
 def spec(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | None = None
          ) -> runtime.KernelSpec:
-    block_n, stages = tiles or TILES[head_dim, causal]
+    schedule = SCHEDULES[head_dim, causal]
+    block_n, stages = tiles or (schedule.block_n, schedule.stages)
     return runtime.KernelSpec(
         name=f"fwd_sm90_{dtype}_d{head_dim}_n{block_n}_s{stages}{'_causal' if causal else ''}",
         source="fwd_sm90.cu",
@@ -95,10 +114,12 @@ def launcher(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
     k_map = runtime.tensor_map(k, (1, block_n, 1, BOX_COLS), swizzle=128)
     v_map = runtime.tensor_map(v, (1, block_n, 1, BOX_COLS), swizzle=128)
     num_tiles = batch * heads_q * math.ceil(seqlen_q / BLOCK_M)
+    schedule = SCHEDULES[head_dim, causal]
     if sections is None:
-        sections = section_heads(batch, heads_q, heads_kv, seqlen_k, head_dim, q.itemsize)
+        sections = (section_heads(batch, heads_q, heads_kv, seqlen_k, head_dim, q.itemsize)
+                    if schedule.l2_sections else 1)
     if persistent is None:
-        persistent = PERSISTENT[causal]
+        persistent = schedule.persistent
     blocks = num_tiles
     if persistent:
         blocks = min(num_tiles, _sm_count(q.device.id))

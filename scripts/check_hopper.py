@@ -206,8 +206,8 @@ def sass(specs, show=0) -> None:
 
 
 SWEEP = {  # (head_dim, causal) -> candidate (keys per tile, stages); shapes as in timing()
-    (128, False): [(128, 2), (128, 3), (176, 2)],
-    (128, True): [(128, 2), (128, 3), (176, 2)],
+    (128, False): [(128, 2), (176, 2)],
+    (128, True): [(128, 2), (176, 2)],
     (64, False): [(128, 4), (192, 2)],
     (64, True): [(128, 4), (192, 2)],
     (256, False): [(64, 2), (80, 2)],
