@@ -3,7 +3,8 @@
     python scripts/profile.py [--quick] [--csv FILE] [--json FILE]
 
 TFLOP/s = 4 * batch * heads * seqlen_q * seqlen_k * head_dim / time (halved for causal), time
-being the median of repeated CUDA-event-timed runs after warm-up. Peers run in the same process
+being the median over repeated CUDA-event-timed samples (each the mean of 10 back-to-back calls)
+after warm-up. Peers run in the same process
 on the same GPU: torch SDPA's FlashAttention-2 and cuDNN backends when torch is installed, and
 ptxattn's plain CuPy reference.
 """
@@ -42,7 +43,9 @@ def flops(cfg: dict) -> float:
     return total / 2 if cfg["causal"] else total
 
 
-def time_ms(fn, warmup: int, repeats: int) -> float:
+def time_ms(fn, warmup: int, repeats: int, launches: int = 10) -> float:
+    """Median over ``repeats`` samples of the mean time of ``launches`` back-to-back calls, so
+    the host-side cost of each call overlaps the previous call's GPU work, as in real use."""
     import cupy
 
     for _ in range(warmup):
@@ -51,10 +54,11 @@ def time_ms(fn, warmup: int, repeats: int) -> float:
     times = []
     for _ in range(repeats):
         start.record()
-        fn()
+        for _ in range(launches):
+            fn()
         stop.record()
         stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
+        times.append(cupy.cuda.get_elapsed_time(start, stop) / launches)
     return statistics.median(times)
 
 
@@ -118,7 +122,7 @@ def main(argv=None) -> int:
     from ptxattn.runtime import device_arch
 
     arch = device_arch()
-    repeats = args.repeats or (10 if args.quick else 30)
+    repeats = args.repeats or (5 if args.quick else 15)
     runners = ptxattn_runners(arch)
     peers = torch_runners()
     if "torch-sdpa-flash" not in peers:
