@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the results to this JSON file")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--reference-max-seqlen", type=int, default=4096,
+    parser.add_argument("--reference-max-seqlen", type=int, default=2048,
                         help="skip the (slow, memory-hungry) CuPy reference above this seqlen")
     args = parser.parse_args(argv)
 
