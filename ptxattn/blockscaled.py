@@ -1,0 +1,259 @@
+"""Block-scaled attention forward: MXFP8 or NVFP4 Q/K, MXFP8 V, bf16 output and LSE.
+
+    out, lse = blockscaled_attention(**quant.quantize_qkv(q, k, v, "nvfp4"), causal=True)
+
+On sm_120a this runs the native build of ptx_src/fwd_blockscaled.cu (block-scaled mma.sync).
+On Hopper (sm_90a), which has no block-scaled MMA, it runs the same kernel built with the exact
+emulation of each block-scaled MMA (block_scale_mma.cuh): correct, not fast, and it warns.
+
+Operands (all uint8, C-contiguous, on one device; B batch, Sq / Sk sequence lengths, Hq / Hkv
+heads with Hq % Hkv == 0, D head_dim in {64, 128}, P = Sk rounded up to 128):
+
+=========  ===========================  ==============================================
+operand    format='mxfp8'               format='nvfp4'
+=========  ===========================  ==============================================
+q          (B, Sq, Hq, D) e4m3          (B, Sq, Hq, D/2) e2m1 pairs, low nibble first
+q_scale    (B, Sq, Hq, D/32) UE8M0      (B, Sq, Hq, D/16) UE4M3
+k          (B, Sk, Hkv, D) e4m3         (B, Sk, Hkv, D/2) e2m1 pairs
+k_scale    (B, Sk, Hkv, D/32) UE8M0     (B, Sk, Hkv, D/16) UE4M3
+v          (B, Hkv, D, P) e4m3: V transposed, keys innermost, zeros past Sk
+v_scale    (B, Hkv, D, P/32) UE8M0: one scale per 32 keys of each head_dim column
+=========  ===========================  ==============================================
+
+NVFP4 also takes ``q_tensor_scale`` and ``k_tensor_scale``, the per-tensor FP32 scales (a float
+or a 1-element float32 CuPy array). A value is data * block scale (* tensor scale). The
+quantizers in :mod:`ptxattn.quant` produce exactly these layouts.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from dataclasses import dataclass
+
+from . import runtime
+
+FORMATS = ("mxfp8", "nvfp4")
+HEAD_DIMS = (64, 128)
+BLOCK_M = 128
+BLOCK_N = 128
+STAGES = 2
+THREADS = 256
+SEQ_PAD = 128
+
+_SOURCE = "fwd_blockscaled.cu"
+_PROBE_SOURCE = "block_scale_mma_probe.cu"
+_NATIVE_ARCH = "sm_120a"
+_EMULATION_ARCH = "sm_90a"
+
+
+def _row_bytes(fmt: str, head_dim: int) -> int:
+    return head_dim // 2 if fmt == "nvfp4" else head_dim
+
+
+def smem_bytes(fmt: str, head_dim: int) -> int:
+    """Dynamic shared memory of one block: Q tile, STAGES x (K tile + V^T tile), 2 STAGES + 1
+    mbarriers, and 1 KB to align the tiles to the swizzle pattern."""
+    row = _row_bytes(fmt, head_dim)
+    return BLOCK_M * row + STAGES * (BLOCK_N * row + head_dim * BLOCK_N) + 64 + 1024
+
+
+def kernel_spec(fmt: str, head_dim: int, emulate: bool) -> runtime.KernelSpec:
+    build = "emulated" if emulate else "native"
+    return runtime.KernelSpec(
+        f"blockscaled_{fmt}_d{head_dim}_{build}", _SOURCE, "fwd_blockscaled",
+        defines={"HEAD_DIM": head_dim, "IS_NVFP4": int(fmt == "nvfp4"),
+                 "PTXATTN_EMULATE_BLOCK_SCALE": int(emulate)},
+        smem_bytes=smem_bytes(fmt, head_dim),
+        archs=(_EMULATION_ARCH,) if emulate else (_NATIVE_ARCH,))
+
+
+def probe_spec(fmt: str, emulate: bool) -> runtime.KernelSpec:
+    """One block-scaled MMA per warp on given fragments (see block_scale_mma_probe.cu)."""
+    build = "emulated" if emulate else "native"
+    return runtime.KernelSpec(
+        f"block_scale_probe_{fmt}_{build}", _PROBE_SOURCE, f"block_scale_probe_{fmt}",
+        defines={"PTXATTN_EMULATE_BLOCK_SCALE": int(emulate)},
+        archs=(_EMULATION_ARCH,) if emulate else (_NATIVE_ARCH,))
+
+
+def variants() -> list[runtime.KernelSpec]:
+    """Native sm_120a builds and their sm_90a emulation builds, kernels and MMA probes."""
+    specs = [kernel_spec(fmt, d, emulate) for emulate in (False, True) for fmt in FORMATS
+             for d in HEAD_DIMS]
+    specs += [probe_spec(fmt, emulate) for emulate in (False, True) for fmt in FORMATS]
+    return specs
+
+
+def build_for_arch(arch: str) -> str:
+    """'native' on sm_120a, 'emulated' on sm_90a; other GPUs cannot run block-scaled attention."""
+    if arch == _NATIVE_ARCH:
+        return "native"
+    if arch == _EMULATION_ARCH:
+        return "emulated"
+    raise RuntimeError(f"block-scaled attention runs on sm_120a (native) or sm_90a (emulated), "
+                       f"not on this {arch} GPU")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The sizes blockscaled_attention derived and checked from its arguments."""
+
+    format: str
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    padded_seqlen_k: int
+    softmax_scale: float
+
+
+def _check_array(name: str, x, shape: tuple, what: str) -> None:
+    if str(x.dtype) != "uint8":
+        raise TypeError(f"{name} must be uint8 ({what}), got dtype {x.dtype}")
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape} ({what}), got {tuple(x.shape)}")
+    step = x.itemsize
+    for n, stride in zip(reversed(x.shape), reversed(x.strides)):
+        if n > 1 and stride != step:
+            raise ValueError(f"{name} must be C-contiguous, got strides {x.strides} for shape "
+                             f"{tuple(x.shape)}")
+        step *= n
+
+
+def _check_tensor_scale(name: str, value, fmt: str):
+    if fmt == "mxfp8":
+        if value is not None:
+            raise ValueError(f"{name} is an NVFP4 argument; MXFP8 has no per-tensor scale")
+        return
+    if value is None:
+        raise ValueError(f"format='nvfp4' needs {name}, the per-tensor FP32 scale")
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be finite and positive, got {value!r}")
+        return
+    if getattr(value, "size", None) != 1 or str(getattr(value, "dtype", "")) != "float32":
+        raise TypeError(f"{name} must be a positive float or a 1-element float32 array, got "
+                        f"{type(value).__name__} {getattr(value, 'dtype', '')} "
+                        f"{getattr(value, 'shape', '')}")
+
+
+def validate(q, k, v, q_scale, k_scale, v_scale, *, format: str,  # noqa: A002
+             q_tensor_scale=None, k_tensor_scale=None, softmax_scale=None, out=None) -> Problem:
+    """Checks shapes, dtypes, layouts and scales from array metadata only (no GPU needed)."""
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    nvfp4 = format == "nvfp4"
+    for name, x in (("q", q), ("k", k), ("v", v), ("q_scale", q_scale), ("k_scale", k_scale),
+                    ("v_scale", v_scale)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(f"{name} must be a 4-d array, got {type(x).__name__} of shape "
+                             f"{getattr(x, 'shape', None)}")
+    batch, seqlen_q, heads_q, q_row = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    head_dim = 2 * q_row if nvfp4 else q_row
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim} (q's last axis is "
+                         f"{q_row}{' packed e2m1 pairs' if nvfp4 else ''})")
+    if min(batch, seqlen_q, heads_q, seqlen_k, heads_kv) < 1:
+        raise ValueError(f"empty problem: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if heads_q % heads_kv:
+        raise ValueError(f"q's heads ({heads_q}) must be a multiple of k's heads ({heads_kv})")
+    padded = -(-seqlen_k // SEQ_PAD) * SEQ_PAD
+    row = _row_bytes(format, head_dim)
+    per_scale = 16 if nvfp4 else 32
+    data_kind = "e2m1 pairs" if nvfp4 else "e4m3"
+    scale_kind = "UE4M3" if nvfp4 else "UE8M0"
+    _check_array("q", q, (batch, seqlen_q, heads_q, row), f"{data_kind}, (B, Sq, Hq, "
+                 f"{'D/2' if nvfp4 else 'D'})")
+    _check_array("k", k, (batch, seqlen_k, heads_kv, row), f"{data_kind}, (B, Sk, Hkv, "
+                 f"{'D/2' if nvfp4 else 'D'}) like q")
+    _check_array("v", v, (batch, heads_kv, head_dim, padded),
+                 "MXFP8 e4m3 V transposed: (B, Hkv, D, Sk rounded up to 128)")
+    _check_array("q_scale", q_scale, (batch, seqlen_q, heads_q, head_dim // per_scale),
+                 f"{scale_kind}, one per {per_scale} of head_dim")
+    _check_array("k_scale", k_scale, (batch, seqlen_k, heads_kv, head_dim // per_scale),
+                 f"{scale_kind}, one per {per_scale} of head_dim")
+    _check_array("v_scale", v_scale, (batch, heads_kv, head_dim, padded // 32),
+                 "UE8M0, one per 32 keys of each head_dim column")
+    _check_tensor_scale("q_tensor_scale", q_tensor_scale, format)
+    _check_tensor_scale("k_tensor_scale", k_tensor_scale, format)
+    for name, x in (("q", q), ("k", k), ("v", v), ("q_scale", q_scale), ("k_scale", k_scale),
+                    ("v_scale", v_scale)):
+        if x.data.ptr % 16:
+            raise ValueError(f"{name} must start at a 16-byte aligned address")
+    devices = {x.device.id for x in (q, k, v, q_scale, k_scale, v_scale)}
+    if len(devices) != 1:
+        raise ValueError(f"all operands must be on one device, got devices {sorted(devices)}")
+    if out is not None:
+        if str(out.dtype) != "bfloat16" or tuple(out.shape) != (batch, seqlen_q, heads_q, head_dim):
+            raise ValueError(f"out must be bfloat16 of shape {(batch, seqlen_q, heads_q, head_dim)}, "
+                             f"got {out.dtype} {tuple(out.shape)}")
+        if not out.flags.c_contiguous:
+            raise ValueError("out must be C-contiguous")
+    if batch > 65535 or heads_q > 65535:
+        raise ValueError(f"batch ({batch}) and heads ({heads_q}) must be at most 65535")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(head_dim)
+    elif (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
+          or not math.isfinite(softmax_scale) or softmax_scale <= 0):
+        raise ValueError(f"softmax_scale must be a finite positive number or None, "
+                         f"got {softmax_scale!r}")
+    return Problem(format, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, padded,
+                   float(softmax_scale))
+
+
+def _device_scale(value):
+    import cupy
+
+    if value is None:
+        return cupy.ones((1,), cupy.float32)
+    if isinstance(value, numbers.Real):
+        return cupy.full((1,), value, cupy.float32)
+    return value.reshape(1)
+
+
+def blockscaled_attention(q, k, v, q_scale, k_scale, v_scale, *, format: str = "mxfp8",  # noqa: A002
+                          causal: bool = False, softmax_scale: float | None = None,
+                          q_tensor_scale=None, k_tensor_scale=None, out=None):
+    """softmax(softmax_scale * Q K^T) V on block-scaled operands (layouts: module docstring).
+
+    ``causal`` masks key j from query i unless j <= i + Sk - Sq (bottom-right aligned); rows
+    that see no key give 0 and LSE -inf. ``softmax_scale`` defaults to 1/sqrt(head_dim).
+    Returns (out, lse): out bfloat16 (B, Sq, Hq, D) (written into ``out`` if given), lse float32
+    (B, Hq, Sq), the natural log of each row's sum of exp(softmax_scale * q.k).
+    """
+    import cupy
+    import numpy as np
+
+    from .api import require_cupy
+
+    require_cupy(q=q, k=k, v=v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    p = validate(q, k, v, q_scale, k_scale, v_scale, format=format, q_tensor_scale=q_tensor_scale,
+                 k_tensor_scale=k_tensor_scale, softmax_scale=softmax_scale, out=out)
+    with cupy.cuda.Device(q.device.id):
+        build = build_for_arch(runtime.device_arch())
+        if build == "emulated":
+            warnings.warn("ptxattn.blockscaled_attention: this GPU has no block-scaled MMA, so "
+                          "it runs the sm_90a emulation build (correct, not fast)",
+                          RuntimeWarning, stacklevel=2)
+        kernel = runtime.load(kernel_spec(p.format, p.head_dim, build == "emulated"))
+        if out is None:
+            out = cupy.empty((p.batch, p.seqlen_q, p.heads_q, p.head_dim), cupy.bfloat16)
+        lse = cupy.empty((p.batch, p.heads_q, p.seqlen_q), cupy.float32)
+        row = _row_bytes(p.format, p.head_dim)
+        q_map = runtime.tensor_map(q, (1, BLOCK_M, 1, row), swizzle=row)
+        k_map = runtime.tensor_map(k, (1, BLOCK_N, 1, row), swizzle=row)
+        # Keys past Sk are zero-filled by the TMA, whatever the padding holds.
+        v_map = runtime.tensor_map(v[..., :p.seqlen_k], (1, 1, p.head_dim, BLOCK_N), swizzle=128)
+        runtime.launch(kernel, (-(-p.seqlen_q // BLOCK_M), p.heads_q, p.batch), (THREADS,), [
+            q_map, k_map, v_map, q_scale, k_scale, v_scale,
+            _device_scale(q_tensor_scale), _device_scale(k_tensor_scale), out, lse,
+            np.int32(p.seqlen_q), np.int32(p.seqlen_k), np.int32(p.heads_q), np.int32(p.heads_kv),
+            np.int32(p.padded_seqlen_k // 32), np.float32(p.softmax_scale), np.int32(causal)])
+    return out, lse
