@@ -1,0 +1,104 @@
+// Transposing an e4m3 tile in shared memory for FP8 wgmma: ldmatrix.trans + prmt + stmatrix
+// (PTX ISA 9.7.14.5.15-16, 9.7.8.7), sm_90.
+//
+// FP8 wgmma reads B only K-major, but V arrives (by TMA) with keys as rows: [keys x head_dim].
+// P V needs Vt = [head_dim x keys]. One warp transposes a unit of 32 keys x 16 head_dim bytes:
+//   ldmatrix.x4.trans (16-bit elements) of the four 8-key x 16-byte matrices gives lane (g, t)
+//     r_i = { V[8i+2t][2g], V[8i+2t][2g+1], V[8i+2t+1][2g], V[8i+2t+1][2g+1] }   (bytes low->high)
+//   prmt picks bytes 0,2 of r_i and r_{i+1} (column 2g) or bytes 1,3 (column 2g+1):
+//     Vt[2g][4t..4t+3]   = V[2t][2g], V[2t+1][2g], V[8+2t][2g], V[9+2t][2g]     (from r0, r1)
+//     Vt[2g][16+4t..]    = the same with keys + 16                                (from r2, r3)
+//   stmatrix.x4 (16-bit elements) writes each of those b32 as 4 bytes of a Vt row.
+// So within every 32 keys, Vt's byte p = 16h + 4t + j holds key
+//     key_of(p) = 16h + 8 * (j / 2) + 2t + j % 2,
+// a permutation that P's A fragment must follow: it is exactly the order in which a thread
+// already holds S (columns 2t, 2t+1 of the 8-column tiles 2h' and 2h'+1, see fwd_sm90.cu), so P
+// converts to the A fragment in registers with no shuffle. The permutation stays inside the
+// k-step of 32 keys, where the product does not care about order as long as A and B agree.
+//
+// Both tiles are TMA-style swizzled over their row: the 16-byte chunk c of row r lives at chunk
+// c ^ ((r * row_bytes / 128) % (row_bytes / 16)) (the span equals the row, 64 or 128 bytes). Rows
+// of Vt are written in an order that keeps each 8-row stmatrix free of bank conflicts.
+#pragma once
+#include "common.cuh"
+#include "e4m3.cuh"
+#include "mma_sync.cuh"
+
+namespace ptxattn {
+
+// stmatrix.sync.aligned.m8n8.x4.shared.b16: lanes 8i..8i+7 give the row addresses of matrix i;
+// every lane supplies in register i the pair (row g, columns 2t..2t+1) of matrix i.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
+                                            uint32_t r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
+                 ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+
+// prmt.b32 d, a, b, selector: byte k of d is byte (selector >> 4k) & 7 of {b, a} (a = 0..3).
+__device__ __forceinline__ uint32_t byte_permute(uint32_t a, uint32_t b, uint32_t selector) {
+    uint32_t d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
+    return d;
+}
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of kRowBytes-byte swizzled rows.
+template <int kRowBytes>
+__device__ __forceinline__ uint32_t swizzled_offset(int row, int chunk) {
+    constexpr int kChunks = kRowBytes / 16;
+    return row * kRowBytes + 16 * (chunk ^ ((row * kRowBytes / 128) % kChunks));
+}
+
+// Transposes src [kKeys x kCols] (kCols e4m3 per key, in slabs of kSrcRowBytes-byte rows, slab s
+// holding columns s * kSrcRowBytes .. at src + s * kKeys * kSrcRowBytes) into dst [kCols x kKeys]
+// (kKeys bytes per row, one swizzle span), with the key order described above. The `warps`
+// warps calling it with warp = 0 .. warps - 1 split the 32 x 16 units between them.
+template <int kKeys, int kCols, int kSrcRowBytes>
+__device__ __forceinline__ void transpose_e4m3(uint32_t src, uint32_t dst, int warp, int warps,
+                                               int lane) {
+    static_assert(kKeys % 32 == 0 && kCols % 16 == 0, "units of 32 keys x 16 columns");
+    constexpr int kSrcChunks = kSrcRowBytes / 16;
+    constexpr int kUnits = (kKeys / 32) * (kCols / 16);
+    const int g = lane % 8;  // row of the matrix this lane addresses
+    const int i = lane / 8;  // the matrix
+    // Bank-conflict-free store order: matrix rows 0-3 take the even Vt row of the pair, 4-7 the
+    // odd one (rows 2g + s, s = g / 4 for matrices 0, 2 and 1 - s for 1, 3).
+    const int swap = g / 4;
+    const int dst_row = 2 * g + ((i % 2) ^ swap);
+    const bool odd_first = (lane / 4) % 8 >= 4;
+#pragma unroll 1
+    for (int unit = warp; unit < kUnits; unit += warps) {
+        const int key_block = unit % (kKeys / 32);
+        const int col_chunk = unit / (kKeys / 32);
+        const int slab = col_chunk / kSrcChunks;
+        uint32_t r[4];
+        ldmatrix_x4_trans(r, src + slab * kKeys * kSrcRowBytes +
+                                 swizzled_offset<kSrcRowBytes>(32 * key_block + 8 * i + g,
+                                                               col_chunk % kSrcChunks));
+        const uint32_t even_lo = byte_permute(r[0], r[1], 0x6420);
+        const uint32_t odd_lo = byte_permute(r[0], r[1], 0x7531);
+        const uint32_t even_hi = byte_permute(r[2], r[3], 0x6420);
+        const uint32_t odd_hi = byte_permute(r[2], r[3], 0x7531);
+        stmatrix_x4(dst + swizzled_offset<kKeys>(16 * col_chunk + dst_row, 2 * key_block + i / 2),
+                    odd_first ? odd_lo : even_lo, odd_first ? even_lo : odd_lo,
+                    odd_first ? odd_hi : even_hi, odd_first ? even_hi : odd_hi);
+    }
+}
+
+// A wgmma accumulator S (m64nN, fp32, wgmma.cuh layout) rounded to e4m3 as the A fragments of
+// the product S Vt, one b32 per 4 keys: p[4kk .. 4kk+3] is k-step kk (keys 32kk ..), in the key
+// order above: a0 = row g, tiles 4kk and 4kk+1; a1 = row g+8, same tiles; a2, a3 = tiles 4kk+2
+// and 4kk+3.
+template <int kN>
+__device__ __forceinline__ void accumulator_to_e4m3_a(uint32_t (&p)[kN / 8],
+                                                      const float (&s)[kN / 2]) {
+#pragma unroll
+    for (int kk = 0; kk < kN / 32; ++kk) {
+        const float* t = s + 16 * kk;
+        p[4 * kk + 0] = e4m3x4(t[0], t[1], t[4], t[5]);
+        p[4 * kk + 1] = e4m3x4(t[2], t[3], t[6], t[7]);
+        p[4 * kk + 2] = e4m3x4(t[8], t[9], t[12], t[13]);
+        p[4 * kk + 3] = e4m3x4(t[10], t[11], t[14], t[15]);
+    }
+}
+
+}  // namespace ptxattn

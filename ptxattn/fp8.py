@@ -1,0 +1,466 @@
+"""FP8 (e4m3) attention on Hopper: the data carrier, quantizers, descales, checks and a reference.
+
+Carrier. FP8 data travels as a ``cupy.ndarray`` of dtype ``ml_dtypes.float8_e4m3fn``
+(:data:`E4M3`). CuPy 14 accepts that dtype for storage: allocation, views, slicing, copies and
+``.get()`` to NumPy (where ml_dtypes gives it arithmetic) all work; CuPy has no arithmetic for it,
+and ptxattn needs none. The dtype names the format, so a bf16/fp16 array or raw bytes passed
+where FP8 is expected are refused by dtype. Raw ``uint8`` is refused too (it could hold e4m3,
+e5m2 or integers); bytes known to be e4m3 are adopted with ``x.view(ptxattn.fp8.E4M3)``.
+
+Scales. An FP8 tensor comes with a float32 *descale* d: the real value of a byte b is
+``e4m3(b) * d``. Granularities, as arrays a kernel reads through strides (0 where constant):
+    "tensor"  shape ()                       one scale
+    "head"    shape (batch, heads)            one per (batch, head): per (batch, kv-head) for K, V
+    "block"   shape (batch, heads, ceil(seqlen / 128))   one per 128 rows of one head
+:func:`attention` takes any of the three for q and k, and "tensor" or "head" for v: V's rows are
+the keys, the axis P V sums over, so a per-block V scale would have to rescale the accumulator
+every key block. The quantizer picks d = amax / 448 (448 is e4m3's largest finite value) over
+each group.
+
+Rotation. :func:`hadamard_rotation` gives a random-sign Hadamard transform R = diag(s) H / sqrt(D)
+along head_dim. Quantizing ``q R`` and ``k R`` (same R) leaves ``q k^T`` unchanged while spreading
+outlier channels over the whole row, so FP8 rounds the product's terms more evenly; v is not
+rotated and the attention call is the same as without rotation.
+
+Accuracy (RMSE against FP32, measured by tests/test_fp8.py and reported in the README): on
+standard normal inputs the three schemes agree; with 0.1% large outliers per-block + rotation is
+clearly the most accurate.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+from typing import NamedTuple
+
+import ml_dtypes
+import numpy as np
+
+from . import runtime
+
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+E4M3_MAX = 448.0
+SCALE_BLOCK_ROWS = 128  # rows (of one batch and head) that share a "block" scale
+GRANULARITIES = ("tensor", "head", "block")
+HEAD_DIMS = (64, 128, 256)
+ARCHS = ("sm_90a",)  # the FP8 attention kernel; the quantizers also run on sm_89 and sm_120a
+OUT_DTYPES = ("bfloat16", "float16")
+INPUT_DTYPES = {"bfloat16": 1, "float16": 0}
+
+_QUANTIZER_ARCHS = ("sm_89", "sm_90a", "sm_120a")
+_WARPS_PER_BLOCK = 8
+_ALIGN_BYTES = 16
+
+
+def quantizer_spec(entry: str, dtype: str, head_dim: int) -> runtime.KernelSpec:
+    return runtime.KernelSpec(
+        name=f"{entry}_{dtype}_d{head_dim}", source="quantize_fp8.cu", entry=entry,
+        defines={"HEAD_DIM": head_dim, "IS_BF16": INPUT_DTYPES[dtype]}, archs=_QUANTIZER_ARCHS)
+
+
+def variants() -> list[runtime.KernelSpec]:
+    return [quantizer_spec(entry, dtype, head_dim) for entry in ("fp8_amax", "fp8_quantize")
+            for dtype in INPUT_DTYPES for head_dim in HEAD_DIMS]
+
+
+@functools.lru_cache(maxsize=None)
+def e4m3_values() -> np.ndarray:
+    """The float32 value of each of the 256 e4m3 bytes (0x7f and 0xff are NaN)."""
+    return np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotation
+
+
+def hadamard_matrix(n: int) -> np.ndarray:
+    """Sylvester's Hadamard matrix, H[i, j] = (-1)^popcount(i & j), float64, unnormalised."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"Hadamard size must be a power of two, got {n}")
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+class HadamardRotation(NamedTuple):
+    """x -> (x * signs) H / sqrt(D) along the last axis: orthogonal, so it keeps q k^T."""
+
+    signs: np.ndarray  # float32 (head_dim,), entries +-1
+
+    @property
+    def head_dim(self) -> int:
+        return self.signs.shape[0]
+
+    def matrix(self) -> np.ndarray:
+        """The rotation as a float64 (D, D) matrix R, applied as x @ R."""
+        return self.signs[:, None].astype(np.float64) * hadamard_matrix(self.head_dim) / math.sqrt(
+            self.head_dim)
+
+
+def hadamard_rotation(head_dim: int, seed: int | None = None) -> HadamardRotation:
+    """A random-sign Hadamard rotation of size head_dim (a power of two)."""
+    hadamard_matrix(head_dim)
+    signs = np.random.default_rng(seed).choice(np.array([-1.0, 1.0], np.float32), head_dim)
+    return HadamardRotation(signs.astype(np.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks (array metadata only: no GPU needed)
+
+
+def _check_layout(name: str, x) -> None:
+    if x.ndim != 4:
+        raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, heads, head_dim), "
+                         f"got shape {x.shape}")
+    if x.size == 0:
+        raise ValueError(f"{name} must not be empty, got shape {x.shape}")
+    if x.strides[-1] != x.itemsize:
+        raise ValueError(f"{name} must have unit stride in head_dim, got strides {x.strides} "
+                         f"(bytes) for shape {x.shape}")
+    if x.data.ptr % _ALIGN_BYTES or any(s % _ALIGN_BYTES for s in x.strides[:-1]):
+        raise ValueError(f"{name} must have a 16-byte aligned base and batch/seqlen/heads strides "
+                         f"that are multiples of 16 bytes, got strides {x.strides}")
+
+
+def check_e4m3(name: str, x) -> None:
+    """Refuses anything but a 4-d float8_e4m3fn array the kernel can read by TMA."""
+    dtype = np.dtype(x.dtype)
+    if dtype != E4M3:
+        if dtype in (np.dtype(np.uint8), np.dtype(np.int8)):
+            hint = ("raw bytes are ambiguous (e4m3, e5m2 or integers); if they hold e4m3 values "
+                    f"pass {name}.view(ptxattn.fp8.E4M3)")
+        elif dtype.name in INPUT_DTYPES or dtype == np.float32:
+            hint = ("quantize it first (ptxattn.fp8.quantize / quantize_qkv), or call "
+                    "ptxattn.attention for 16-bit inputs")
+        else:
+            hint = "only e4m3 (float8_e4m3fn) is supported"
+        raise TypeError(f"{name} must have dtype float8_e4m3fn (FP8 e4m3), got {dtype}: {hint}")
+    _check_layout(name, x)
+
+
+def descale_shapes(batch: int, heads: int, seqlen: int, allow_block: bool) -> dict:
+    shapes = {(): "tensor", (1,): "tensor", (batch, heads): "head"}
+    if allow_block:
+        shapes[(batch, heads, -(-seqlen // SCALE_BLOCK_ROWS))] = "block"
+    return shapes
+
+
+def check_descale(name: str, d, batch: int, heads: int, seqlen: int, allow_block: bool) -> str:
+    """The granularity of descale ``d`` (a positive number or a float32 array), or an error."""
+    if d is None:
+        raise TypeError(f"{name} is required: the float32 factor that turns the e4m3 values "
+                        "back into real ones (per tensor, or per (batch, head)); quantize() "
+                        "returns it")
+    if isinstance(d, numbers.Real) and not isinstance(d, bool):
+        if not (math.isfinite(d) and d > 0):
+            raise ValueError(f"{name} must be finite and positive, got {d!r}")
+        return "tensor"
+    if not hasattr(d, "shape") or not hasattr(d, "dtype"):
+        raise TypeError(f"{name} must be a positive number or a float32 cupy.ndarray, got "
+                        f"{type(d).__name__}")
+    if np.dtype(d.dtype) != np.float32:
+        raise TypeError(f"{name} must have dtype float32, got {d.dtype}")
+    shapes = descale_shapes(batch, heads, seqlen, allow_block)
+    if tuple(d.shape) not in shapes:
+        raise ValueError(f"{name} must have one of the shapes {sorted(shapes, key=len)} "
+                         f"({', '.join(dict.fromkeys(shapes.values()))}), got {tuple(d.shape)}")
+    return shapes[tuple(d.shape)]
+
+
+def validate(q, k, v, q_descale, k_descale, v_descale, out, out_dtype, softmax_scale):
+    """Checks everything the FP8 kernel assumes of its arguments' metadata; returns
+    (softmax_scale, out_dtype name). Reads no array data, so it needs no GPU."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_e4m3(name, x)
+    devices = {x.device.id for x in (q, k, v)}
+    if len(devices) != 1:
+        raise ValueError(f"q, k and v must be on one device, got devices {sorted(devices)}")
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+    if k.shape[0] != batch:
+        raise ValueError(f"k must have batch {batch} like q, got {k.shape[0]}")
+    if k.shape[3] != head_dim:
+        raise ValueError(f"k and v must have head_dim {head_dim} like q, got {k.shape[3]}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS} for FP8, got {head_dim}")
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    if heads_q % heads_kv:
+        raise ValueError(f"q's heads ({heads_q}) must be a multiple of k/v's heads ({heads_kv})")
+    check_descale("q_descale", q_descale, batch, heads_q, seqlen_q, allow_block=True)
+    check_descale("k_descale", k_descale, batch, heads_kv, seqlen_k, allow_block=True)
+    check_descale("v_descale", v_descale, batch, heads_kv, seqlen_k, allow_block=False)
+    for name, d in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        if hasattr(d, "device") and d.device.id != q.device.id:
+            raise ValueError(f"{name} must be on q's device {q.device.id}, got {d.device.id}")
+    if out is not None:
+        if np.dtype(out.dtype).name not in OUT_DTYPES:
+            raise TypeError(f"out must have dtype bfloat16 or float16, got {out.dtype}")
+        if out_dtype is not None and np.dtype(out.dtype).name != np.dtype(out_dtype).name:
+            raise ValueError(f"out has dtype {out.dtype} but out_dtype is {out_dtype}")
+        out_dtype = out.dtype
+        _check_layout("out", out)
+        if out.shape != q.shape:
+            raise ValueError(f"out must have q's shape {q.shape}, got {out.shape}")
+        if out.device.id != q.device.id:
+            raise ValueError(f"out must be on q's device {q.device.id}, got {out.device.id}")
+    out_name = np.dtype(out_dtype if out_dtype is not None else "bfloat16").name
+    if out_name not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be bfloat16 or float16, got {out_dtype}")
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim), out_name
+    if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
+            or not math.isfinite(softmax_scale) or softmax_scale <= 0):
+        raise ValueError(f"softmax_scale must be a finite positive number or None, "
+                         f"got {softmax_scale!r}")
+    return float(softmax_scale), out_name
+
+
+# ---------------------------------------------------------------------------------------------
+# Descales as the kernels read them
+
+
+class Descale(NamedTuple):
+    """A float32 device array with element strides over (batch, head, 128-row block); a stride
+    is 0 along a dimension the scale does not vary in."""
+
+    array: object
+    stride_b: int
+    stride_h: int
+    stride_block: int
+
+
+def descale_operand(d, batch: int, heads: int, seqlen: int) -> Descale:
+    import cupy
+
+    if not hasattr(d, "shape"):
+        return Descale(cupy.full((1,), d, dtype=cupy.float32), 0, 0, 0)
+    granularity = descale_shapes(batch, heads, seqlen, True)[tuple(d.shape)]
+    steps = [s // d.itemsize for s in d.strides]
+    if granularity == "tensor":
+        return Descale(d, 0, 0, 0)
+    if granularity == "head":
+        return Descale(d, steps[0], steps[1], 0)
+    return Descale(d, steps[0], steps[1], steps[2])
+
+
+def descale_rows(d, batch: int, seqlen: int, heads: int):
+    """A descale of any granularity broadcast to (batch, seqlen, heads, 1), float32 on device."""
+    import cupy
+
+    if not hasattr(d, "shape"):
+        return cupy.full((1, 1, 1, 1), d, dtype=cupy.float32)
+    d = cupy.asarray(d, dtype=cupy.float32)
+    if d.ndim <= 1:
+        return d.reshape(1, 1, 1, 1)
+    if d.ndim == 2:
+        return d[:, None, :, None]
+    rows = cupy.repeat(d, SCALE_BLOCK_ROWS, axis=2)[:, :, :seqlen]
+    return rows.transpose(0, 2, 1)[..., None]
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantizers
+
+
+def _check_quantizer_input(x) -> None:
+    from .api import require_cupy
+    require_cupy(x=x)
+    if np.dtype(x.dtype).name not in INPUT_DTYPES:
+        raise TypeError(f"x must have dtype bfloat16 or float16, got {x.dtype}")
+    _check_layout("x", x)
+    if x.shape[3] not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {x.shape[3]}")
+    if x.size >= 2 ** 31 * x.shape[3]:
+        raise ValueError(f"x has too many rows ({x.size // x.shape[3]}) for the quantizer")
+
+
+def _rotation_signs(rotation: HadamardRotation | None, head_dim: int):
+    """The kernel argument for ``rotation``: its signs on the device, or a null pointer."""
+    import cupy
+
+    if rotation is None:
+        return np.uint64(0)
+    if not isinstance(rotation, HadamardRotation):
+        raise TypeError(f"rotation must be a HadamardRotation or None, got "
+                        f"{type(rotation).__name__}")
+    if rotation.head_dim != head_dim:
+        raise ValueError(f"rotation is for head_dim {rotation.head_dim}, x has {head_dim}")
+    return cupy.asarray(rotation.signs, dtype=cupy.float32)
+
+
+def quantize(x, granularity: str = "tensor", rotation: HadamardRotation | None = None):
+    """bf16/fp16 x (batch, seqlen, heads, head_dim) -> (x8, descale) on the GPU.
+
+    x8 is a contiguous float8_e4m3fn array of x's shape holding e4m3(x / descale) (rounded to
+    nearest even); descale is float32 of the granularity's shape (module docstring), amax / 448
+    over each group (1 for an all-zero group). With ``rotation`` the rows are first rotated,
+    x8 * descale then approximates x @ rotation.matrix().
+    """
+    import cupy
+
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    _check_quantizer_input(x)
+    batch, seqlen, heads, head_dim = x.shape
+    dtype = np.dtype(x.dtype).name
+    signs_arg = _rotation_signs(rotation, head_dim)
+    strides = [np.int64(s // x.itemsize) for s in x.strides[:3]]
+    rows = batch * seqlen * heads
+    grid = (-(-rows // _WARPS_PER_BLOCK), 1, 1)
+    block = (32 * _WARPS_PER_BLOCK, 1, 1)
+    blocks = -(-seqlen // SCALE_BLOCK_ROWS)
+    with cupy.cuda.Device(x.device.id):
+        amax_bits = cupy.zeros((batch, heads, blocks), dtype=cupy.uint32)
+        runtime.launch(runtime.load(quantizer_spec("fp8_amax", dtype, head_dim)), grid, block,
+                       [x, *strides, np.int32(seqlen), np.int32(heads), np.int64(rows), signs_arg,
+                        amax_bits])
+        amax = amax_bits.view(cupy.float32)
+        if granularity == "head":
+            amax = amax.max(axis=2)
+        elif granularity == "tensor":
+            amax = amax.max()
+        descale = cupy.where(amax > 0, amax / cupy.float32(E4M3_MAX), cupy.float32(1.0))
+        descale = descale.astype(cupy.float32)
+        d = descale_operand(descale, batch, heads, seqlen)
+        x8 = cupy.empty(x.shape, dtype=cupy.uint8)
+        runtime.launch(runtime.load(quantizer_spec("fp8_quantize", dtype, head_dim)), grid, block,
+                       [x, *strides, np.int32(seqlen), np.int32(heads), np.int64(rows), signs_arg,
+                        d.array, np.int64(d.stride_b), np.int64(d.stride_h),
+                        np.int64(d.stride_block), x8])
+    return x8.view(E4M3), descale
+
+
+def dequantize(x8, descale):
+    """float32 x8 * descale (any granularity) for an e4m3 array (batch, seqlen, heads, dim)."""
+    import cupy
+
+    check_e4m3("x8", x8)
+    batch, seqlen, heads, _ = x8.shape
+    with cupy.cuda.Device(x8.device.id):
+        values = cupy.asarray(e4m3_values())[x8.view(cupy.uint8)]
+        return values * descale_rows(descale, batch, seqlen, heads)
+
+
+def quantize_qkv(q, k, v, granularity: str = "block", rotate: bool = False,
+                 seed: int | None = None):
+    """Quantizes attention inputs: returns (q8, k8, v8, descales), descales a dict to pass as
+    ``fp8_attention(q8, k8, v8, **descales)``. q and k get ``granularity`` (and, with
+    ``rotate``, one shared random-sign Hadamard rotation drawn from ``seed``); v gets the same
+    granularity except "block", for which it is quantized per (batch, head)."""
+    rotation = hadamard_rotation(q.shape[3], seed) if rotate else None
+    q8, q_descale = quantize(q, granularity, rotation)
+    k8, k_descale = quantize(k, granularity, rotation)
+    v8, v_descale = quantize(v, "head" if granularity == "block" else granularity)
+    return q8, k8, v8, {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+
+
+def attention(q, k, v, *, q_descale, k_descale, v_descale, causal: bool = False,
+              softmax_scale: float | None = None, out_dtype=None, return_lse: bool = False,
+              out=None):
+    """FP8 attention forward: ``softmax(scale * (q dq)(k dk)^T) (v dv)`` on Hopper (sm_90a).
+
+    q (batch, seqlen_q, heads_q, head_dim), k and v (batch, seqlen_k, heads_kv, head_dim):
+    float8_e4m3fn CuPy arrays, unit stride in head_dim, 16-byte aligned strides; head_dim 64,
+    128 or 256; heads_q a multiple of heads_kv. q_descale, k_descale: a positive number or a
+    float32 array of shape (), (batch, heads), or (batch, heads, ceil(seqlen / 128)) (the last
+    per 128 rows); v_descale: a number, shape () or (batch, heads_kv). All three are required.
+    ``causal`` aligns bottom-right like :func:`ptxattn.attention`. Q K^T and P V run on FP8
+    tensor cores with FP32 accumulation; the probabilities P are rounded to e4m3 for the second
+    product; the descales are applied in FP32. Returns the output in ``out_dtype`` (bfloat16
+    by default, or float16; ``out``'s dtype when given) and, with ``return_lse``, the float32
+    natural-log LSE (batch, heads_q, seqlen_q).
+    """
+    import cupy
+
+    from .api import require_cupy
+    from .runtime import device_arch
+
+    require_cupy(q=q, k=k, v=v, out=out)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    scale, out_name = validate(q, k, v, q_descale, k_descale, v_descale, out, out_dtype,
+                               softmax_scale)
+    batch, seqlen_q, heads_q, _ = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    with cupy.cuda.Device(q.device.id):
+        arch = device_arch()
+        if arch not in ARCHS:
+            raise ValueError(f"FP8 attention runs on {ARCHS}, not on this {arch} GPU")
+        from . import hopper
+
+        descales = (descale_operand(q_descale, batch, heads_q, seqlen_q),
+                    descale_operand(k_descale, batch, heads_kv, seqlen_k),
+                    descale_operand(v_descale, batch, heads_kv, seqlen_k))
+        if out is None:
+            out = cupy.empty(q.shape, dtype=out_name)
+        lse = cupy.empty((batch, heads_q, seqlen_q), dtype=cupy.float32)
+        hopper.forward_fp8(q, k, v, out, lse, descales, causal=causal, softmax_scale=scale)
+    return (out, lse) if return_lse else out
+
+
+def round_to_e4m3(x):
+    """float32 array (NumPy or CuPy) rounded to the nearest e4m3 value, ties to even, saturating
+    at +-448, returned as float32: what cvt.rn.satfinite.e4m3x2.f32 does, in exact steps."""
+    if isinstance(x, np.ndarray):
+        xp = np
+    else:
+        import cupy as xp
+    x = xp.asarray(x, dtype=xp.float32)
+    mag = xp.minimum(xp.abs(x), xp.float32(E4M3_MAX))
+    mantissa, exponent = xp.frexp(mag)  # mag = mantissa * 2^exponent, mantissa in [0.5, 1)
+    normal = xp.ldexp(xp.rint(mantissa * 16), exponent - 4)
+    subnormal = xp.rint(mag * 512) / 512  # step 2^-9 below 2^-6
+    rounded = xp.where(mag < 2.0 ** -6, subnormal, normal).astype(xp.float32)
+    return xp.copysign(xp.minimum(rounded, xp.float32(E4M3_MAX)), x)
+
+
+def reference(q, k, v, *, q_descale, k_descale, v_descale, causal: bool = False,
+              softmax_scale: float | None = None, return_lse: bool = False,
+              precision: str = "float32", query_chunk: int = 1024):
+    """FP32 attention of the dequantized inputs, what :func:`attention` approximates.
+
+    ``precision="fp8"`` is the same math with the probabilities rounded to e4m3 before P V, as
+    the kernel does (with each row's maximum as the reference point): the naive FP8 yardstick
+    for tolerances. Returns float32 output (and LSE, natural log, (batch, heads, seqlen_q)).
+    """
+    import cupy
+
+    from . import reference as fp32
+
+    qf, kf, vf = (dequantize(x, d) for x, d in ((q, q_descale), (k, k_descale), (v, v_descale)))
+    if precision == "float32":
+        return fp32.attention(qf, kf, vf, causal=causal, softmax_scale=softmax_scale,
+                              return_lse=return_lse)
+    if precision != "fp8":
+        raise ValueError(f"precision must be 'float32' or 'fp8', got {precision!r}")
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    qh = qf.transpose(0, 2, 1, 3)
+    kh = cupy.repeat(kf.transpose(0, 2, 1, 3), heads_q // heads_kv, axis=1)
+    vh = cupy.repeat(vf.transpose(0, 2, 1, 3), heads_q // heads_kv, axis=1)
+    out = cupy.empty((batch, heads_q, seqlen_q, head_dim), dtype=cupy.float32)
+    lse = cupy.empty((batch, heads_q, seqlen_q), dtype=cupy.float32)
+    for start in range(0, seqlen_q, query_chunk):
+        stop = min(start + query_chunk, seqlen_q)
+        scores = cupy.matmul(qh[:, :, start:stop], kh.transpose(0, 1, 3, 2)) * scale
+        if causal:
+            hidden = (cupy.arange(seqlen_k)[None, :]
+                      > cupy.arange(start, stop)[:, None] + (seqlen_k - seqlen_q))
+            scores = cupy.where(hidden, -cupy.inf, scores)
+        row_max = scores.max(axis=-1, keepdims=True)
+        safe_max = cupy.where(cupy.isfinite(row_max), row_max, 0.0)
+        probs = cupy.exp(scores - safe_max)
+        row_sum = probs.sum(axis=-1, keepdims=True)
+        numerator = cupy.matmul(round_to_e4m3(probs), vh)
+        out[:, :, start:stop] = numerator / cupy.where(row_sum > 0, row_sum, 1.0)
+        lse[:, :, start:stop] = (cupy.log(row_sum) + safe_max)[..., 0]
+    out = out.transpose(0, 2, 1, 3)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,432 @@
+"""FP8 (e4m3) path: carrier and argument checks, quantizers, the attention kernel, accuracy.
+
+CPU tests check metadata validation on stand-ins, the host helpers against ml_dtypes, and that
+every quantizer variant compiles without spills. GPU tests check the quantizers byte for byte
+against a NumPy/ml_dtypes encoding, the kernel against FP32 attention of the dequantized inputs,
+and measure the accuracy of the three quantization schemes against FP32 attention of the
+original inputs.
+
+Kernel tolerance: the same rule as tests/test_attention.py with the naive computation in the
+kernel's precision as yardstick: FP32 attention of the dequantized inputs with the probabilities
+rounded to e4m3 (fp8.reference(precision="fp8")). The kernel's max error against the FP32
+reference must be at most twice the yardstick's, plus the rounding noise of the output dtype.
+"""
+
+import dataclasses
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ptxattn import fp8, runtime
+
+
+@dataclasses.dataclass
+class _Data:
+    ptr: int
+
+
+@dataclasses.dataclass
+class _Device:
+    id: int
+
+
+class MetaArray:
+    """Shape, dtype, strides, data pointer and device of an array, without its contents."""
+
+    def __init__(self, shape, dtype=fp8.E4M3, ptr=1 << 20, device=0):
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+        self.itemsize = self.dtype.itemsize
+        strides, step = [], self.itemsize
+        for n in reversed(self.shape):
+            strides.insert(0, step)
+            step *= n
+        self.strides = tuple(strides)
+        self.ndim = len(self.shape)
+        self.size = int(np.prod(self.shape))
+        self.data = _Data(ptr)
+        self.device = _Device(device)
+
+
+def _qkv(batch=2, seqlen_q=300, seqlen_k=200, heads_q=8, heads_kv=2, dim=128, dtype=fp8.E4M3):
+    return (MetaArray((batch, seqlen_q, heads_q, dim), dtype),
+            MetaArray((batch, seqlen_k, heads_kv, dim), dtype),
+            MetaArray((batch, seqlen_k, heads_kv, dim), dtype))
+
+
+def _validate(q, k, v, q_descale=1.0, k_descale=1.0, v_descale=1.0, out=None, out_dtype=None,
+              softmax_scale=None):
+    return fp8.validate(q, k, v, q_descale, k_descale, v_descale, out, out_dtype, softmax_scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: carrier, descales and argument checks
+
+
+def test_valid_arguments_and_every_descale_granularity():
+    q, k, v = _qkv()
+    assert _validate(q, k, v) == (pytest.approx(1 / math.sqrt(128)), "bfloat16")
+    per_head_q, per_head_kv = MetaArray((2, 8), np.float32), MetaArray((2, 2), np.float32)
+    per_block_q, per_block_k = MetaArray((2, 8, 3), np.float32), MetaArray((2, 2, 2), np.float32)
+    scalar = MetaArray((), np.float32)
+    for qd, kd, vd in [(scalar, scalar, scalar), (per_head_q, per_head_kv, per_head_kv),
+                       (per_block_q, per_block_k, per_head_kv), (0.5, per_block_k, 2.0)]:
+        assert _validate(q, k, v, qd, kd, vd, out_dtype="float16")[1] == "float16"
+    assert _validate(q, k, v, out=MetaArray(q.shape, ml_dtypes.bfloat16))[1] == "bfloat16"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_16_bit_data_where_fp8_is_expected_is_a_type_error(dtype):
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match=r"k must have dtype float8_e4m3fn .* quantize it first"):
+        _validate(q, MetaArray(k.shape, np.dtype(dtype)), v)
+
+
+def test_raw_bytes_must_be_viewed_as_e4m3():
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match=r"q must have dtype float8_e4m3fn .* q.view"):
+        _validate(MetaArray(q.shape, np.uint8), k, v)
+    with pytest.raises(TypeError, match="only e4m3"):
+        _validate(q, k, MetaArray(v.shape, ml_dtypes.float8_e5m2))
+
+
+def test_a_missing_descale_is_a_clear_error():
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="v_descale is required"):
+        _validate(q, k, v, v_descale=None)
+    with pytest.raises(TypeError, match="missing .* keyword-only argument.*k_descale"):
+        fp8.attention(q, k, v, q_descale=1.0, v_descale=1.0)
+
+
+@pytest.mark.parametrize("bad, error, message", [
+    (dict(q_descale=MetaArray((2, 2), np.float32)), ValueError, r"q_descale must have one of"),
+    (dict(k_descale=MetaArray((2, 8), np.float32)), ValueError, r"k_descale must have one of"),
+    (dict(v_descale=MetaArray((2, 2, 2), np.float32)), ValueError, r"v_descale must have one of"),
+    (dict(q_descale=MetaArray((2, 8), np.float64)), TypeError, r"q_descale must have dtype float32"),
+    (dict(k_descale=0.0), ValueError, r"k_descale must be finite and positive"),
+    (dict(k_descale=float("nan")), ValueError, r"k_descale must be finite and positive"),
+    (dict(v_descale="1"), TypeError, r"v_descale must be a positive number or a float32"),
+    (dict(q_descale=True), TypeError, r"q_descale must be a positive number or a float32"),
+])
+def test_bad_descales_are_refused(bad, error, message):
+    q, k, v = _qkv()
+    with pytest.raises(error, match=message):
+        _validate(q, k, v, **bad)
+
+
+def test_shape_and_output_checks():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="head_dim must be one of"):
+        _validate(*_qkv(dim=96))
+    with pytest.raises(ValueError, match="multiple of k/v's heads"):
+        _validate(*_qkv(heads_q=6, heads_kv=4))
+    with pytest.raises(TypeError, match="out must have dtype bfloat16 or float16"):
+        _validate(q, k, v, out=MetaArray(q.shape, np.float32))
+    with pytest.raises(ValueError, match="out has dtype float16 but out_dtype is bfloat16"):
+        _validate(q, k, v, out=MetaArray(q.shape, np.float16), out_dtype="bfloat16")
+    with pytest.raises(ValueError, match="out_dtype must be bfloat16 or float16"):
+        _validate(q, k, v, out_dtype="float32")
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        _validate(q, MetaArray(k.shape, ptr=(1 << 20) + 8), v)
+
+
+def test_numpy_arrays_are_refused_before_anything_else():
+    x = np.zeros((1, 4, 2, 64), fp8.E4M3)
+    with pytest.raises(TypeError, match=r"q must be a cupy.ndarray, got numpy.ndarray"):
+        fp8.attention(x, x, x, q_descale=1.0, k_descale=1.0, v_descale=1.0)
+
+
+def test_e4m3_table_and_rounding_match_ml_dtypes(rng):
+    values = fp8.e4m3_values()
+    assert values[0x7e] == 448 and values[0x08] == 2.0 ** -6 and values[0x01] == 2.0 ** -9
+    assert np.isnan(values[0x7f]) and np.isnan(values[0xff])
+    finite = np.sort(values[np.isfinite(values)])
+    midpoints = ((finite[1:] + finite[:-1]) / 2).astype(np.float32)  # exact ties
+    x = np.concatenate([rng.standard_normal(200_000).astype(np.float32) * s
+                        for s in (1e-3, 0.1, 1, 30, 300)] + [midpoints, finite])
+    x = np.clip(x, -fp8.E4M3_MAX, fp8.E4M3_MAX)
+    np.testing.assert_array_equal(fp8.round_to_e4m3(x), x.astype(fp8.E4M3).astype(np.float32))
+    assert fp8.round_to_e4m3(np.float32([1000, -1e9])).tolist() == [448, -448]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_hadamard_rotation_is_orthogonal_and_keeps_qk(head_dim, rng):
+    rotation = fp8.hadamard_rotation(head_dim, seed=7)
+    r = rotation.matrix()
+    np.testing.assert_allclose(r @ r.T, np.eye(head_dim), atol=1e-12)
+    assert set(np.unique(rotation.signs)) <= {-1.0, 1.0}
+    assert np.array_equal(rotation.signs, fp8.hadamard_rotation(head_dim, seed=7).signs)
+    q, k = rng.standard_normal((2, 5, head_dim))
+    np.testing.assert_allclose((q @ r) @ (k @ r).T, q @ k.T, atol=1e-10)
+
+
+@pytest.mark.parametrize("spec", fp8.variants(), ids=lambda s: s.name)
+def test_quantizer_compiles_without_spills(spec):
+    compiled = runtime.compile(spec, "sm_90a")
+    if compiled.report is None:
+        pytest.skip("this NVRTC does not report ptxas numbers")
+    assert compiled.spill_bytes == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: carrier and quantizers
+
+
+def _random(shape, dtype, rng, scale=1.0, outliers=0.0):
+    """Standard normal times `scale`; with `outliers` that fraction of entries times 10."""
+    import cupy
+    x = rng.standard_normal(shape, dtype=np.float32) * scale
+    if outliers:
+        x = np.where(rng.random(shape) < outliers, x * 10, x).astype(np.float32)
+    return cupy.asarray(x).astype(dtype)
+
+
+def _host_quantize(x, granularity, rotation=None):
+    """NumPy/ml_dtypes encoding the GPU quantizer must reproduce: (bytes, descale)."""
+    x = x.astype(np.float32)
+    if rotation is not None:
+        x = (x.astype(np.float64) @ rotation.matrix()).astype(np.float32)
+    batch, seqlen, heads, _ = x.shape
+    blocks = -(-seqlen // fp8.SCALE_BLOCK_ROWS)
+    pad = np.zeros((batch, blocks * fp8.SCALE_BLOCK_ROWS - seqlen) + x.shape[2:], np.float32)
+    grouped = np.abs(np.concatenate([x, pad], axis=1)).reshape(
+        batch, blocks, fp8.SCALE_BLOCK_ROWS, heads, -1)
+    amax = grouped.max(axis=(2, 4)).transpose(0, 2, 1)  # (batch, heads, blocks)
+    amax = {"block": amax, "head": amax.max(axis=2), "tensor": amax.max()}[granularity]
+    descale = np.where(amax > 0, np.float32(amax) / np.float32(448), np.float32(1))
+    descale = np.asarray(descale, np.float32)
+    if granularity == "block":
+        rows = np.repeat(descale, fp8.SCALE_BLOCK_ROWS, axis=2)[:, :, :seqlen]
+        rows = rows.transpose(0, 2, 1)[..., None]
+    elif granularity == "head":
+        rows = descale[:, None, :, None]
+    else:
+        rows = descale
+    scaled = np.clip(x / rows, -448, 448)
+    return scaled.astype(fp8.E4M3).view(np.uint8), descale
+
+
+@pytest.mark.gpu
+def test_cupy_carries_e4m3():
+    import cupy
+    host = np.float32([0.5, -3.0, 448.0, 2.0 ** -9]).astype(fp8.E4M3)
+    x = cupy.asarray(host.view(np.uint8)).view(fp8.E4M3)
+    assert x.dtype == fp8.E4M3 and x.itemsize == 1
+    assert x.get().dtype == fp8.E4M3
+    np.testing.assert_array_equal(x.get().astype(np.float32), host.astype(np.float32))
+    assert cupy.asarray(host).dtype == fp8.E4M3
+    assert cupy.empty((2, 3), dtype=fp8.E4M3)[:, 1:].view(cupy.uint8).shape == (2, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("granularity", fp8.GRANULARITIES)
+def test_quantizer_matches_host_encoding_byte_for_byte(dtype, head_dim, granularity, rng):
+    import cupy
+    packed = _random((2, 300, 3, 2, head_dim), dtype, rng, scale=3.0, outliers=1e-3)
+    x = packed[:, :, :, 1]  # strided view
+    packed[0, :, 1] = 0  # an all-zero head: descale 1
+    x8, descale = fp8.quantize(x, granularity)
+    assert x8.dtype == fp8.E4M3 and x8.shape == x.shape and x8.flags.c_contiguous
+    expected_bytes, expected_descale = _host_quantize(cupy.asnumpy(x.astype(cupy.float32)),
+                                                      granularity)
+    np.testing.assert_array_equal(descale.get(), expected_descale)
+    np.testing.assert_array_equal(x8.view(cupy.uint8).get(), expected_bytes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_rotating_quantizer_matches_host_rotation(head_dim, rng):
+    import cupy
+    x = _random((1, 257, 2, head_dim), "bfloat16", rng, outliers=1e-3)
+    rotation = fp8.hadamard_rotation(head_dim, seed=3)
+    x8, descale = fp8.quantize(x, "block", rotation)
+    host = cupy.asnumpy(x.astype(cupy.float32))
+    expected_bytes, expected_descale = _host_quantize(host, "block", rotation)
+    np.testing.assert_allclose(descale.get(), expected_descale, rtol=1e-6)
+    # FP32 butterflies and the float64 matrix product may straddle an e4m3 rounding boundary:
+    # allow one step there, rarely.
+    got = x8.view(cupy.uint8).get().astype(np.int16)
+    step = np.abs(got - expected_bytes.astype(np.int16))
+    assert step.max() <= 1 and (step > 0).mean() < 1e-3
+    rotated = host.astype(np.float64) @ rotation.matrix()
+    np.testing.assert_allclose(fp8.dequantize(x8, descale).get(), rotated,
+                               atol=float(descale.max()) * 2 ** -9 + 1e-6,
+                               rtol=2 ** -4)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the FP8 wgmma building blocks (ptx_src/fp8_wgmma_probe.cu)
+
+
+def _probe_spec(head_dim):
+    return runtime.KernelSpec(f"fp8_wgmma_probe_d{head_dim}", "fp8_wgmma_probe.cu",
+                              "fp8_wgmma_probe", defines={"HEAD_DIM": head_dim},
+                              smem_bytes=64 * head_dim + 3 * 128 * head_dim + 1024,
+                              archs=("sm_90a",))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_probe_compiles_without_spills(head_dim):
+    compiled = runtime.compile(_probe_spec(head_dim), "sm_90a")
+    if compiled.report is None:
+        pytest.skip("this NVRTC does not report ptxas numbers")
+    assert compiled.spill_bytes == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fp8_wgmma_transpose_and_permuted_p(head_dim, rng):
+    """S = Q K^T by SS wgmma, V transposed in shared memory, O = e4m3(S) V by RS wgmma."""
+    import cupy
+    from ptxattn.runtime import device_arch
+    if device_arch() != "sm_90a":
+        pytest.skip("wgmma needs sm_90a")
+    q, k, v = (rng.standard_normal((rows, head_dim), dtype=np.float32).astype(fp8.E4M3)
+               for rows in (64, 128, 128))
+    s = cupy.zeros((64, 128), cupy.float32)
+    o = cupy.zeros((64, head_dim), cupy.float32)
+    spec = _probe_spec(head_dim)
+    runtime.launch(runtime.load(spec), (1, 1, 1), (128, 1, 1),
+                   [cupy.asarray(x.view(np.uint8)) for x in (q, k, v)] + [s, o])
+    qf, kf, vf = (x.astype(np.float64) for x in (q, k, v))
+    s_host = s.get()
+    np.testing.assert_allclose(s_host, qf @ kf.T, rtol=1e-3, atol=1e-3 * np.abs(qf @ kf.T).max())
+    # |S| stays far below 448 here, so e4m3(S) is the kernel-side rounding of these values.
+    expected = fp8.round_to_e4m3(s_host).astype(np.float64) @ vf
+    np.testing.assert_allclose(o.get(), expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the attention kernel
+
+
+def _quantized(shape_q, shape_kv, rng, granularity="head", out_scale=1.0):
+    q = _random(shape_q, "bfloat16", rng, out_scale)
+    k = _random(shape_kv, "bfloat16", rng, out_scale)
+    v = _random(shape_kv, "bfloat16", rng)
+    return fp8.quantize_qkv(q, k, v, granularity)
+
+
+def _assert_close(q8, k8, v8, descales, out, lse, *, causal, softmax_scale=None):
+    import cupy
+    ref, ref_lse = fp8.reference(q8, k8, v8, **descales, causal=causal,
+                                 softmax_scale=softmax_scale, return_lse=True)
+    naive = fp8.reference(q8, k8, v8, **descales, causal=causal, softmax_scale=softmax_scale,
+                          precision="fp8")
+    assert bool(cupy.isfinite(out).all()), "output has NaN/Inf (or was not written)"
+    noise = float(cupy.abs((ref + 0.3 - 0.3).astype(out.dtype).astype(cupy.float32) - ref).max())
+    err = float(cupy.abs(out.astype(cupy.float32) - ref).max())
+    naive_err = float(cupy.abs(naive - ref).max())
+    assert err <= 2 * naive_err + 2 * noise + 1e-6, (err, naive_err, noise)
+    visible = cupy.isfinite(ref_lse)
+    assert bool((cupy.isfinite(lse) == visible).all()), "LSE -inf pattern differs"
+    lse_err = float(cupy.abs(cupy.where(visible, lse - ref_lse, 0)).max())
+    assert lse_err <= 1e-3, lse_err
+
+
+SEQLEN_PAIRS = [(1, 1), (17, 17), (127, 127), (1000, 1000), (4097, 4097), (17, 1000), (1000, 17),
+                (127, 4097)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("seqlens", SEQLEN_PAIRS, ids=lambda p: f"{p[0]}x{p[1]}")
+def test_kernel_matches_fp32_on_dequantized_inputs(causal, head_dim, seqlens, rng):
+    import cupy
+    seqlen_q, seqlen_k = seqlens
+    batch = 2 if seqlen_q * seqlen_k < 10 ** 6 else 1
+    q8, k8, v8, descales = _quantized((batch, seqlen_q, 2, head_dim),
+                                      (batch, seqlen_k, 2, head_dim), rng)
+    out = cupy.full(q8.shape, cupy.nan, dtype=cupy.bfloat16)
+    _, lse = fp8.attention(q8, k8, v8, **descales, causal=causal, return_lse=True, out=out)
+    _assert_close(q8, k8, v8, descales, out, lse, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("granularity", fp8.GRANULARITIES)
+@pytest.mark.parametrize("heads", [(8, 2), (6, 1)], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_descale_granularities_with_grouped_heads(granularity, heads, causal, rng):
+    heads_q, heads_kv = heads
+    q8, k8, v8, descales = _quantized((3, 300, heads_q, 128), (3, 457, heads_kv, 128), rng,
+                                      granularity, out_scale=4.0)
+    out, lse = fp8.attention(q8, k8, v8, **descales, causal=causal, return_lse=True,
+                             out_dtype="float16")
+    assert out.dtype == np.float16
+    _assert_close(q8, k8, v8, descales, out, lse, causal=causal)
+
+
+@pytest.mark.gpu
+def test_scalar_descales_strided_inputs_and_output(rng):
+    import cupy
+    host = rng.standard_normal((2, 333, 3, 4, 64), dtype=np.float32).astype(fp8.E4M3)
+    packed = cupy.asarray(host.view(np.uint8)).view(fp8.E4M3)
+    q8, k8, v8 = packed[:, :, 0], packed[:, :, 1], packed[:, :, 2]
+    descales = {"q_descale": 0.5, "k_descale": cupy.float32([1.5]), "v_descale": 2.0}
+    big_out = cupy.full((2, 333, 8, 64), cupy.nan, dtype=cupy.bfloat16)
+    out = big_out[:, :, 1::2]
+    _, lse = fp8.attention(q8, k8, v8, **descales, causal=True, return_lse=True, out=out,
+                           softmax_scale=0.3)
+    _assert_close(q8, k8, v8, descales, out, lse, causal=True, softmax_scale=0.3)
+    assert bool(cupy.isnan(big_out[:, :, 0::2]).all()), "wrote outside the out view"
+
+
+@pytest.mark.gpu
+def test_causal_rows_that_see_no_key(rng):
+    import cupy
+    q8, k8, v8, descales = _quantized((1, 200, 2, 64), (1, 50, 2, 64), rng)
+    out, lse = fp8.attention(q8, k8, v8, **descales, causal=True, return_lse=True)
+    assert bool((out[:, :150] == 0).all())
+    assert bool(cupy.isneginf(lse[:, :, :150]).all())
+    _assert_close(q8, k8, v8, descales, out, lse, causal=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: accuracy of the quantization schemes (the README table comes from this test)
+
+SCHEMES = {"per-tensor": ("tensor", False), "per-block": ("block", False),
+           "per-block + Hadamard": ("block", True)}
+
+
+def measure_accuracy(outliers: float, seed: int = 0, shape=(1, 2048, 4, 128)) -> dict:
+    """RMSE of each scheme's FP8 attention output, and of the bf16 kernel, against FP32
+    attention of the same bf16 inputs (standard normal; `outliers` of the entries of q, k and
+    v times 10)."""
+    import cupy
+    import ptxattn
+    from ptxattn import reference
+    rng = np.random.default_rng(seed)
+    q, k, v = (_random(shape, "bfloat16", rng, outliers=outliers) for _ in range(3))
+    ref = reference.attention(q, k, v)
+    rmse = {}
+    for name, (granularity, rotate) in SCHEMES.items():
+        q8, k8, v8, descales = fp8.quantize_qkv(q, k, v, granularity, rotate=rotate, seed=seed)
+        out = fp8.attention(q8, k8, v8, **descales)
+        rmse[name] = float(cupy.sqrt(cupy.mean((out.astype(cupy.float32) - ref) ** 2)))
+    out = ptxattn.attention(q, k, v)
+    rmse["bf16 kernel"] = float(cupy.sqrt(cupy.mean((out.astype(cupy.float32) - ref) ** 2)))
+    return rmse
+
+
+@pytest.mark.gpu
+def test_block_quantization_with_rotation_is_most_accurate_on_outliers():
+    normal = measure_accuracy(0.0)
+    outlier = measure_accuracy(1e-3)
+    print("\nRMSE vs FP32     " + "  ".join(f"{n:>20}" for n in normal))
+    for label, row in (("standard normal", normal), ("0.1% outliers x10", outlier)):
+        print(f"{label:17}" + "  ".join(f"{row[n]:20.2e}" for n in row))
+    fp8_rmse = [normal[n] for n in SCHEMES]
+    # On well-behaved inputs the schemes agree (rotation costs nothing) ...
+    assert max(fp8_rmse) <= 1.1 * min(fp8_rmse), normal
+    # ... and every FP8 scheme stays within a small multiple of the bf16 kernel's error.
+    assert max(fp8_rmse) <= 30 * normal["bf16 kernel"], normal
+    # With outliers, block scales + rotation is strictly the most accurate, by a clear margin.
+    best = outlier["per-block + Hadamard"]
+    assert best < 0.8 * outlier["per-block"], outlier
+    assert best < 0.8 * outlier["per-tensor"], outlier
+    assert outlier["per-block"] < outlier["per-tensor"], outlier
