@@ -4,8 +4,8 @@
 // BLOCK_M / NUM_WARPS consecutive rows (a multiple of 16, one mma M tile per 16). K/V blocks of
 // BLOCK_N keys stream through a STAGES-deep cp.async ring in shared memory while the warps run
 // S = Q K^T, the online softmax and O += P V with P kept in registers (C fragment -> A fragment).
-// Q is loaded once; with Q_IN_REGS its A fragments stay in registers, otherwise they are re-read
-// from shared memory every block (fewer registers, for warps that own 32 rows or large heads).
+// Q is loaded once and its A fragments are re-read from shared memory for every block: a warp
+// owning 32 rows has no registers to spare for them next to O (D/2 floats per row pair) and S.
 //
 // KV blocks are visited from the last to the first, so the blocks that need a mask (the
 // sequence tail, the causal diagonal) come first and a single uniform test per block decides
@@ -19,16 +19,15 @@
 // out with 16-byte stores, predicated on the sequence length.
 //
 // Compile-time parameters (all required): HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, STAGES,
-// Q_IN_REGS, IS_BF16 (else fp16), IS_CAUSAL, MIN_BLOCKS_PER_SM.
+// IS_BF16 (else fp16), IS_CAUSAL, MIN_BLOCKS_PER_SM.
 #include "common.cuh"
 #include "cp_async.cuh"
 #include "mma_sync.cuh"
 #include "softmax.cuh"
 
 #if !defined(HEAD_DIM) || !defined(BLOCK_M) || !defined(BLOCK_N) || !defined(NUM_WARPS) || \
-    !defined(STAGES) || !defined(Q_IN_REGS) || !defined(IS_BF16) || !defined(IS_CAUSAL) ||  \
-    !defined(MIN_BLOCKS_PER_SM)
-#error "fwd_mma_sync.cu needs HEAD_DIM BLOCK_M BLOCK_N NUM_WARPS STAGES Q_IN_REGS IS_BF16 IS_CAUSAL MIN_BLOCKS_PER_SM"
+    !defined(STAGES) || !defined(IS_BF16) || !defined(IS_CAUSAL) || !defined(MIN_BLOCKS_PER_SM)
+#error "fwd_mma_sync.cu needs HEAD_DIM BLOCK_M BLOCK_N NUM_WARPS STAGES IS_BF16 IS_CAUSAL MIN_BLOCKS_PER_SM"
 #endif
 
 namespace ptxattn {
@@ -40,7 +39,6 @@ constexpr int kBlockN = BLOCK_N;
 constexpr int kWarps = NUM_WARPS;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kStages = STAGES;
-constexpr bool kQInRegs = Q_IN_REGS != 0;
 constexpr bool kBf16 = IS_BF16 != 0;
 constexpr bool kCausal = IS_CAUSAL != 0;
 
@@ -48,6 +46,7 @@ constexpr int kWarpRows = kBlockM / kWarps;
 constexpr int kMTiles = kWarpRows / 16;      // 16-row mma tiles per warp
 constexpr int kKSteps = kHeadDim / 16;       // k steps of S = Q K^T
 constexpr int kSTiles = kBlockN / 8;         // 8-column tiles of S
+constexpr int kPSteps = kBlockN / 16;        // k steps of O += P V
 constexpr int kOTiles = kHeadDim / 8;        // 8-column tiles of O
 constexpr int kRowBytes = kHeadDim * 2;
 constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte chunks per row
@@ -62,6 +61,9 @@ static_assert(kThreads % kChunksPerRow == 0 &&
                   kBlockN % (kThreads / kChunksPerRow) == 0 &&
                   kBlockM % (kThreads / kChunksPerRow) == 0,
               "tile loads give every thread the same number of whole chunks");
+static_assert(kThreads / kChunksPerRow <= 32,
+              "a thread's row within a load pass times the seq stride (< 2^26, checked by the "
+              "launcher) must fit in 32 bits");
 static_assert(32 % kChunksPerRow == 0 || kChunksPerRow % 32 == 0, "epilogue row split");
 static_assert(kStages >= 2, "the ring needs a stage in flight while one is computed");
 
@@ -71,21 +73,38 @@ __device__ __forceinline__ uint32_t tile_offset(int row, int chunk) {
     return static_cast<uint32_t>(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
 }
 
-// cp.async of tile rows [0, kRows) from sequence positions first_row.. of one head; positions at
-// or past seq_len are zero-filled and never read.
-template <int kRows>
-__device__ __forceinline__ void load_tile(uint32_t tile, const uint16_t* head, int64_t seq_stride,
-                                          int first_row, int seq_len, int tid) {
+// cp.async of tile rows [0, kRows) from consecutive sequence positions of one head, `rows`
+// pointing at the first. Each thread moves one 16-byte column chunk of every
+// (kThreads / kChunksPerRow)-th row. With kCheckRows, rows at or past `valid_rows` are
+// zero-filled and never read; only the Q block and the first K/V block visited can be partial.
+template <int kRows, bool kCheckRows>
+__device__ __forceinline__ void load_tile(uint32_t tile, const uint16_t* rows, int64_t seq_stride,
+                                          int valid_rows, int tid) {
     constexpr int kRowsPerPass = kThreads / kChunksPerRow;
     const int chunk = tid % kChunksPerRow;
+    const int first = tid / kChunksPerRow;
+    // a 32-bit per-thread offset is cheap to recompute per block, where 64-bit per-thread
+    // pointers would stay live through the main loop and cost registers
+    const int thread_offset = first * static_cast<int>(seq_stride) + chunk * 8;
 #pragma unroll
     for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
-        const int row = pass * kRowsPerPass + tid / kChunksPerRow;
-        const bool valid = first_row + row < seq_len;
-        const uint16_t* src =
-            head + (valid ? static_cast<int64_t>(first_row + row) * seq_stride + chunk * 8 : 0);
-        cp_async_16(tile + tile_offset(row, chunk), src, valid);
+        const int row = first + pass * kRowsPerPass;
+        const bool valid = !kCheckRows || row < valid_rows;
+        const uint16_t* src = rows + pass * kRowsPerPass * seq_stride + thread_offset;
+        cp_async_16(tile + tile_offset(row, chunk), valid ? src : rows, valid);
     }
+}
+
+// The K and V tiles of one ring stage, keys first_key.. of the K/V head.
+template <bool kCheckRows>
+__device__ __forceinline__ void load_kv(uint32_t stage, const uint16_t* k_head,
+                                        const uint16_t* v_head, int64_t k_seq_stride,
+                                        int64_t v_seq_stride, int first_key, int seq_len_k,
+                                        int tid) {
+    load_tile<kBlockN, kCheckRows>(stage, k_head + first_key * k_seq_stride, k_seq_stride,
+                                   seq_len_k - first_key, tid);
+    load_tile<kBlockN, kCheckRows>(stage + kKVTileBytes, v_head + first_key * v_seq_stride,
+                                   v_seq_stride, seq_len_k - first_key, tid);
 }
 
 // ldmatrix addressing. Every fragment load below starts at a tile row that is a multiple of 8 and
@@ -121,13 +140,9 @@ __device__ __forceinline__ LaneAddr k_frag_lane(int lane) {
 // keys 0-15 of the left tile, 16-31 of the right one; same split as the A fragment.
 __device__ __forceinline__ LaneAddr v_frag_lane(int lane) { return a_frag_lane(lane); }
 
-struct QFragments {
-    uint32_t a[kQInRegs ? kMTiles : 1][kQInRegs ? kKSteps : 1][4];
-};
-
 // S (this warp's rows x kBlockN keys) = Q K^T, scores raw.
-__device__ __forceinline__ void gemm_qk(float (&s)[kMTiles][kSTiles][4], const QFragments& qf,
-                                        uint32_t q_tile, uint32_t k_tile, int warp_row,
+__device__ __forceinline__ void gemm_qk(float (&s)[kMTiles][kSTiles][4], uint32_t q_tile,
+                                        uint32_t k_tile, int warp_row,
                                         const LaneAddr& q_lane, const LaneAddr& k_lane) {
 #pragma unroll
     for (int m = 0; m < kMTiles; ++m) {
@@ -142,12 +157,7 @@ __device__ __forceinline__ void gemm_qk(float (&s)[kMTiles][kSTiles][4], const Q
         uint32_t a[kMTiles][4];
 #pragma unroll
         for (int m = 0; m < kMTiles; ++m) {
-            if constexpr (kQInRegs) {
-#pragma unroll
-                for (int c = 0; c < 4; ++c) a[m][c] = qf.a[m][ks][c];
-            } else {
-                ldmatrix_x4(a[m], q_lane.at(q_tile, warp_row + 16 * m, 2 * ks));
-            }
+            ldmatrix_x4(a[m], q_lane.at(q_tile, warp_row + 16 * m, 2 * ks));
         }
 #pragma unroll
         for (int p = 0; p < kSTiles / 2; ++p) {
@@ -164,21 +174,27 @@ __device__ __forceinline__ void gemm_qk(float (&s)[kMTiles][kSTiles][4], const Q
     }
 }
 
-// O += P V with P taken from the probability fragments: S tiles 2k, 2k+1 of one 16-row group
-// are exactly the A fragment of PV k step k once packed to 16-bit pairs.
+// Probabilities as the A fragments of O += P V: S tiles 2k, 2k+1 of a 16-row group are exactly
+// the A fragment of k step k once packed to 16-bit pairs.
+__device__ __forceinline__ void pack_probabilities(uint32_t (&a)[kMTiles][kPSteps][4],
+                                                   const float (&p)[kMTiles][kSTiles][4]) {
+#pragma unroll
+    for (int m = 0; m < kMTiles; ++m) {
+#pragma unroll
+        for (int ks = 0; ks < kPSteps; ++ks) {
+            a[m][ks][0] = pack_f32x2<kBf16>(p[m][2 * ks][0], p[m][2 * ks][1]);
+            a[m][ks][1] = pack_f32x2<kBf16>(p[m][2 * ks][2], p[m][2 * ks][3]);
+            a[m][ks][2] = pack_f32x2<kBf16>(p[m][2 * ks + 1][0], p[m][2 * ks + 1][1]);
+            a[m][ks][3] = pack_f32x2<kBf16>(p[m][2 * ks + 1][2], p[m][2 * ks + 1][3]);
+        }
+    }
+}
+
 __device__ __forceinline__ void gemm_pv(float (&o)[kMTiles][kOTiles][4],
-                                        const float (&p)[kMTiles][kSTiles][4], uint32_t v_tile,
+                                        const uint32_t (&p)[kMTiles][kPSteps][4], uint32_t v_tile,
                                         const LaneAddr& v_lane) {
 #pragma unroll
-    for (int ks = 0; ks < kBlockN / 16; ++ks) {
-        uint32_t a[kMTiles][4];
-#pragma unroll
-        for (int m = 0; m < kMTiles; ++m) {
-            a[m][0] = pack_f32x2<kBf16>(p[m][2 * ks][0], p[m][2 * ks][1]);
-            a[m][1] = pack_f32x2<kBf16>(p[m][2 * ks][2], p[m][2 * ks][3]);
-            a[m][2] = pack_f32x2<kBf16>(p[m][2 * ks + 1][0], p[m][2 * ks + 1][1]);
-            a[m][3] = pack_f32x2<kBf16>(p[m][2 * ks + 1][2], p[m][2 * ks + 1][3]);
-        }
+    for (int ks = 0; ks < kPSteps; ++ks) {
 #pragma unroll
         for (int dp = 0; dp < kOTiles / 2; ++dp) {
             uint32_t b[4];
@@ -187,8 +203,8 @@ __device__ __forceinline__ void gemm_pv(float (&o)[kMTiles][kOTiles][4],
             const uint32_t b_hi[2] = {b[2], b[3]};
 #pragma unroll
             for (int m = 0; m < kMTiles; ++m) {
-                mma_m16n8k16<kBf16>(o[m][2 * dp], a[m], b_lo);
-                mma_m16n8k16<kBf16>(o[m][2 * dp + 1], a[m], b_hi);
+                mma_m16n8k16<kBf16>(o[m][2 * dp], p[m][ks], b_lo);
+                mma_m16n8k16<kBf16>(o[m][2 * dp + 1], p[m][ks], b_hi);
             }
         }
     }
@@ -262,36 +278,20 @@ fwd_mma_sync(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
 
     const uint32_t q_tile = smem_addr(smem);
     const uint32_t ring = q_tile + kQTileBytes;
-    auto load_kv = [&](int iter) {
-        const int n_block = n_blocks - 1 - iter;
-        const uint32_t k_tile = ring + (iter % kStages) * kStageBytes;
-        load_tile<kBlockN>(k_tile, k_head, k_seq_stride, n_block * kBlockN, seq_len_k, tid);
-        load_tile<kBlockN>(k_tile + kKVTileBytes, v_head, v_seq_stride, n_block * kBlockN,
-                           seq_len_k, tid);
-    };
-
-    load_tile<kBlockM>(q_tile, q_head, q_seq_stride, first_row, seq_len_q, tid);
+    load_tile<kBlockM, true>(q_tile, q_head + first_row * q_seq_stride, q_seq_stride,
+                             seq_len_q - first_row, tid);
 #pragma unroll
     for (int iter = 0; iter < kStages - 1; ++iter) {
-        if (iter < n_blocks) load_kv(iter);
+        if (iter < n_blocks) {
+            load_kv<true>(ring + iter * kStageBytes, k_head, v_head, k_seq_stride, v_seq_stride,
+                          (n_blocks - 1 - iter) * kBlockN, seq_len_k, tid);
+        }
         cp_async_commit();
     }
 
     const LaneAddr q_lane = a_frag_lane(lane);
     const LaneAddr k_lane = k_frag_lane(lane);
     const LaneAddr v_lane = v_frag_lane(lane);
-    QFragments qf;
-    if constexpr (kQInRegs) {
-        cp_async_wait<kStages - 2>();
-        __syncthreads();
-#pragma unroll
-        for (int m = 0; m < kMTiles; ++m) {
-#pragma unroll
-            for (int ks = 0; ks < kKSteps; ++ks) {
-                ldmatrix_x4(qf.a[m][ks], q_lane.at(q_tile, warp_row + 16 * m, 2 * ks));
-            }
-        }
-    }
 
     float o[kMTiles][kOTiles][4];
 #pragma unroll
@@ -309,22 +309,27 @@ fwd_mma_sync(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
     for (int iter = 0; iter < n_blocks; ++iter) {
         cp_async_wait<kStages - 2>();
         __syncthreads();  // the block's data has landed and every warp is done with iter - 1
-        if (iter + kStages - 1 < n_blocks) load_kv(iter + kStages - 1);
+        const int next = iter + kStages - 1;
+        if (next < n_blocks) {
+            load_kv<false>(ring + (next % kStages) * kStageBytes, k_head, v_head, k_seq_stride,
+                           v_seq_stride, (n_blocks - 1 - next) * kBlockN, seq_len_k, tid);
+        }
         cp_async_commit();
 
         const uint32_t k_tile = ring + (iter % kStages) * kStageBytes;
         const int first_key = (n_blocks - 1 - iter) * kBlockN;
         float s[kMTiles][kSTiles][4];
-        gemm_qk(s, qf, q_tile, k_tile, warp_row, q_lane, k_lane);
+        gemm_qk(s, q_tile, k_tile, warp_row, q_lane, k_lane);
         const bool tail = first_key + kBlockN > seq_len_k;
         const bool diagonal = kCausal && first_key + kBlockN - 1 > first_row + diag;
         if (tail || diagonal) {
             mask_scores(s, first_key, first_row + warp_row, seq_len_k, diag, lane);
         }
         float rescale[kMTiles][2];
-        softmax.update(s, scale_log2, rescale);
-        scale_rows(o, rescale);
-        gemm_pv(o, s, k_tile + kKVTileBytes, v_lane);
+        if (softmax.update(s, scale_log2, rescale)) scale_rows(o, rescale);
+        uint32_t p[kMTiles][kPSteps][4];
+        pack_probabilities(p, s);
+        gemm_pv(o, p, k_tile + kKVTileBytes, v_lane);
     }
     cp_async_wait<0>();
     __syncthreads();  // every copy has landed (also when no block was visited) before Q is reused

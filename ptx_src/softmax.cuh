@@ -9,10 +9,9 @@
 // xor-shuffles (ex2 and shfl.sync.bfly PTX); row sums stay per thread until finalize(), because
 // the rescale factors are already uniform across the quad.
 //
-// Scores enter raw (unscaled). With c = softmax_scale * log2(e) > 0, the running max is kept
+// Scores enter raw (unscaled). With c = softmax_scale * log2(e) > 0, the reference max is kept
 // scaled (m = c * max s, -inf while a row has seen no key) and probabilities are
-// exp2(c * s - m): one FFMA and one ex2.approx per score. A row that so far sees only masked
-// (-inf) scores uses 0 in place of m, so that it produces zeros instead of NaN.
+// exp2(c * s - m): one FFMA and one ex2.approx per score.
 #pragma once
 #include "common.cuh"
 
@@ -63,6 +62,12 @@ struct OnlineSoftmax {
     float row_max[kRowPairs][2];  // scaled running max (log2 units), -inf before any key
     float row_sum[kRowPairs][2];  // this thread's share of the running denominator
 
+    // The max subtracted in the exponent: 0 while a row has seen no key, so masked (-inf) scores
+    // give exp2(-inf) = 0 instead of NaN.
+    __device__ __forceinline__ static float bias(float max) {
+        return max == -__int_as_float(0x7f800000) ? 0.0f : max;
+    }
+
     __device__ __forceinline__ void init() {
 #pragma unroll
         for (int r = 0; r < kRowPairs; ++r) {
@@ -74,37 +79,57 @@ struct OnlineSoftmax {
         }
     }
 
-    // Folds one block of raw scores into the running statistics. Overwrites `s` with the
-    // unnormalised probabilities and returns in `rescale` the factor by which rows of the output
-    // accumulated so far must be multiplied.
+    // Folds one block of raw scores into the running statistics and overwrites `s` with the
+    // unnormalised probabilities exp2(c * s - m). The reference max m of a row only moves when
+    // some row of the warp would gain more than kMaxGrowth over its own m; otherwise the stale m
+    // is kept, which is exact (numerator and denominator share it) and keeps probabilities below
+    // 2^kMaxGrowth, far from overflow in any of fp32, bf16 and fp16. Most blocks then leave the
+    // output accumulator alone. Returns, uniformly across the warp, whether the output
+    // accumulated so far must be multiplied by `rescale`.
     template <int kTiles>
-    __device__ __forceinline__ void update(float (&s)[kRowPairs][kTiles][4], float scale_log2,
+    __device__ __forceinline__ bool update(float (&s)[kRowPairs][kTiles][4], float scale_log2,
                                            float (&rescale)[kRowPairs][2]) {
+        constexpr float kMaxGrowth = 8.0f;
+        float block_max[kRowPairs][2];
+        bool grows = false;
 #pragma unroll
         for (int r = 0; r < kRowPairs; ++r) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                float block_max = s[r][0][2 * h];
+                float m = s[r][0][2 * h];
 #pragma unroll
                 for (int j = 0; j < kTiles; ++j) {
-                    block_max = fmaxf(block_max, fmaxf(s[r][j][2 * h], s[r][j][2 * h + 1]));
+                    m = fmaxf(m, fmaxf(s[r][j][2 * h], s[r][j][2 * h + 1]));
                 }
-                const float new_max = fmaxf(row_max[r][h], quad_max(block_max) * scale_log2);
-                const float bias = new_max == -__int_as_float(0x7f800000) ? 0.0f : new_max;
-                rescale[r][h] = exp2_approx(row_max[r][h] - bias);
-                row_max[r][h] = new_max;
+                block_max[r][h] = quad_max(m) * scale_log2;
+                grows |= block_max[r][h] > row_max[r][h] + kMaxGrowth;
+            }
+        }
+        const bool move = __any_sync(0xffffffffu, grows);
+#pragma unroll
+        for (int r = 0; r < kRowPairs; ++r) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                if (move) {
+                    const float new_max = fmaxf(row_max[r][h], block_max[r][h]);
+                    rescale[r][h] = exp2_approx(row_max[r][h] - bias(new_max));
+                    row_max[r][h] = new_max;
+                }
+                const float m = bias(row_max[r][h]);
                 float block_sum = 0.0f;
 #pragma unroll
                 for (int j = 0; j < kTiles; ++j) {
 #pragma unroll
                     for (int c = 2 * h; c < 2 * h + 2; ++c) {
-                        s[r][j][c] = exp2_approx(fmaf(s[r][j][c], scale_log2, -bias));
+                        s[r][j][c] = exp2_approx(fmaf(s[r][j][c], scale_log2, -m));
                         block_sum += s[r][j][c];
                     }
                 }
-                row_sum[r][h] = fmaf(row_sum[r][h], rescale[r][h], block_sum);
+                row_sum[r][h] = move ? fmaf(row_sum[r][h], rescale[r][h], block_sum)
+                                     : row_sum[r][h] + block_sum;
             }
         }
+        return move;
     }
 
     // Completes the row sums across the quad. Returns per owned row the factor that normalises

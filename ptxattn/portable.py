@@ -2,9 +2,9 @@
 
 The kernel takes raw pointers and element strides, so any (batch, seqlen, heads) strides work
 as long as rows are 16-byte aligned (api.validate checks that). Tiles are compile-time: one
-:class:`Tile` per head dim and shared-memory class, chosen by measurement on the H100 (see the
-table in TILES). The 1-D grid runs the query blocks of one (batch, head) next to each other so
-that they share K/V in L2.
+:class:`Tile` per (head dim, causal) and shared-memory class, chosen by measurement on the H100
+(see TILES). The 1-D grid runs the query blocks of one (batch, head) next to each other so that
+they share K/V in L2.
 """
 
 from __future__ import annotations
@@ -32,28 +32,36 @@ class Tile:
     block_n: int       # keys per K/V block
     warps: int         # each owns block_m / warps rows, a multiple of 16
     stages: int        # depth of the cp.async K/V ring
-    q_in_regs: bool    # keep Q's A fragments in registers instead of re-reading shared memory
-    min_blocks: int = 1  # __launch_bounds__ minimum blocks per SM
+    min_blocks: int    # __launch_bounds__ minimum blocks per SM
 
     def smem_bytes(self, head_dim: int) -> int:
         return (self.block_m + 2 * self.stages * self.block_n) * head_dim * 2
 
     def label(self) -> str:
-        return (f"m{self.block_m}_n{self.block_n}_w{self.warps}_s{self.stages}"
-                f"{'_qr' if self.q_in_regs else ''}_b{self.min_blocks}")
+        return f"m{self.block_m}_n{self.block_n}_w{self.warps}_s{self.stages}_b{self.min_blocks}"
 
 
-# head_dim -> [(archs, tile)]: the archs each tile ships for (shared memory per block decides).
-TILES: dict[int, list[tuple[tuple[str, ...], Tile]]] = {
-    64: [(ARCHS, Tile(128, 64, 4, 2, False, 2))],
-    128: [(ARCHS, Tile(128, 32, 4, 2, False, 2))],
-    256: [(("sm_80", "sm_90a"), Tile(128, 32, 8, 2, False, 1)),
-          (("sm_86", "sm_89", "sm_120a"), Tile(64, 32, 4, 2, False, 2))],
+_SMALL_SMEM = ("sm_86", "sm_89", "sm_120a")  # 99 KB of shared memory per block
+
+# (head_dim, causal) -> [(archs, tile)], chosen with scripts/check_portable.py on the H100 (bf16,
+# batch * seqlen = 8192-16384, seqlen 2048). A warp owning 32 rows halves K/V shared-memory
+# reads against one owning 16, so 4-warp tiles of 128 rows win wherever O and S fit in 255
+# registers without spills: for D=128 that caps S at 32 keys (64 keys measured 10% faster but
+# spills). D=256 leaves room only for 16 rows per warp; its 196 KB non-causal tile is
+# sm_90a-only.
+TILES: dict[tuple[int, bool], list[tuple[tuple[str, ...], Tile]]] = {
+    (64, False): [(ARCHS, Tile(128, 64, 4, 2, 2))],
+    (64, True): [(ARCHS, Tile(128, 64, 4, 2, 2))],
+    (128, False): [(ARCHS, Tile(128, 32, 4, 3, 2))],
+    (128, True): [(ARCHS, Tile(128, 32, 4, 3, 2))],
+    (256, False): [(("sm_90a",), Tile(128, 64, 8, 2, 1)),
+                   (("sm_80",) + _SMALL_SMEM, Tile(64, 32, 4, 2, 2))],
+    (256, True): [(ARCHS, Tile(64, 32, 4, 2, 2))],
 }
 
 
-def tile_for(head_dim: int, arch: str) -> Tile:
-    for archs, tile in TILES[head_dim]:
+def tile_for(head_dim: int, causal: bool, arch: str) -> Tile:
+    for archs, tile in TILES[(head_dim, causal)]:
         if arch in archs:
             return tile
     raise runtime.PtxattnError(f"no portable tile for head_dim {head_dim} on {arch}")
@@ -66,8 +74,7 @@ def spec(dtype: str, head_dim: int, causal: bool, tile: Tile,
         source=SOURCE,
         entry=ENTRY,
         defines={"HEAD_DIM": head_dim, "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n,
-                 "NUM_WARPS": tile.warps, "STAGES": tile.stages,
-                 "Q_IN_REGS": int(tile.q_in_regs), "IS_BF16": DTYPES[dtype],
+                 "NUM_WARPS": tile.warps, "STAGES": tile.stages, "IS_BF16": DTYPES[dtype],
                  "IS_CAUSAL": int(causal), "MIN_BLOCKS_PER_SM": tile.min_blocks},
         smem_bytes=tile.smem_bytes(head_dim),
         archs=archs,
@@ -76,16 +83,24 @@ def spec(dtype: str, head_dim: int, causal: bool, tile: Tile,
 
 def variants() -> list[runtime.KernelSpec]:
     return [spec(dtype, head_dim, causal, tile, archs)
-            for dtype in DTYPES for head_dim in HEAD_DIMS for causal in (False, True)
-            for archs, tile in TILES[head_dim]]
+            for dtype in DTYPES for (head_dim, causal), tiles in TILES.items()
+            for archs, tile in tiles]
 
 
 def _element_strides(x) -> list[np.int64]:
     return [np.int64(s // x.itemsize) for s in x.strides[:3]]
 
 
+# The kernel forms a thread's offset within a load pass, (row < 32) * seq_stride, in 32 bits.
+MAX_SEQ_STRIDE = 2 ** 26
+
+
 def run(q, k, v, out, lse, *, causal: bool, softmax_scale: float, tile: Tile) -> None:
     """forward() with an explicit tile (benchmarks try tiles outside the table)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.strides[1] // x.itemsize >= MAX_SEQ_STRIDE:
+            raise ValueError(f"{name}'s seqlen stride must be below {MAX_SEQ_STRIDE} elements, "
+                             f"got {x.strides[1] // x.itemsize}")
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     arch = runtime.device_arch()
@@ -103,5 +118,5 @@ def run(q, k, v, out, lse, *, causal: bool, softmax_scale: float, tile: Tile) ->
 
 
 def forward(q, k, v, out, lse, *, causal: bool, softmax_scale: float) -> None:
-    tile = tile_for(q.shape[3], runtime.device_arch())
+    tile = tile_for(q.shape[3], causal, runtime.device_arch())
     run(q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, tile=tile)

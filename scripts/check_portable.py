@@ -1,6 +1,6 @@
 """GPU check of the portable mma.sync kernel: accuracy over a shape grid, then throughput.
 
-    PYTHONPATH=$PWD python3 scripts/check_portable.py [--tiles D:M,N,W,S,QR,B ...] [--skip-grid]
+    PYTHONPATH=$PWD python3 scripts/check_portable.py [--tiles D:M,N,W,S,B ...] [--skip-grid]
 
 Accuracy: every case runs ptxattn.portable against ptxattn.reference in FP32 and passes when its
 max error is at most twice that of the same math done naively in the input precision, plus the
@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import multiprocessing
 import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 
@@ -95,8 +97,8 @@ def grid_cases(head_dims):
 def parse_tile(text):
     from ptxattn.portable import Tile
     dim, rest = text.split(":")
-    m, n, w, s, qr, b = (int(x) for x in rest.split(","))
-    return int(dim), Tile(m, n, w, s, bool(qr), b)
+    m, n, w, s, b = (int(x) for x in rest.split(","))
+    return int(dim), Tile(m, n, w, s, b)
 
 
 def _precompile(args):
@@ -107,7 +109,9 @@ def _precompile(args):
     return time.time() - t0
 
 
-def time_ms(fn, warmup=5, repeats=20):
+def time_ms(fn, warmup=5, repeats=20, calls=5):
+    """Median over `repeats` samples of the mean time of `calls` back-to-back launches, so that
+    host-side launch overhead (Python argument packing) stays hidden behind the GPU queue."""
     import cupy
     for _ in range(warmup):
         fn()
@@ -115,14 +119,16 @@ def time_ms(fn, warmup=5, repeats=20):
     times = []
     for _ in range(repeats):
         start.record()
-        fn()
+        for _ in range(calls):
+            fn()
         stop.record()
         stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
+        times.append(cupy.cuda.get_elapsed_time(start, stop) / calls)
     return statistics.median(times)
 
 
 def bench(dim, tiles, shape):
+    """Times the tiles of tiles[causal] beside torch SDPA's FlashAttention-2."""
     import cupy
     from ptxattn import portable
     batch, seqlen, heads = shape
@@ -150,7 +156,7 @@ def bench(dim, tiles, shape):
             results[("torch", causal)] = flops / ms / 1e9
         except ImportError:
             ref = None
-        for tile in tiles:
+        for tile in tiles[causal]:
             def ours():
                 portable.run(q, k, v, out, lse, causal=causal, softmax_scale=scale, tile=tile)
             ms = time_ms(ours)
@@ -165,7 +171,7 @@ def bench(dim, tiles, shape):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiles", nargs="*", default=[], help="extra tiles to time, D:M,N,W,S,QR,B")
+    parser.add_argument("--tiles", nargs="*", default=[], help="extra tiles to time (causal and not), D:M,N,W,S,B")
     parser.add_argument("--skip-grid", action="store_true")
     parser.add_argument("--head-dims", default="64,128,256")
     args = parser.parse_args(argv)
@@ -174,17 +180,26 @@ def main(argv=None) -> int:
     arch = runtime.device_arch()
     head_dims = [int(d) for d in args.head_dims.split(",")]
     extra = [parse_tile(t) for t in args.tiles]
-    tiles = {d: [portable.tile_for(d, arch)] for d in head_dims}
+    # dim -> causal -> tiles to time, the table's first
+    tiles = {d: {c: [portable.tile_for(d, c, arch)] for c in (False, True)} for d in head_dims}
     for d, t in extra:
-        tiles.setdefault(d, [])
-        if t not in tiles[d]:
-            tiles[d].append(t)
+        for c in (False, True):
+            if t not in tiles[d][c]:
+                tiles[d][c].append(t)
 
-    jobs = [(dtype, d, causal, t, arch) for d in tiles for t in tiles[d]
-            for dtype in portable.DTYPES for causal in (False, True)]
+    jobs = [(dtype, d, c, t, arch) for d in tiles for c in (False, True) for t in tiles[d][c]
+            for dtype in portable.DTYPES]
     t0 = time.time()
-    with ProcessPoolExecutor(max_workers=16) as pool:
-        list(pool.map(_precompile, jobs))
+    # NVRTC in fresh processes (never fork a process that has initialised CUDA) fills the
+    # disk cache that runtime.load then reads.
+    try:
+        with ProcessPoolExecutor(max_workers=16,
+                                 mp_context=multiprocessing.get_context("spawn")) as pool:
+            list(pool.map(_precompile, jobs))
+    except BrokenProcessPool as err:
+        print(f"parallel compile failed ({err}); compiling serially")
+        for job in jobs:
+            _precompile(job)
     print(f"compiled {len(jobs)} variants in {time.time() - t0:.1f} s on {arch}")
 
     failures = 0
