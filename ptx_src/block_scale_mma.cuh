@@ -40,8 +40,10 @@
 //     2^-10 <= |x| <= 2688), so each lane converts its own elements and runs four bf16
 //     m16n8k16 MMAs. The k order inside an MMA is free as long as A and B agree, so sub-MMA s
 //     takes elements 2s, 2s+1 of every data register: no data moves between lanes.
-// The emulated MMA bodies end in a warp-uniform branch or are large; callers that unroll loops of
-// them through static_for must mark the loop bodies always_inline (see static_for).
+// Selectors are PTX immediates, so callers choose them with template arguments; the kernels
+// walk their k blocks and n tiles with recursive __forceinline__ templates rather than lambdas,
+// which the inliner may leave as calls (moving captured accumulators to local memory) once
+// emulated MMAs make their bodies large.
 #pragma once
 #include "common.cuh"
 
@@ -55,25 +57,6 @@
 #endif
 
 namespace ptxattn {
-
-// Selectors are PTX immediates, so loops over k blocks and n tiles that choose them run at
-// compile time:
-//   static_for<0, N>([&](auto i) __attribute__((always_inline)) {
-//       constexpr int kI = decltype(i)::value; ... });
-// Without always_inline the inliner leaves large bodies (emulated MMAs) as calls, and the
-// accumulators they capture by reference move to local memory.
-template <int I>
-struct Index {
-    static constexpr int value = I;
-};
-
-template <int Begin, int End, typename F>
-__device__ __forceinline__ void static_for(F&& f) {
-    if constexpr (Begin < End) {
-        f(Index<Begin>{});
-        static_for<Begin + 1, End>(f);
-    }
-}
 
 // UE8M0: 2^(byte - 127); byte 0 is 2^-127 (an FP32 subnormal), byte 255 is NaN.
 __device__ __forceinline__ float ue8m0_to_float(uint32_t byte) {
@@ -149,6 +132,21 @@ __device__ __forceinline__ uint32_t e2m1_pair_bf16(uint32_t reg, float half_scal
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;"
         : "=r"(packed) : "f"(e2m1_times(hi, half_scale)), "f"(e2m1_times(lo, half_scale)));
     return packed;
+}
+
+// Sub-MMA kPair of the NVFP4 emulation: nibbles 2 kPair, 2 kPair + 1 of every data register,
+// times their halved scales (row g, row g+8, column; low and high k halves), as bf16 m16n8k16.
+template <int kPair>
+__device__ __forceinline__ void bf16_sub_mma(float (&d)[4], const uint32_t (&a)[4],
+                                             const uint32_t (&b)[2], const float (&sa_g)[2],
+                                             const float (&sa_g8)[2], const float (&sb)[2]) {
+    const uint32_t a16[4] = {e2m1_pair_bf16<kPair>(a[0], sa_g[0]), e2m1_pair_bf16<kPair>(a[1], sa_g8[0]),
+                             e2m1_pair_bf16<kPair>(a[2], sa_g[1]), e2m1_pair_bf16<kPair>(a[3], sa_g8[1])};
+    const uint32_t b16[2] = {e2m1_pair_bf16<kPair>(b[0], sb[0]), e2m1_pair_bf16<kPair>(b[1], sb[1])};
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a16[0]), "r"(a16[1]), "r"(a16[2]), "r"(a16[3]), "r"(b16[0]), "r"(b16[1]));
 }
 
 }  // namespace emulation
@@ -232,19 +230,10 @@ __device__ __forceinline__ void mma_nvfp4(float (&d)[4], const uint32_t (&a)[4],
     const float sa_g[2] = {half(row_g, low_block), half(row_g, low_block + 2)};
     const float sa_g8[2] = {half(row_g8, low_block), half(row_g8, low_block + 2)};
     const float sb[2] = {half(col_g, low_block), half(col_g, low_block + 2)};
-    static_for<0, 4>([&](auto pair) __attribute__((always_inline)) {
-        constexpr int kPair = decltype(pair)::value;
-        const uint32_t a16[4] = {e2m1_pair_bf16<kPair>(a[0], sa_g[0]),
-                                 e2m1_pair_bf16<kPair>(a[1], sa_g8[0]),
-                                 e2m1_pair_bf16<kPair>(a[2], sa_g[1]),
-                                 e2m1_pair_bf16<kPair>(a[3], sa_g8[1])};
-        const uint32_t b16[2] = {e2m1_pair_bf16<kPair>(b[0], sb[0]),
-                                 e2m1_pair_bf16<kPair>(b[1], sb[1])};
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-            "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a16[0]), "r"(a16[1]), "r"(a16[2]), "r"(a16[3]), "r"(b16[0]), "r"(b16[1]));
-    });
+    bf16_sub_mma<0>(d, a, b, sa_g, sa_g8, sb);
+    bf16_sub_mma<1>(d, a, b, sa_g, sa_g8, sb);
+    bf16_sub_mma<2>(d, a, b, sa_g, sa_g8, sb);
+    bf16_sub_mma<3>(d, a, b, sa_g, sa_g8, sb);
 #else
     static_assert(kThreadA < 0 || PTXATTN_NATIVE_BLOCK_SCALE_ARCH,
                   "native block-scaled mma.sync needs sm_120a; on sm_90a build with "

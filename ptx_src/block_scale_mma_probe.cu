@@ -43,6 +43,30 @@ __device__ __forceinline__ void store(float* d, const float (&acc)[4]) {
     for (int r = 0; r < 4; ++r) d[4 * i + r] = acc[r];
 }
 
+// The MMA whose immediates are encoded by `sel` (warp-uniform), found by walking kSel up.
+template <int kSel>
+__device__ __forceinline__ void mxfp8_selected(int sel, Fragments& f) {
+    if constexpr (kSel < 128) {
+        if (sel == kSel) {
+            mma_mxfp8<kSel / 32, (kSel / 16) % 2, (kSel / 4) % 4, kSel % 4>(f.c, f.a, f.b, f.sfa,
+                                                                              f.sfb);
+        } else {
+            mxfp8_selected<kSel + 1>(sel, f);
+        }
+    }
+}
+
+template <int kSel>
+__device__ __forceinline__ void nvfp4_selected(int sel, Fragments& f) {
+    if constexpr (kSel < 8) {
+        if (sel == kSel) {
+            mma_nvfp4<kSel / 4, kSel % 4>(f.c, f.a, f.b, f.sfa, f.sfb);
+        } else {
+            nvfp4_selected<kSel + 1>(sel, f);
+        }
+    }
+}
+
 }  // namespace
 }  // namespace ptxattn
 
@@ -52,14 +76,7 @@ extern "C" __global__ void __launch_bounds__(32)
 block_scale_probe_mxfp8(const uint32_t* a, const uint32_t* b, const float* c, const uint32_t* sfa,
                         const uint32_t* sfb, const int* selector, float* d) {
     Fragments f = load_fragments(a, b, c, sfa, sfb);
-    const int sel = selector[blockIdx.x];
-    static_for<0, 128>([&](auto index) __attribute__((always_inline)) {
-        constexpr int kSel = decltype(index)::value;
-        if (sel == kSel) {
-            mma_mxfp8<kSel / 32, (kSel / 16) % 2, (kSel / 4) % 4, kSel % 4>(f.c, f.a, f.b, f.sfa,
-                                                                              f.sfb);
-        }
-    });
+    mxfp8_selected<0>(selector[blockIdx.x], f);
     store(d, f.c);
 }
 
@@ -67,10 +84,6 @@ extern "C" __global__ void __launch_bounds__(32)
 block_scale_probe_nvfp4(const uint32_t* a, const uint32_t* b, const float* c, const uint32_t* sfa,
                         const uint32_t* sfb, const int* selector, float* d) {
     Fragments f = load_fragments(a, b, c, sfa, sfb);
-    const int sel = selector[blockIdx.x];
-    static_for<0, 8>([&](auto index) __attribute__((always_inline)) {
-        constexpr int kSel = decltype(index)::value;
-        if (sel == kSel) mma_nvfp4<kSel / 4, kSel % 4>(f.c, f.a, f.b, f.sfa, f.sfb);
-    });
+    nvfp4_selected<0>(selector[blockIdx.x], f);
     store(d, f.c);
 }

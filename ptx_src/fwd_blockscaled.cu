@@ -82,6 +82,8 @@ constexpr float kLog2e = 1.4426950408889634f;
 static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
 static_assert(kScaleBytes == 2 || kScaleBytes == 4 || kScaleBytes == 8, "row scale load width");
 static_assert(kSTiles % 4 == 0 && kOTiles % 4 == 0, "scale_B registers hold four n tiles each");
+static_assert(kBlockN == 2 * kStepN && kPVChunks == 2, "a tile is two softmax steps of two chunks");
+static_assert(kQKSteps == 1 || kQKSteps == 2 || kQKSteps == 4, "head_dim steps are unrolled below");
 static_assert(kQTileBytes % 1024 == 0 && kKTileBytes % 1024 == 0,
               "tiles keep the 1024-byte alignment of the swizzle pattern");
 
@@ -121,16 +123,51 @@ __device__ __forceinline__ void load_row_scales(uint32_t (&r)[kScaleRegs], const
     }
 }
 
-// S tile j += Q K^T over head_dim step kStep; tile j's K scales are in register j / 4 of the
+// S tile j += Q K^T over head_dim step kQK; tile j's K scales are in register j / 4 of the
 // lanes with t = j % 4 (thread-id-b).
-template <int kStep, int kTile>
+template <int kQK, int kTile>
 __device__ __forceinline__ void mma_qk(float (&s)[4], const uint32_t (&q)[4],
                                        const uint32_t (&k)[2], const uint32_t (&q_sf)[kScaleRegs],
                                        const uint32_t (&k_sf)[kScaleRegs][kSTiles / 4]) {
     if constexpr (kNvfp4) {
-        mma_nvfp4<0, kTile % 4>(s, q, k, q_sf[kStep], k_sf[kStep][kTile / 4]);
+        mma_nvfp4<0, kTile % 4>(s, q, k, q_sf[kQK], k_sf[kQK][kTile / 4]);
     } else {
-        mma_mxfp8<kStep, 0, kStep, kTile % 4>(s, q, k, q_sf[0], k_sf[0][kTile / 4]);
+        mma_mxfp8<kQK, 0, kQK, kTile % 4>(s, q, k, q_sf[0], k_sf[0][kTile / 4]);
+    }
+}
+
+// S += Q K^T for head_dim step kQK over S tiles 2 kPair.. of a softmax step; `k_rows` is the
+// lane's ldmatrix address of the step's first 16 keys at this head_dim step.
+template <int kQK, int kPair>
+__device__ __forceinline__ void qk_tiles(float (&s)[kSTiles][4], const uint32_t (&q)[4],
+                                         uint32_t k_rows, const uint32_t (&q_sf)[kScaleRegs],
+                                         const uint32_t (&k_sf)[kScaleRegs][kSTiles / 4]) {
+    if constexpr (kPair < kSTiles / 2) {
+        uint32_t kb[4];
+        ldmatrix_x4(kb, k_rows + 16 * kPair * kQKRowBytes);
+        const uint32_t b_even[2] = {kb[0], kb[1]};
+        const uint32_t b_odd[2] = {kb[2], kb[3]};
+        mma_qk<kQK, 2 * kPair>(s[2 * kPair], q, b_even, q_sf, k_sf);
+        mma_qk<kQK, 2 * kPair + 1>(s[2 * kPair + 1], q, b_odd, q_sf, k_sf);
+        qk_tiles<kQK, kPair + 1>(s, q, k_rows, q_sf, k_sf);
+    }
+}
+
+// O += P V for key chunk kChunk of the tile (the byte of the V scales) over O tiles 2 kPair..;
+// `v_cols` is the lane's ldmatrix address of the chunk in the first 16 head_dim rows.
+template <int kChunk, int kPair>
+__device__ __forceinline__ void pv_tiles(float (&o)[kOTiles][4], const uint32_t (&p)[4],
+                                         uint32_t v_cols, const uint32_t (&v_sf)[kOTiles / 4]) {
+    if constexpr (kPair < kOTiles / 2) {
+        constexpr int kEven = 2 * kPair;
+        constexpr int kOdd = 2 * kPair + 1;
+        uint32_t vb[4];
+        ldmatrix_x4(vb, v_cols + 16 * kPair * kVRowBytes);
+        const uint32_t b_even[2] = {vb[0], vb[1]};
+        const uint32_t b_odd[2] = {vb[2], vb[3]};
+        mma_mxfp8<kChunk, 0, kChunk, kEven % 4>(o[kEven], p, b_even, kPScales, v_sf[kEven / 4]);
+        mma_mxfp8<kChunk, 0, kChunk, kOdd % 4>(o[kOdd], p, b_odd, kPScales, v_sf[kOdd / 4]);
+        pv_tiles<kChunk, kPair + 1>(o, p, v_cols, v_sf);
     }
 }
 
@@ -189,6 +226,114 @@ struct RowSoftmax {
     }
 };
 
+// What a thread needs for every softmax step, fixed before the K/V loop.
+struct StepContext {
+    uint32_t q_tile;
+    uint32_t q_lane[kQKSteps];       // ldmatrix offsets of the warp's Q rows per head_dim step
+    uint32_t k_lane[kQKSteps];       // of K rows (permuted by key_of) per head_dim step
+    uint32_t v_lane[kBlockN / 32];   // of V^T rows per key chunk of a tile
+    uint32_t q_sf[kScaleRegs];       // scale_A: row l/4 + 8 (l%2) of the warp's 16
+    const uint8_t* k_scale;
+    int64_t k_scale_row0;            // batch * seqlen_k
+    int heads_kv, head_kv, seqlen_k;
+    int k_sf_key;                    // key (in a step) whose scales this lane supplies for tile t
+    int first_row;                   // query row g of this warp; the lane also owns row + 8
+    int row0;                        // first query row of the block
+    int diag;                        // causal: query i sees key j iff j <= i + diag
+    int causal;
+    int t;
+    float scale_log2;
+};
+
+// Softmax step kStep (keys kStep * kStepN.. of K/V tile `tile`, in shared memory at k_tile,
+// v_tile): S, mask, online softmax, O += P V.
+template <int kStep>
+__device__ __forceinline__ void softmax_step(const StepContext& c, int tile, uint32_t k_tile,
+                                             uint32_t v_tile, const uint32_t (&v_sf)[kOTiles / 4],
+                                             RowSoftmax& softmax, float (&o)[kOTiles][4]) {
+    const int key0 = tile * kBlockN + kStep * kStepN;
+
+    uint32_t k_sf[kScaleRegs][kSTiles / 4];
+#pragma unroll
+    for (int r = 0; r < kSTiles / 4; ++r) {
+        const int key = key0 + 32 * r + c.k_sf_key;
+        uint32_t regs[kScaleRegs];
+        load_row_scales(regs, c.k_scale, (c.k_scale_row0 + key) * c.heads_kv + c.head_kv,
+                        key < c.seqlen_k);
+#pragma unroll
+        for (int i = 0; i < kScaleRegs; ++i) k_sf[i][r] = regs[i];
+    }
+
+    float s[kSTiles][4];
+#pragma unroll
+    for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[j][i] = 0.0f;
+    }
+    const uint32_t k_rows = k_tile + kStep * kStepN * kQKRowBytes;
+    uint32_t q_frag[4];
+    ldmatrix_x4(q_frag, c.q_tile + c.q_lane[0]);
+    qk_tiles<0, 0>(s, q_frag, k_rows + c.k_lane[0], c.q_sf, k_sf);
+    if constexpr (kQKSteps > 1) {
+        ldmatrix_x4(q_frag, c.q_tile + c.q_lane[1]);
+        qk_tiles<1, 0>(s, q_frag, k_rows + c.k_lane[1], c.q_sf, k_sf);
+    }
+    if constexpr (kQKSteps > 2) {
+        ldmatrix_x4(q_frag, c.q_tile + c.q_lane[2]);
+        qk_tiles<2, 0>(s, q_frag, k_rows + c.k_lane[2], c.q_sf, k_sf);
+        ldmatrix_x4(q_frag, c.q_tile + c.q_lane[3]);
+        qk_tiles<3, 0>(s, q_frag, k_rows + c.k_lane[3], c.q_sf, k_sf);
+    }
+
+    const bool tail = key0 + kStepN > c.seqlen_k;
+    const bool diagonal = c.causal && key0 + kStepN - 1 > c.row0 + c.diag;
+    if (tail || diagonal) {
+        // Column (j, e) of this lane holds key key0 + 4t + key_of(j, e).
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = c.first_row + 8 * h;
+            const int last = c.causal ? min(c.seqlen_k - 1, row + c.diag) : c.seqlen_k - 1;
+            const int last_offset = last - key0 - 4 * c.t;
+#pragma unroll
+            for (int j = 0; j < kSTiles; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    if (key_of(j, e) > last_offset) s[j][2 * h + e] = -__int_as_float(0x7f800000);
+                }
+            }
+        }
+    }
+
+    float rescale[2];
+    softmax.update(s, c.scale_log2, rescale);
+#pragma unroll
+    for (int j = 0; j < kOTiles; ++j) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[j][i] *= rescale[i / 2];
+    }
+
+    // P fragment of chunk n: rows g / g+8 (h), keys 4t.. (S tiles 4n, 4n+1) and 16+4t.. (4n+2,
+    // 4n+3).
+    uint32_t p_frag[kPVChunks][4];
+#pragma unroll
+    for (int n = 0; n < kPVChunks; ++n) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int upper = 0; upper < 2; ++upper) {
+                const float(&lo)[4] = s[4 * n + 2 * upper];
+                const float(&hi)[4] = s[4 * n + 2 * upper + 1];
+                p_frag[n][2 * upper + h] =
+                    pack_e4m3x4(kPFactor * lo[2 * h], kPFactor * lo[2 * h + 1],
+                                kPFactor * hi[2 * h], kPFactor * hi[2 * h + 1]);
+            }
+        }
+    }
+    constexpr int kChunk0 = kStep * kPVChunks;  // first key chunk of this step within the tile
+    pv_tiles<kChunk0, 0>(o, p_frag[0], v_tile + c.v_lane[kChunk0], v_sf);
+    pv_tiles<kChunk0 + 1, 0>(o, p_frag[1], v_tile + c.v_lane[kChunk0 + 1], v_sf);
+}
+
 }  // namespace
 }  // namespace ptxattn
 
@@ -217,7 +362,7 @@ fwd_blockscaled(const __grid_constant__ TensorMap q_map, const __grid_constant__
     const int batch = blockIdx.z;
     const int head_kv = head / (heads_q / heads_kv);
     const int row0 = blockIdx.x * kBlockM;
-    const int diag = seqlen_k - seqlen_q;  // causal: query i sees key j iff j <= i + diag
+    const int diag = seqlen_k - seqlen_q;
     const int kv_end = causal ? min(seqlen_k, row0 + kBlockM + diag) : seqlen_k;
     const int n_tiles = kv_end > 0 ? (kv_end + kBlockN - 1) / kBlockN : 0;
 
@@ -246,17 +391,14 @@ fwd_blockscaled(const __grid_constant__ TensorMap q_map, const __grid_constant__
         for (int s = 0; s < kStages && s < n_tiles; ++s) load_kv(s, s);
     }
 
-    // scale_A: lane l supplies row l/4 + 8 (l%2) of its warp's 16, which serves thread-id-a 0
-    // and 1 alike.
-    uint32_t q_sf[kScaleRegs];
+    StepContext c;
     {
+        // scale_A from lane l is row l/4 + 8 (l%2), which serves thread-id-a 0 and 1 alike.
         const int row = row0 + warp * 16 + g + 8 * (lane % 2);
-        load_row_scales(q_sf, q_scale,
+        load_row_scales(c.q_sf, q_scale,
                         (static_cast<int64_t>(batch) * seqlen_q + row) * heads_q + head,
                         row < seqlen_q);
     }
-    const float scale_log2 = softmax_scale * kLog2e * *q_tensor_scale * *k_tensor_scale;
-
     // ldmatrix lanes 8i..8i+7 address the rows of matrix i. Q (m16 A operand): matrices (rows
     // 0-7, bytes 0-15), (8-15, 0-15), (0-7, 16-31), (8-15, 16-31). K and V^T (B operands of two
     // 8-wide tiles): (tile 0, bytes 0-15), (0, 16-31), (1, 0-15), (1, 16-31), K's rows permuted
@@ -265,21 +407,31 @@ fwd_blockscaled(const __grid_constant__ TensorMap q_map, const __grid_constant__
     const int q_row = warp * 16 + lane % 8 + 8 * ((lane / 8) % 2);
     const int k_row = key_of(lane / 16, lane % 8);
     const int v_row = 8 * (lane / 16) + lane % 8;
-    uint32_t q_lane[kQKSteps], k_lane[kQKSteps], v_lane[kBlockN / 32];
 #pragma unroll
     for (int step = 0; step < kQKSteps; ++step) {
-        q_lane[step] = swizzled<kQKRowBytes>(q_row, 32 * step + 16 * (lane / 16));
-        k_lane[step] = swizzled<kQKRowBytes>(k_row, 32 * step + half_col);
+        c.q_lane[step] = swizzled<kQKRowBytes>(q_row, 32 * step + 16 * (lane / 16));
+        c.k_lane[step] = swizzled<kQKRowBytes>(k_row, 32 * step + half_col);
     }
 #pragma unroll
     for (int chunk = 0; chunk < kBlockN / 32; ++chunk) {
-        v_lane[chunk] = swizzled<kVRowBytes>(v_row, 32 * chunk + half_col);
+        c.v_lane[chunk] = swizzled<kVRowBytes>(v_row, 32 * chunk + half_col);
     }
-    // scale_B of S tile j (key_of(j, n) for n = lane/4) sits in register j / 4 of the lanes with
-    // t = j % 4, and so does that of O tile j (d = 8j + lane/4).
-    const int k_sf_key = key_of(t, g);
+    c.q_tile = smem_addr(smem);
+    c.k_scale = k_scale;
+    c.k_scale_row0 = static_cast<int64_t>(batch) * seqlen_k;
+    c.heads_kv = heads_kv;
+    c.head_kv = head_kv;
+    c.seqlen_k = seqlen_k;
+    // scale_B of S tile j (key_of(j, n) for n = lane/4) sits in register j / 4 of the lanes
+    // with t = j % 4, and so does that of O tile j (d = 8j + lane/4).
+    c.k_sf_key = key_of(t, g);
+    c.first_row = row0 + warp * 16 + g;
+    c.row0 = row0;
+    c.diag = diag;
+    c.causal = causal;
+    c.t = t;
+    c.scale_log2 = softmax_scale * kLog2e * *q_tensor_scale * *k_tensor_scale;
     const int v_sf_dim = 8 * t + g;
-    const int64_t k_scale_rows = static_cast<int64_t>(batch) * seqlen_k;
     const uint8_t* v_scale_head =
         v_scale + (static_cast<int64_t>(batch) * heads_kv + head_kv) * kHeadDim * v_scale_row;
 
@@ -291,7 +443,6 @@ fwd_blockscaled(const __grid_constant__ TensorMap q_map, const __grid_constant__
 #pragma unroll
         for (int i = 0; i < 4; ++i) o[j][i] = 0.0f;
     }
-    const uint32_t q_tile = smem_addr(smem);
     q_full.wait(0);
 
     for (int tile = 0; tile < n_tiles; ++tile) {
@@ -300,7 +451,7 @@ fwd_blockscaled(const __grid_constant__ TensorMap q_map, const __grid_constant__
         const uint32_t k_tile = smem_addr(smem + kKOffset + stage * kKTileBytes);
         const uint32_t v_tile = smem_addr(smem + kVOffset + stage * kVTileBytes);
 
-        // V scales: byte c of a register scales key chunk c of the tile (both softmax steps).
+        // V scales: byte n of a register scales key chunk n of the tile (both softmax steps).
         uint32_t v_sf[kOTiles / 4];
 #pragma unroll
         for (int r = 0; r < kOTiles / 4; ++r) {
@@ -309,109 +460,8 @@ fwd_blockscaled(const __grid_constant__ TensorMap q_map, const __grid_constant__
                           tile);
         }
         full[stage].wait(phase);
-
-        static_for<0, kBlockN / kStepN>([&](auto step_index) __attribute__((always_inline)) {
-            constexpr int kStep = decltype(step_index)::value;
-            const int key0 = tile * kBlockN + kStep * kStepN;
-
-            uint32_t k_sf[kScaleRegs][kSTiles / 4];
-#pragma unroll
-            for (int r = 0; r < kSTiles / 4; ++r) {
-                const int key = key0 + 32 * r + k_sf_key;
-                uint32_t regs[kScaleRegs];
-                load_row_scales(regs, k_scale, (k_scale_rows + key) * heads_kv + head_kv,
-                                key < seqlen_k);
-#pragma unroll
-                for (int i = 0; i < kScaleRegs; ++i) k_sf[i][r] = regs[i];
-            }
-
-            float s[kSTiles][4];
-#pragma unroll
-            for (int j = 0; j < kSTiles; ++j) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) s[j][i] = 0.0f;
-            }
-            static_for<0, kQKSteps>([&](auto ks) __attribute__((always_inline)) {
-                constexpr int kQK = decltype(ks)::value;
-                uint32_t q_frag[4];
-                ldmatrix_x4(q_frag, q_tile + q_lane[kQK]);
-                static_for<0, kSTiles / 2>([&](auto pair) __attribute__((always_inline)) {
-                    constexpr int kPair = decltype(pair)::value;
-                    uint32_t kb[4];
-                    ldmatrix_x4(kb, k_tile + (kStep * kStepN + 16 * kPair) * kQKRowBytes +
-                                        k_lane[kQK]);
-                    const uint32_t b_even[2] = {kb[0], kb[1]};
-                    const uint32_t b_odd[2] = {kb[2], kb[3]};
-                    mma_qk<kQK, 2 * kPair>(s[2 * kPair], q_frag, b_even, q_sf, k_sf);
-                    mma_qk<kQK, 2 * kPair + 1>(s[2 * kPair + 1], q_frag, b_odd, q_sf, k_sf);
-                });
-            });
-
-            const bool tail = key0 + kStepN > seqlen_k;
-            const bool diagonal = causal && key0 + kStepN - 1 > row0 + diag;
-            if (tail || diagonal) {
-                // Column (j, e) of this lane holds key key0 + 4t + key_of(j, e).
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int row = row0 + warp * 16 + g + 8 * h;
-                    const int last = causal ? min(seqlen_k - 1, row + diag) : seqlen_k - 1;
-                    const int last_offset = last - key0 - 4 * t;
-#pragma unroll
-                    for (int j = 0; j < kSTiles; ++j) {
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            if (key_of(j, e) > last_offset) {
-                                s[j][2 * h + e] = -__int_as_float(0x7f800000);
-                            }
-                        }
-                    }
-                }
-            }
-
-            float rescale[2];
-            softmax.update(s, scale_log2, rescale);
-#pragma unroll
-            for (int j = 0; j < kOTiles; ++j) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) o[j][i] *= rescale[i / 2];
-            }
-
-            // P fragment of chunk c: rows g / g+8 (h), keys 4t.. (tiles 4c, 4c+1) and 16+4t..
-            // (tiles 4c+2, 4c+3).
-            uint32_t p_frag[kPVChunks][4];
-#pragma unroll
-            for (int c = 0; c < kPVChunks; ++c) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-#pragma unroll
-                    for (int upper = 0; upper < 2; ++upper) {
-                        const float(&lo)[4] = s[4 * c + 2 * upper];
-                        const float(&hi)[4] = s[4 * c + 2 * upper + 1];
-                        p_frag[c][2 * upper + h] =
-                            pack_e4m3x4(kPFactor * lo[2 * h], kPFactor * lo[2 * h + 1],
-                                        kPFactor * hi[2 * h], kPFactor * hi[2 * h + 1]);
-                    }
-                }
-            }
-
-            static_for<0, kPVChunks>([&](auto chunk) __attribute__((always_inline)) {
-                constexpr int kC = decltype(chunk)::value;
-                constexpr int kTileChunk = kStep * kPVChunks + kC;  // key chunk within the tile
-                static_for<0, kOTiles / 2>([&](auto pair) __attribute__((always_inline)) {
-                    constexpr int kPair = decltype(pair)::value;
-                    constexpr int kEven = 2 * kPair;
-                    constexpr int kOdd = 2 * kPair + 1;
-                    uint32_t vb[4];
-                    ldmatrix_x4(vb, v_tile + 16 * kPair * kVRowBytes + v_lane[kTileChunk]);
-                    const uint32_t b_even[2] = {vb[0], vb[1]};
-                    const uint32_t b_odd[2] = {vb[2], vb[3]};
-                    mma_mxfp8<kTileChunk, 0, kTileChunk, kEven % 4>(o[kEven], p_frag[kC], b_even,
-                                                                    kPScales, v_sf[kEven / 4]);
-                    mma_mxfp8<kTileChunk, 0, kTileChunk, kOdd % 4>(o[kOdd], p_frag[kC], b_odd,
-                                                                   kPScales, v_sf[kOdd / 4]);
-                });
-            });
-        });
+        softmax_step<0>(c, tile, k_tile, v_tile, v_sf, softmax, o);
+        softmax_step<1>(c, tile, k_tile, v_tile, v_sf, softmax, o);
 
         __syncwarp();
         if (lane == 0) empty[stage].arrive();

@@ -244,7 +244,7 @@ def blockscaled_attention(q, k, v, q_scale, k_scale, v_scale, *, format: str = "
                           RuntimeWarning, stacklevel=2)
         kernel = runtime.load(kernel_spec(p.format, p.head_dim, build == "emulated"))
         if out is None:
-            out = cupy.empty((p.batch, p.seqlen_q, p.heads_q, p.head_dim), cupy.bfloat16)
+            out = cupy.empty((p.batch, p.seqlen_q, p.heads_q, p.head_dim), "bfloat16")
         lse = cupy.empty((p.batch, p.heads_q, p.seqlen_q), cupy.float32)
         row = _row_bytes(p.format, p.head_dim)
         q_map = runtime.tensor_map(q, (1, BLOCK_M, 1, row), swizzle=row)
