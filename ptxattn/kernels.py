@@ -25,8 +25,6 @@ def all_variants(arch: str) -> list[runtime.KernelSpec]:
     specs = []
     for name in FAMILY_MODULES:
         specs += [s for s in importlib.import_module(name).variants() if arch in s.archs]
-    specs.append(runtime.KernelSpec("tma_copy_probe", "tma_copy_probe.cu", "tma_copy_probe",
-                                    archs=("sm_90a", "sm_120a")))
     return specs
 
 
