@@ -54,12 +54,16 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", required=True, choices=ARCHS)
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
-    parser.add_argument("--jobs", type=int, default=2, help="parallel NVRTC compiles")
+    parser.add_argument("--jobs", type=int, default=2,
+                        help="parallel NVRTC compiles (0: compile in this process)")
     args = parser.parse_args(argv)
 
     specs = all_variants(args.arch)
-    with ProcessPoolExecutor(max_workers=max(args.jobs, 1)) as pool:
-        rows = list(pool.map(_row, specs, [args.arch] * len(specs)))
+    if args.jobs > 0:
+        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+            rows = list(pool.map(_row, specs, [args.arch] * len(specs)))
+    else:
+        rows = [_row(spec, args.arch) for spec in specs]
 
     failures = [(row, problem) for row in rows for problem in _problems(row)]
     if args.json:

@@ -1,0 +1,47 @@
+"""Every kernel variant ptxattn ships compiles for every target, within its budgets, on a
+machine with no GPU (NVRTC only)."""
+
+import json
+
+import pytest
+
+from ptxattn import kernels, runtime
+
+
+@pytest.mark.parametrize("arch", kernels.ARCHS)
+def test_every_variant_compiles_without_spills_within_smem(arch, capsys):
+    status = kernels.main(["--arch", arch, "--json"])
+    rows = json.loads(capsys.readouterr().out)
+    assert status == 0, [row for row in rows if "error" in row or row["spill_bytes"]]
+    assert rows, f"no variants for {arch}"
+    for row in rows:
+        assert set(row) == {"name", "arch", "registers", "spill_bytes", "smem_bytes"}
+        assert row["spill_bytes"] == 0
+        assert row["smem_bytes"] <= runtime.SMEM_LIMIT_BYTES[arch]
+    names = [row["name"] for row in rows]
+    assert any(n.startswith("fwd_mma_sync") for n in names), "portable kernel missing"
+    if arch == "sm_90a":
+        assert any(n.startswith("fwd_sm90") for n in names), "Hopper kernel missing"
+    if arch == "sm_120a":
+        assert any(n.startswith("blockscaled") and "native" in n for n in names)
+
+
+def test_cli_fails_on_a_spilling_variant(monkeypatch, capsys):
+    spilling = runtime.PtxasReport(255, 64, 64, 0, 64)
+    monkeypatch.setattr(runtime, "compile", lambda spec, arch: runtime.CompiledKernel(
+        spec, arch, b"", spilling, ""))
+    monkeypatch.setattr(kernels, "all_variants", lambda arch: [
+        runtime.KernelSpec("spills", "tma_copy_probe.cu", "tma_copy_probe", archs=(arch,))])
+    assert kernels.main(["--arch", "sm_90a", "--jobs", "0"]) == 1
+    assert "FAIL spills (sm_90a): spills 128 bytes" in capsys.readouterr().err
+
+
+def test_cli_fails_over_the_shared_memory_limit(monkeypatch, capsys):
+    report = runtime.PtxasReport(64, 0, 0, 0, 0)
+    monkeypatch.setattr(runtime, "compile", lambda spec, arch: runtime.CompiledKernel(
+        spec, arch, b"", report, ""))
+    monkeypatch.setattr(kernels, "all_variants", lambda arch: [
+        runtime.KernelSpec("huge", "tma_copy_probe.cu", "tma_copy_probe", smem_bytes=100 * 1024,
+                           archs=(arch,))])
+    assert kernels.main(["--arch", "sm_120a", "--jobs", "0"]) == 1
+    assert "over 101376" in capsys.readouterr().err
