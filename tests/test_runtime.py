@@ -19,6 +19,9 @@ def cache(tmp_path, monkeypatch):
 def test_compile_reports_ptxas_numbers(cache):
     compiled = runtime.compile(PROBE, "sm_90a")
     assert compiled.cubin[:4] == b"\x7fELF"
+    if compiled.report is None and runtime.nvrtc_version() < (13, 5):
+        pytest.skip("NVRTC 13.0 leaves the ptxas report out when a process compiles the same "
+                    "program twice; 13.5 (CI's) always reports")
     assert compiled.report.registers > 0
     assert compiled.spill_bytes == 0
     assert compiled.smem_bytes >= PROBE.smem_bytes + 8  # dynamic tile + the static mbarrier
