@@ -33,6 +33,7 @@ import warnings
 from dataclasses import dataclass
 
 from . import runtime
+from .quant import padded_seqlen
 
 FORMATS = ("mxfp8", "nvfp4")
 HEAD_DIMS = (64, 128)
@@ -40,7 +41,6 @@ BLOCK_M = 128
 BLOCK_N = 128
 STAGES = 2
 THREADS = 256
-SEQ_PAD = 128
 
 _SOURCE = "fwd_blockscaled.cu"
 _PROBE_SOURCE = "block_scale_mma_probe.cu"
@@ -162,7 +162,7 @@ def validate(q, k, v, q_scale, k_scale, v_scale, *, format: str,  # noqa: A002
         raise ValueError(f"empty problem: q {tuple(q.shape)}, k {tuple(k.shape)}")
     if heads_q % heads_kv:
         raise ValueError(f"q's heads ({heads_q}) must be a multiple of k's heads ({heads_kv})")
-    padded = -(-seqlen_k // SEQ_PAD) * SEQ_PAD
+    padded = padded_seqlen(seqlen_k)
     row = _row_bytes(format, head_dim)
     per_scale = 16 if nvfp4 else 32
     data_kind = "e2m1 pairs" if nvfp4 else "e4m3"
