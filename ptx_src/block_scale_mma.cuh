@@ -2,7 +2,8 @@
 // and an exact emulation that Hopper (sm_90a) can run, chosen at compile time.
 //
 //   mma.sync.aligned.m16n8k32.row.col.kind::mxf8f6f4.block_scale.scale_vec::1X
-//       .f32.e4m3.e4m3.f32.ue8m0      d, a, b, c, sfa, {byte-id-a, thread-id-a}, sfb, {byte-id-b, thread-id-b}
+//       .f32.e4m3.e4m3.f32.ue8m0
+//       d, a, b, c, sfa, {byte-id-a, thread-id-a}, sfb, {byte-id-b, thread-id-b}
 //   mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale.scale_vec::4X
 //       .f32.e2m1.e2m1.f32.ue4m3      (same operands)
 //
@@ -104,10 +105,11 @@ __device__ __forceinline__ uint32_t scale_byte(uint32_t reg) {
     return (reg >> (8 * kByte)) & 0xff;
 }
 
-// The scale registers of the lanes that supply this lane's rows g, g+8 (A) and columns
-// 2t, 2t+1 (MXFP8) or g (NVFP4, the B column a bf16 m16n8k16 lane holds).
+// The scale registers of the lanes that supply rows g and g+8 of A, the rows this lane's
+// accumulator and A fragment hold.
 template <int kThreadA>
-__device__ __forceinline__ void gather_row_scales(uint32_t sfa, uint32_t& row_g, uint32_t& row_g8) {
+__device__ __forceinline__ void gather_row_scales(uint32_t sfa, uint32_t& row_g,
+                                                  uint32_t& row_g8) {
     const int lane = threadIdx.x % 32;
     const int src = 4 * (lane / 4) + 2 * kThreadA;
     row_g = __shfl_sync(0xffffffffu, sfa, src);
@@ -140,9 +142,11 @@ template <int kPair>
 __device__ __forceinline__ void bf16_sub_mma(float (&d)[4], const uint32_t (&a)[4],
                                              const uint32_t (&b)[2], const float (&sa_g)[2],
                                              const float (&sa_g8)[2], const float (&sb)[2]) {
-    const uint32_t a16[4] = {e2m1_pair_bf16<kPair>(a[0], sa_g[0]), e2m1_pair_bf16<kPair>(a[1], sa_g8[0]),
-                             e2m1_pair_bf16<kPair>(a[2], sa_g[1]), e2m1_pair_bf16<kPair>(a[3], sa_g8[1])};
-    const uint32_t b16[2] = {e2m1_pair_bf16<kPair>(b[0], sb[0]), e2m1_pair_bf16<kPair>(b[1], sb[1])};
+    const uint32_t a16[4] = {
+        e2m1_pair_bf16<kPair>(a[0], sa_g[0]), e2m1_pair_bf16<kPair>(a[1], sa_g8[0]),
+        e2m1_pair_bf16<kPair>(a[2], sa_g[1]), e2m1_pair_bf16<kPair>(a[3], sa_g8[1])};
+    const uint32_t b16[2] = {e2m1_pair_bf16<kPair>(b[0], sb[0]),
+                             e2m1_pair_bf16<kPair>(b[1], sb[1])};
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])

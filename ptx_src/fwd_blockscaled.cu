@@ -455,9 +455,9 @@ fwd_blockscaled(const __grid_constant__ TensorMap q_map, const __grid_constant__
         uint32_t v_sf[kOTiles / 4];
 #pragma unroll
         for (int r = 0; r < kOTiles / 4; ++r) {
-            v_sf[r] = __ldg(reinterpret_cast<const uint32_t*>(
-                              v_scale_head + static_cast<int64_t>(32 * r + v_sf_dim) * v_scale_row) +
-                          tile);
+            const int64_t row = 32 * r + v_sf_dim;
+            v_sf[r] = __ldg(reinterpret_cast<const uint32_t*>(v_scale_head + row * v_scale_row) +
+                            tile);
         }
         full[stage].wait(phase);
         softmax_step<0>(c, tile, k_tile, v_tile, v_sf, softmax, o);

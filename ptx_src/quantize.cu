@@ -126,10 +126,8 @@ mxfp8_quantize_v(const uint16_t* __restrict__ v, uint8_t* __restrict__ vt,
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
         const int s = kb * 32 + i;
-        x[i] = s < seqlen ? half_to_float(
-                                v[((static_cast<int64_t>(b) * seqlen + s) * heads + h) * head_dim + d],
-                                is_bf16)
-                          : 0.0f;
+        const int64_t index = ((static_cast<int64_t>(b) * seqlen + s) * heads + h) * head_dim + d;
+        x[i] = s < seqlen ? half_to_float(v[index], is_bf16) : 0.0f;
     }
     const uint32_t scale = mxfp8_scale_byte(block_amax(x, 32));
     const int64_t row = (static_cast<int64_t>(b) * heads + h) * head_dim + d;

@@ -190,8 +190,9 @@ def validate(q, k, v, q_scale, k_scale, v_scale, *, format: str,  # noqa: A002
         raise ValueError(f"all operands must be on one device, got devices {sorted(devices)}")
     if out is not None:
         if str(out.dtype) != "bfloat16" or tuple(out.shape) != (batch, seqlen_q, heads_q, head_dim):
-            raise ValueError(f"out must be bfloat16 of shape {(batch, seqlen_q, heads_q, head_dim)}, "
-                             f"got {out.dtype} {tuple(out.shape)}")
+            raise ValueError(f"out must be bfloat16 of shape "
+                             f"{(batch, seqlen_q, heads_q, head_dim)}, got {out.dtype} "
+                             f"{tuple(out.shape)}")
         if not out.flags.c_contiguous:
             raise ValueError("out must be C-contiguous")
     if batch > 65535 or heads_q > 65535:
@@ -216,7 +217,8 @@ def _device_scale(value):
     return value.reshape(1)
 
 
-def blockscaled_attention(q, k, v, q_scale, k_scale, v_scale, *, format: str = "mxfp8",  # noqa: A002
+def blockscaled_attention(q, k, v, q_scale, k_scale, v_scale, *,
+                          format: str = "mxfp8",  # noqa: A002 - the API's word
                           causal: bool = False, softmax_scale: float | None = None,
                           q_tensor_scale=None, k_tensor_scale=None, out=None):
     """softmax(softmax_scale * Q K^T) V on block-scaled operands (layouts: module docstring).

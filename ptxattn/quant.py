@@ -189,7 +189,8 @@ def quantize_mxfp8_v(v):
     vt = cupy.empty((batch, heads, head_dim, padded), cupy.uint8)
     scales = cupy.empty((batch, heads, head_dim, padded // MXFP8_BLOCK), cupy.uint8)
     if v.size:
-        _launch("mxfp8_quantize_v", (-(-heads * head_dim // _THREADS), padded // MXFP8_BLOCK, batch),
+        grid = (-(-heads * head_dim // _THREADS), padded // MXFP8_BLOCK, batch)
+        _launch("mxfp8_quantize_v", grid,
                 [v, vt, scales, np.int32(seqlen), np.int32(heads), np.int32(head_dim),
                  np.int32(padded), is_bf16])
     return vt, scales

@@ -1,4 +1,5 @@
-"""The MXFP8 / NVFP4 encoders: NumPy references on the CPU, GPU quantizers bit for bit against them."""
+"""The MXFP8 / NVFP4 encoders: NumPy references on the CPU, and the GPU quantizers held to them
+bit for bit."""
 
 import ml_dtypes
 import numpy as np
@@ -89,8 +90,8 @@ def test_nvfp4_scales_codes_and_packing(rng):
     block_scale = quant.decode_ue4m3(scales) * g
     codes = np.stack([packed & 0xF, packed >> 4], -1).reshape(x.shape)
     assert (codes == (packed[..., :, None] >> np.array([0, 4]) & 0xF).reshape(x.shape)).all()
-    scaled = np.where(block_scale[..., None] > 0,
-                      x.reshape(*scales.shape, 16) / np.where(block_scale > 0, block_scale, 1)[..., None],
+    divisor = np.where(block_scale > 0, block_scale, 1)[..., None]
+    scaled = np.where(block_scale[..., None] > 0, x.reshape(*scales.shape, 16) / divisor,
                       0).reshape(x.shape)
     expected = _nearest_even(scaled.astype(np.float32), E2M1_MAGNITUDES)
     got = codes.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
