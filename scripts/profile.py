@@ -77,6 +77,37 @@ def ptxattn_runners(arch: str) -> dict:
     return runners
 
 
+def blockscaled_runners(arch: str) -> tuple[dict, list[str]]:
+    """The block-scaled (MXFP8 / NVFP4) kernels, quantizing each input set once, untimed."""
+    import warnings
+
+    from ptxattn import blockscaled, quant
+
+    try:
+        build = blockscaled.build_for_arch(arch)
+    except RuntimeError:
+        return {}, []
+    warnings.filterwarnings("ignore", "ptxattn.blockscaled_attention", RuntimeWarning)
+    suffix = "-emulated" if build == "emulated" else ""
+
+    def make(fmt):
+        quantized = {}
+
+        def run(q, k, v, causal):
+            key = (q.data.ptr, k.data.ptr, v.data.ptr)
+            if key not in quantized:
+                quantized.clear()
+                quantized[key] = quant.quantize_qkv(q, k, v, fmt)
+            return blockscaled.blockscaled_attention(**quantized[key], causal=causal)
+        return run
+
+    runners = {f"ptxattn-{fmt}{suffix}": (blockscaled.HEAD_DIMS, make(fmt))
+               for fmt in blockscaled.FORMATS}
+    notes = [f"ptxattn-*{suffix}: the sm_90a emulation build of the sm_120a block-scaled kernel "
+             "(correct, not fast; not a speed result)"] if suffix else []
+    return runners, notes
+
+
 def torch_runners() -> dict:
     try:
         import torch
@@ -124,6 +155,8 @@ def main(argv=None) -> int:
     arch = device_arch()
     repeats = args.repeats or (5 if args.quick else 15)
     runners = ptxattn_runners(arch)
+    scaled, notes = blockscaled_runners(arch)
+    runners.update(scaled)
     peers = torch_runners()
     if "torch-sdpa-flash" not in peers:
         print("profile.py: torch is not importable, so no SDPA peers in this run", file=sys.stderr)
@@ -137,6 +170,8 @@ def main(argv=None) -> int:
 
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     print(f"# {props['name'].decode()} ({arch}), dtype {args.dtype}, median of {repeats} runs")
+    for note in notes:
+        print(f"# {note}")
     results = []
     rows = configs(args.quick)
     for index, cfg in enumerate(rows, 1):
@@ -177,6 +212,8 @@ def main(argv=None) -> int:
         cells = " ".join(f"{row[n]:18.1f}" if row[n] is not None else f"{'-':>18}" for n in names)
         print(f"{row['batch']:5d} {row['seqlen']:6d} {row['heads']:5d} {row['head_dim']:4d} "
               f"{str(row['causal']):>6} {cells}")
+    for note in notes:
+        print(f"# {note}")
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(results[0]))
