@@ -19,21 +19,36 @@
 // tile's Q as soon as both consumers finished their last Q K^T (q_empty), and the epilogue
 // stores O straight from registers, so nothing waits for the output to drain.
 //
+// FP8 (IS_FP8 = 1): q, k, v are e4m3 and both GEMMs are e4m3 wgmmas (k-steps of 32) with FP32
+// accumulation. FP8 wgmma reads B only K-major, so V is transposed in shared memory inside the
+// pipeline: the producer warpgroup, idle apart from its TMA thread, turns each landed V tile
+// [keys x d] into Vt [d x keys] (transpose_e4m3.cuh; one more ring of buffers with its own
+// full/empty barriers) and the consumers read Vt. P is rounded to e4m3 in registers straight
+// from the S accumulator; the key order transpose_e4m3 gives Vt makes that a pure conversion.
+// Descales are applied in FP32: q's (per tile) and k's (per key block) fold into the softmax's
+// score scale, v's multiplies the output in the epilogue. k's may vary per 128 keys only when
+// BLOCK_N divides 128 (the launcher picks such a variant then).
+//
 // Compile-time parameters (-D): HEAD_DIM (64, 128, 256), BLOCK_N (keys per tile, multiple of
-// 16), STAGES (K/V ring depth), IS_BF16 (1: bfloat16, 0: float16), IS_CAUSAL, SMEM_BYTES (the
-// dynamic shared memory the launcher requests, checked against the layout below).
+// 16; FP8: of 32), STAGES (K/V ring depth), IS_FP8 (1: e4m3 inputs), IS_BF16 (1: bfloat16,
+// 0: float16; the inputs' type, or with FP8 the output's), IS_CAUSAL, SMEM_BYTES (the dynamic
+// shared memory the launcher requests, checked against the layout below).
 //
 // Global layouts: q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D), read through 4-d tensor maps with
-// coordinates (d, head, row, batch) and a box of 64 columns (128 bytes, one swizzle span), so a
-// row of head_dim takes HEAD_DIM / 64 boxes ("slabs"); rows past the end are zero-filled.
-// out (B, Sq, Hq, D) with element strides given; lse (B, Hq, Sq) fp32, contiguous.
+// coordinates (d, head, row, batch) and a box of one swizzle span of columns (128 bytes, or the
+// whole 64-byte row of FP8 head_dim 64), so a row of head_dim takes kSlabs boxes ("slabs");
+// rows past the end are zero-filled. out (B, Sq, Hq, D) 16-bit with element strides given;
+// lse (B, Hq, Sq) fp32, contiguous. FP8 descales: float32 arrays read through element strides
+// over (batch, head, 128-row block), 0 where a scale does not vary (ptxattn/fp8.py).
 #include "common.cuh"
 #include "mbarrier.cuh"
 #include "mma_sync.cuh"
 #include "softmax.cuh"
 #include "tma.cuh"
+#include "transpose_e4m3.cuh"
 #include "warpgroup.cuh"
 #include "wgmma.cuh"
+#include "wgmma_fp8.cuh"
 
 namespace ptxattn {
 namespace fwd_sm90 {
@@ -41,6 +56,7 @@ namespace fwd_sm90 {
 constexpr int kHeadDim = HEAD_DIM;
 constexpr int kBlockN = BLOCK_N;
 constexpr int kStages = STAGES;
+constexpr bool kFp8 = IS_FP8 != 0;
 constexpr bool kBf16 = IS_BF16 != 0;
 constexpr bool kCausal = IS_CAUSAL != 0;
 
@@ -48,21 +64,32 @@ constexpr int kBlockM = 128;
 constexpr int kRowsPerConsumer = 64;  // one wgmma M
 constexpr int kThreads = 3 * 128;
 constexpr int kConsumerWarps = 8;
-// Launched at 168 registers per thread (65536 / 384, rounded down to 8); the producer keeps 24.
-constexpr int kProducerRegs = 24;
-constexpr int kConsumerRegs = 240;
+// Launched at 168 registers per thread (65536 / 384, rounded down to 8); the producer keeps 24,
+// or 40 with FP8, where its four warps transpose V.
+constexpr int kProducerRegs = kFp8 ? 40 : 24;
+constexpr int kConsumerRegs = kFp8 ? 232 : 240;
 
-constexpr int kSlabs = kHeadDim / 64;
-constexpr uint32_t kSlabRowBytes = 128;
+constexpr int kElemBytes = kFp8 ? 1 : 2;
+constexpr uint32_t kRowBytes = kHeadDim * kElemBytes;
+constexpr uint32_t kSlabRowBytes = kRowBytes < 128 ? kRowBytes : 128;  // one swizzle span
+constexpr int kSlabs = kRowBytes / kSlabRowBytes;
+constexpr int kSlabCols = kSlabRowBytes / kElemBytes;
 constexpr uint32_t kQSlabBytes = kBlockM * kSlabRowBytes;
 constexpr uint32_t kQBytes = kQSlabBytes * kSlabs;
 constexpr uint32_t kKVSlabBytes = kBlockN * kSlabRowBytes;
 constexpr uint32_t kKVBytes = kKVSlabBytes * kSlabs;
+// FP8 Vt: head_dim rows of keys, in regions of one swizzle span of keys (transpose_e4m3.cuh).
+constexpr uint32_t kVtRowBytes = kBlockN < 128 ? kBlockN : 128;
+constexpr uint32_t kVtRegionBytes = kHeadDim * kVtRowBytes;
+constexpr uint32_t kVtBytes = kFp8 ? kVtRegionBytes * ((kBlockN + 127) / 128) : 0;
 constexpr uint32_t kSwizzleAtomBytes = 1024;
+constexpr int kScaleBlockRows = 128;  // rows sharing one FP8 "block" descale (ptxattn/fp8.py)
 
 static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head_dim must be 64, 128 or 256");
 static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "BLOCK_N must be a multiple of 16, <= 256");
 static_assert(kKVSlabBytes % kSwizzleAtomBytes == 0, "tiles must stay 1024-byte aligned");
+static_assert(!kFp8 || (kBlockN % 32 == 0 && (kBlockN >= 128 || kBlockN == 64)),
+              "FP8: k-steps of 32 keys; Vt rows of 64 or 128 keys (one swizzle span)");
 
 struct Barriers {
     MBarrier q_full;
@@ -73,12 +100,21 @@ struct Barriers {
     MBarrier v_empty[kStages];
 };
 
-// Shared memory: [Q | K stage 0..S-1 | V stage 0..S-1 | barriers], after aligning the base to
-// 1024 bytes (the swizzle atom), which may cost up to 1024 bytes of the allocation.
+// FP8 only: the transposed V ring, filled by the producer warpgroup, drained by the consumers.
+struct VtBarriers {
+    MBarrier full[kStages];
+    MBarrier empty[kStages];
+};
+
+// Shared memory: [Q | K stage 0..S-1 | V stage 0..S-1 | (FP8) Vt stage 0..S-1 | barriers],
+// after aligning the base to 1024 bytes (the swizzle atom), which may cost up to 1024 bytes of
+// the allocation.
 constexpr uint32_t kKOffset = kQBytes;
 constexpr uint32_t kVOffset = kKOffset + kStages * kKVBytes;
-constexpr uint32_t kBarrierOffset = kVOffset + kStages * kKVBytes;
-static_assert(kBarrierOffset + sizeof(Barriers) + kSwizzleAtomBytes <= SMEM_BYTES,
+constexpr uint32_t kVtOffset = kVOffset + kStages * kKVBytes;
+constexpr uint32_t kBarrierOffset = kVtOffset + kStages * kVtBytes;
+constexpr uint32_t kVtBarrierOffset = kBarrierOffset + sizeof(Barriers);
+static_assert(kVtBarrierOffset + (kFp8 ? sizeof(VtBarriers) : 0) + kSwizzleAtomBytes <= SMEM_BYTES,
               "SMEM_BYTES too small for this tile configuration");
 
 // Named barriers (0 is __syncthreads): per consumer warpgroup, one that it waits on before
@@ -141,7 +177,8 @@ __device__ __forceinline__ void load_kv_tile(uint8_t* tile, const TensorMap* map
     full.arrive_expect_tx(kKVBytes);
 #pragma unroll
     for (int j = 0; j < kSlabs; ++j) {
-        tma_load_4d(tile + j * kKVSlabBytes, map, full, 64 * j, kv_head, n_block * kBlockN, batch);
+        tma_load_4d(tile + j * kKVSlabBytes, map, full, kSlabCols * j, kv_head, n_block * kBlockN,
+                    batch);
     }
 }
 
@@ -172,7 +209,7 @@ __device__ __forceinline__ void producer(const TensorMap* q_map, const TensorMap
         bars.q_full.arrive_expect_tx(kQBytes);
 #pragma unroll
         for (int j = 0; j < kSlabs; ++j) {
-            tma_load_4d(smem + j * kQSlabBytes, q_map, bars.q_full, 64 * j, head, m0, batch);
+            tma_load_4d(smem + j * kQSlabBytes, q_map, bars.q_full, kSlabCols * j, head, m0, batch);
         }
         ++q_loads;
         bars.k_empty[k_ring.stage()].wait(k_ring.phase() ^ 1);
@@ -195,6 +232,91 @@ __device__ __forceinline__ void producer(const TensorMap* q_map, const TensorMap
     }
 }
 
+// FP8: warps 1-3 of the producer warpgroup transpose every V tile the producer loads into the
+// Vt ring, visiting the tiles and key blocks in the producer's order (same ring slots and
+// phases). Each thread arrives on v_empty / vt.full itself, after its fence.proxy.async, so the
+// consumers' wgmmas (async proxy) see all of Vt and TMA may overwrite V as soon as all reads
+// are done.
+constexpr int kTransposeWarps = 3;
+
+__device__ __forceinline__ void transpose_v_tiles(uint8_t* smem, Barriers& bars, VtBarriers& vt,
+                                                  const TileScheduler& sched, int seqlen_q,
+                                                  int seqlen_k) {
+    const int warp = threadIdx.x / 32 - 1;
+    const int lane = threadIdx.x % 32;
+    RingCursor ring;
+#pragma unroll 1
+    for (int tile = blockIdx.x; tile < sched.num_tiles(); tile += gridDim.x) {
+        int m_block, head, batch;
+        sched.decode(tile, m_block, head, batch);
+        const int n_end = kv_block_end(m_block * kBlockM, seqlen_q, seqlen_k);
+#pragma unroll 1
+        for (int n = 0; n < n_end; ++n, ++ring.count) {
+            const int stage = ring.stage();
+            bars.v_full[stage].wait(ring.phase());
+            vt.empty[stage].wait(ring.phase() ^ 1);
+            transpose_e4m3<kBlockN, kHeadDim, kSlabRowBytes, kVtRowBytes>(
+                smem_addr(smem + kVOffset + stage * kKVBytes),
+                smem_addr(smem + kVtOffset + stage * kVtBytes), warp, kTransposeWarps, lane);
+            fence_proxy_async();
+            bars.v_empty[stage].arrive();
+            vt.full[stage].arrive();
+        }
+    }
+}
+
+// The two GEMM instructions of this build's data type. Templates, so that the other type's
+// shapes (which may not exist for this tile) are never instantiated.
+template <int N>
+__device__ __forceinline__ void mma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b,
+                                       uint32_t accumulate) {
+    if constexpr (kFp8) {
+        WgmmaE4m3<N>::ss(d, desc_a, desc_b, accumulate);
+    } else {
+        Wgmma16<N>::template ss<kBf16>(d, desc_a, desc_b, accumulate);
+    }
+}
+
+// P (as A fragments, kPRegs b32 per thread) into an accumulator of the given width.
+constexpr int kPRegs = kFp8 ? kBlockN / 8 : kBlockN / 4;
+
+template <int N>
+__device__ __forceinline__ void accumulator_to_p(uint32_t (&p)[kPRegs], const float (&s)[N / 2]) {
+    if constexpr (kFp8) {
+        accumulator_to_e4m3_a<N>(p, s);
+    } else {
+#pragma unroll
+        for (int j = 0; j < N / 4; ++j) p[j] = pack_f32x2<kBf16>(s[2 * j], s[2 * j + 1]);
+    }
+}
+
+// O += P V over one key block. 16-bit: V as stored ([keys x d], MN-major, transposed by the
+// instruction; 64-column slabs kKVSlabBytes apart), k-steps of 16 keys. FP8: Vt ([d x keys],
+// K-major, regions of kVtRowBytes keys), k-steps of 32 keys.
+template <int N>
+__device__ __forceinline__ void mma_pv(float (&o)[N / 2], const uint32_t (&p)[kPRegs],
+                                       uint32_t v_tile) {
+    if constexpr (kFp8) {
+        const uint64_t vt_desc = wgmma_desc_kmajor<kVtRowBytes>(v_tile);
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 32; ++kk) {
+            const uint32_t key = 32 * kk;
+            WgmmaE4m3<N>::rs(o, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3],
+                             wgmma_desc_advance(vt_desc, (key / kVtRowBytes) * kVtRegionBytes +
+                                                             key % kVtRowBytes),
+                             1);
+        }
+    } else {
+        const uint64_t v_desc = wgmma_desc_sw128(v_tile, kKVSlabBytes, kSwizzleAtomBytes);
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+            Wgmma16<N>::template rs<kBf16>(o, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2],
+                                           p[4 * kk + 3],
+                                           wgmma_desc_advance(v_desc, kk * 16 * kSlabRowBytes), 1);
+        }
+    }
+}
+
 // Everything one consumer warpgroup needs to run its 64 rows through the key blocks.
 struct Consumer {
     using ScoreTiles = float[1][kBlockN / 8][4];
@@ -202,15 +324,20 @@ struct Consumer {
 
     uint8_t* smem;
     Barriers& bars;
+    VtBarriers& vt;
     int wg;    // 0 or 1: which consumer warpgroup
     int lane;
     int seqlen_q;
     int seqlen_k;
-    float scale_log2;
+    float scale_log2;  // softmax_scale * log2(e), times q's descale with FP8
     int row0;  // query row of this thread's first accumulator row in the tile (second: + 8)
+    // FP8: this tile's k descales (one per 128 keys, k_descale_step apart) and v descale.
+    const float* k_descale = nullptr;
+    int64_t k_descale_step = 0;
+    float v_descale = 1.0f;
 
     float o[kHeadDim / 2];
-    uint32_t p[kBlockN / 4];  // P of the block whose P V is pending, as A fragments
+    uint32_t p[kPRegs];  // P of the block whose P V is pending, as A fragments
     OnlineSoftmax<1> softmax;
     RingCursor ring;
     int q_loads = 0;
@@ -223,28 +350,42 @@ struct Consumer {
         if (lane == 0) bar.arrive();
     }
 
-    // S = Q K^T over head_dim in k-steps of 16 (4 per 64-wide slab).
+    // S = Q K^T over head_dim in k-steps of 32 bytes (16 bf16/fp16 or 32 e4m3 values): four
+    // per 128-byte slab, two in FP8 head_dim 64's 64-byte rows.
     __device__ __forceinline__ void issue_qk(float (&s)[kBlockN / 2], int stage) const {
-        const uint64_t q_desc = wgmma_desc_sw128(q_addr(), 16, kSwizzleAtomBytes);
+        constexpr int kStepsPerSlab = kSlabRowBytes / 32;
+        const uint64_t q_desc = wgmma_desc_kmajor<kSlabRowBytes>(q_addr());
         const uint64_t k_desc =
-            wgmma_desc_sw128(smem_addr(smem + kKOffset + stage * kKVBytes), 16, kSwizzleAtomBytes);
+            wgmma_desc_kmajor<kSlabRowBytes>(smem_addr(smem + kKOffset + stage * kKVBytes));
 #pragma unroll
-        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-            const uint32_t step = (kk % 4) * 32;
-            Wgmma16<kBlockN>::ss<kBf16>(s, wgmma_desc_advance(q_desc, (kk / 4) * kQSlabBytes + step),
-                                        wgmma_desc_advance(k_desc, (kk / 4) * kKVSlabBytes + step),
-                                        kk > 0);
+        for (int kk = 0; kk < kSlabs * kStepsPerSlab; ++kk) {
+            const uint32_t slab = kk / kStepsPerSlab;
+            const uint32_t step = (kk % kStepsPerSlab) * 32;
+            mma_ss<kBlockN>(s, wgmma_desc_advance(q_desc, slab * kQSlabBytes + step),
+                            wgmma_desc_advance(k_desc, slab * kKVSlabBytes + step), kk > 0);
         }
     }
 
-    // O += P V over the block's keys in k-steps of 16; V's 64-column slabs are kKVSlabBytes apart.
     __device__ __forceinline__ void issue_pv(int stage) {
-        const uint64_t v_desc = wgmma_desc_sw128(smem_addr(smem + kVOffset + stage * kKVBytes),
-                                                 kKVSlabBytes, kSwizzleAtomBytes);
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk) {
-            Wgmma16<kHeadDim>::rs<kBf16>(o, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3],
-                                         wgmma_desc_advance(v_desc, kk * 16 * kSlabRowBytes), 1);
+        mma_pv<kHeadDim>(o, p, smem_addr(smem + (kFp8 ? kVtOffset + stage * kVtBytes
+                                                      : kVOffset + stage * kKVBytes)));
+    }
+
+    // The barriers of the tile P V reads: Vt (FP8) or V.
+    __device__ __forceinline__ MBarrier& pv_full(int stage) const {
+        return kFp8 ? vt.full[stage] : bars.v_full[stage];
+    }
+
+    __device__ __forceinline__ MBarrier& pv_empty(int stage) const {
+        return kFp8 ? vt.empty[stage] : bars.v_empty[stage];
+    }
+
+    // The score scale of key block n_block: with FP8 times k's descale of its (first) 128 keys.
+    __device__ __forceinline__ float block_scale_log2(int n_block) const {
+        if constexpr (kFp8) {
+            return scale_log2 * k_descale[(n_block * kBlockN / kScaleBlockRows) * k_descale_step];
+        } else {
+            return scale_log2;
         }
     }
 
@@ -265,8 +406,7 @@ struct Consumer {
     }
 
     __device__ __forceinline__ void to_p(const float (&s)[kBlockN / 2]) {
-#pragma unroll
-        for (int j = 0; j < kBlockN / 4; ++j) p[j] = pack_f32x2<kBf16>(s[2 * j], s[2 * j + 1]);
+        accumulator_to_p<kBlockN>(p, s);
     }
 
     __device__ __forceinline__ void scheduler_wait() const {
@@ -283,13 +423,14 @@ struct Consumer {
                                          float (&rescale)[1][2]) {
         const RingCursor prev = ring;
         ++ring.count;
+        const float block_scale = block_scale_log2(n_block);
         bars.k_full[ring.stage()].wait(ring.phase());
         scheduler_wait();
         wgmma_fence_operand(o);
         wgmma_fence();
         issue_qk(s, ring.stage());
         wgmma_commit();
-        bars.v_full[prev.stage()].wait(prev.phase());
+        pv_full(prev.stage()).wait(prev.phase());
         issue_pv(prev.stage());
         wgmma_commit();
         scheduler_handoff();
@@ -298,10 +439,10 @@ struct Consumer {
         release(bars.k_empty[ring.stage()]);
         if constexpr (kMasked) mask(s, n_block);
         const bool rescale_o =
-            softmax.update(reinterpret_cast<ScoreTiles&>(s), scale_log2, rescale);
+            softmax.update(reinterpret_cast<ScoreTiles&>(s), block_scale, rescale);
         wgmma_wait<0>();
         wgmma_fence_operand(o);
-        release(bars.v_empty[prev.stage()]);
+        release(pv_empty(prev.stage()));
         to_p(s);
         if (rescale_o) scale_rows(reinterpret_cast<OutTiles&>(o), rescale);
     }
@@ -310,6 +451,7 @@ struct Consumer {
     __device__ __forceinline__ void mainloop(int n_end, int n_first_masked) {
         float s[kBlockN / 2];
         float rescale[1][2];
+        const float first_scale = block_scale_log2(n_end - 1);
         bars.q_full.wait(q_loads & 1);
         ++q_loads;
         bars.k_full[ring.stage()].wait(ring.phase());
@@ -321,7 +463,7 @@ struct Consumer {
         release(bars.k_empty[ring.stage()]);
         if (n_end - 1 >= n_first_masked) mask(s, n_end - 1);
         // O is still zero, so whether it would need rescaling does not matter.
-        softmax.update(reinterpret_cast<ScoreTiles&>(s), scale_log2, rescale);
+        softmax.update(reinterpret_cast<ScoreTiles&>(s), first_scale, rescale);
         to_p(s);
 
         // Warpgroup 0 issues first; the matching final wait is after the loop.
@@ -335,14 +477,14 @@ struct Consumer {
         // Every Q K^T of this tile has completed: the producer may load the next tile's Q.
         release(bars.q_empty);
 
-        bars.v_full[ring.stage()].wait(ring.phase());
+        pv_full(ring.stage()).wait(ring.phase());
         wgmma_fence_operand(o);
         wgmma_fence();
         issue_pv(ring.stage());
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_operand(o);
-        release(bars.v_empty[ring.stage()]);
+        release(pv_empty(ring.stage()));
         ++ring.count;
     }
 
@@ -360,10 +502,11 @@ struct Consumer {
             const int row = row0 + 8 * h;
             if (row >= seqlen_q) continue;
             uint16_t* out_row = out + batch * out_stride_b + row * out_stride_s + head * out_stride_h;
+            const float factor = kFp8 ? inv_sum[0][h] * v_descale : inv_sum[0][h];
 #pragma unroll
             for (int i = 0; i < kHeadDim / 8; ++i) {
                 *reinterpret_cast<uint32_t*>(out_row + 8 * i + 2 * t) = pack_f32x2<kBf16>(
-                    o[4 * i + 2 * h] * inv_sum[0][h], o[4 * i + 2 * h + 1] * inv_sum[0][h]);
+                    o[4 * i + 2 * h] * factor, o[4 * i + 2 * h + 1] * factor);
             }
             if (t == 0) lse[(static_cast<int64_t>(batch) * heads_q + head) * seqlen_q + row] =
                 row_lse[0][h];
@@ -378,17 +521,27 @@ using namespace ptxattn;
 using namespace ptxattn::fwd_sm90;
 
 // grid: (any number of blocks up to batch * heads_q * num_m_blocks; each strides over the
-// tiles); block: 384 threads; dynamic smem: SMEM_BYTES. out strides are in elements.
+// tiles); block: 384 threads; dynamic smem: SMEM_BYTES. out strides are in elements. The
+// descales (FP8 only; 16-bit builds ignore them) are read at [b * stride_b + h * stride_h +
+// block * stride_block] with h the q head for q's and the kv head for k's and v's.
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
 attn_fwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
               const __grid_constant__ TensorMap v_map, uint16_t* __restrict__ out,
               int64_t out_stride_b, int64_t out_stride_s, int64_t out_stride_h,
               float* __restrict__ lse, int seqlen_q, int seqlen_k, int batch_size, int heads_q,
-              int q_per_kv, int section_heads, float scale_log2) {
+              int q_per_kv, int section_heads, float scale_log2,
+              const float* __restrict__ q_descale, int64_t q_descale_stride_b,
+              int64_t q_descale_stride_h, int64_t q_descale_stride_block,
+              const float* __restrict__ k_descale, int64_t k_descale_stride_b,
+              int64_t k_descale_stride_h, int64_t k_descale_stride_block,
+              const float* __restrict__ v_descale, int64_t v_descale_stride_b,
+              int64_t v_descale_stride_h) {
+    static_assert(kBlockM == kScaleBlockRows, "a query tile is one q descale block");
     extern __shared__ uint8_t smem_raw[];
     uint8_t* smem = smem_raw + ((kSwizzleAtomBytes - (smem_addr(smem_raw) % kSwizzleAtomBytes)) %
                                 kSwizzleAtomBytes);
     Barriers& bars = *reinterpret_cast<Barriers*>(smem + kBarrierOffset);
+    VtBarriers& vt = *reinterpret_cast<VtBarriers*>(smem + kVtBarrierOffset);
     const TileScheduler sched{(seqlen_q + kBlockM - 1) / kBlockM, batch_size * heads_q,
                               section_heads, heads_q};
 
@@ -400,7 +553,12 @@ attn_fwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ T
             bars.k_full[s].init(1);
             bars.v_full[s].init(1);
             bars.k_empty[s].init(kConsumerWarps);
-            bars.v_empty[s].init(kConsumerWarps);
+            // FP8: V is read by the transposing threads, Vt by the consumers.
+            bars.v_empty[s].init(kFp8 ? 32 * kTransposeWarps : kConsumerWarps);
+            if constexpr (kFp8) {
+                vt.full[s].init(32 * kTransposeWarps);
+                vt.empty[s].init(kConsumerWarps);
+            }
         }
         fence_barrier_init();
     }
@@ -410,6 +568,8 @@ attn_fwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ T
         warpgroup_reg_dealloc<kProducerRegs>();
         if (threadIdx.x == 0) {
             producer(&q_map, &k_map, &v_map, smem, bars, sched, seqlen_q, seqlen_k, q_per_kv);
+        } else if (kFp8 && threadIdx.x >= 32) {
+            transpose_v_tiles(smem, bars, vt, sched, seqlen_q, seqlen_k);
         }
         return;
     }
@@ -418,7 +578,7 @@ attn_fwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ T
     const int wg = threadIdx.x / 128 - 1;
     const int lane = threadIdx.x % 32;
     const int row_in_tile = wg * kRowsPerConsumer + ((threadIdx.x % 128) / 32) * 16 + lane / 4;
-    Consumer consumer{smem, bars, wg, lane, seqlen_q, seqlen_k, scale_log2};
+    Consumer consumer{smem, bars, vt, wg, lane, seqlen_q, seqlen_k, scale_log2};
 #pragma unroll 1
     for (int tile = blockIdx.x; tile < sched.num_tiles(); tile += gridDim.x) {
         int m_block, head, batch;
@@ -426,6 +586,17 @@ attn_fwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ T
         const int m0 = m_block * kBlockM;
         const int n_end = kv_block_end(m0, seqlen_q, seqlen_k);
         consumer.row0 = m0 + row_in_tile;
+        if constexpr (kFp8) {
+            const int kv_head = head / q_per_kv;
+            consumer.scale_log2 = scale_log2 * q_descale[batch * q_descale_stride_b +
+                                                         head * q_descale_stride_h +
+                                                         m_block * q_descale_stride_block];
+            consumer.k_descale =
+                k_descale + batch * k_descale_stride_b + kv_head * k_descale_stride_h;
+            consumer.k_descale_step = k_descale_stride_block;
+            consumer.v_descale =
+                v_descale[batch * v_descale_stride_b + kv_head * v_descale_stride_h];
+        }
 #pragma unroll
         for (int i = 0; i < kHeadDim / 2; ++i) consumer.o[i] = 0.0f;
         consumer.softmax.init();

@@ -18,7 +18,9 @@
 //
 // Both tiles are TMA-style swizzled over their row: the 16-byte chunk c of row r lives at chunk
 // c ^ ((r * row_bytes / 128) % (row_bytes / 16)) (the span equals the row, 64 or 128 bytes). Rows
-// of Vt are written in an order that keeps each 8-row stmatrix free of bank conflicts.
+// of Vt are written in an order that keeps each 8-row stmatrix free of bank conflicts. A Vt with
+// more keys than one row span holds is stored as regions of kDstRowBytes keys (all head_dim rows
+// of keys 0..127, then of keys 128.., ...), each a K-major swizzled operand of its own.
 #pragma once
 #include "common.cuh"
 #include "e4m3.cuh"
@@ -50,13 +52,16 @@ __device__ __forceinline__ uint32_t swizzled_offset(int row, int chunk) {
 
 // Transposes src [kKeys x kCols] (kCols e4m3 per key, in slabs of kSrcRowBytes-byte rows, slab s
 // holding columns s * kSrcRowBytes .. at src + s * kKeys * kSrcRowBytes) into dst [kCols x kKeys]
-// (kKeys bytes per row, one swizzle span), with the key order described above. The `warps`
-// warps calling it with warp = 0 .. warps - 1 split the 32 x 16 units between them.
-template <int kKeys, int kCols, int kSrcRowBytes>
+// (regions of kDstRowBytes keys, region r at dst + r * kCols * kDstRowBytes), with the key order
+// described above. The `warps` warps calling it with warp = 0 .. warps - 1 split the 32 x 16
+// units between them.
+template <int kKeys, int kCols, int kSrcRowBytes, int kDstRowBytes>
 __device__ __forceinline__ void transpose_e4m3(uint32_t src, uint32_t dst, int warp, int warps,
                                                int lane) {
     static_assert(kKeys % 32 == 0 && kCols % 16 == 0, "units of 32 keys x 16 columns");
+    static_assert(kDstRowBytes % 32 == 0, "a region holds whole 32-key units");
     constexpr int kSrcChunks = kSrcRowBytes / 16;
+    constexpr int kUnitsPerRegion = kDstRowBytes / 32;
     constexpr int kUnits = (kKeys / 32) * (kCols / 16);
     const int g = lane % 8;  // row of the matrix this lane addresses
     const int i = lane / 8;  // the matrix
@@ -78,7 +83,10 @@ __device__ __forceinline__ void transpose_e4m3(uint32_t src, uint32_t dst, int w
         const uint32_t odd_lo = byte_permute(r[0], r[1], 0x7531);
         const uint32_t even_hi = byte_permute(r[2], r[3], 0x6420);
         const uint32_t odd_hi = byte_permute(r[2], r[3], 0x7531);
-        stmatrix_x4(dst + swizzled_offset<kKeys>(16 * col_chunk + dst_row, 2 * key_block + i / 2),
+        const int region = key_block / kUnitsPerRegion;
+        stmatrix_x4(dst + region * kCols * kDstRowBytes +
+                        swizzled_offset<kDstRowBytes>(16 * col_chunk + dst_row,
+                                                      2 * (key_block % kUnitsPerRegion) + i / 2),
                     odd_first ? odd_lo : even_lo, odd_first ? even_lo : odd_lo,
                     odd_first ? odd_hi : even_hi, odd_first ? even_hi : odd_hi);
     }

@@ -24,6 +24,8 @@
 //   K-major operand (rows indexed by M or N, 64 K-values per row): SBO = 1024 (next 8 rows),
 //     LBO unused. A k-step of 16 within the 64-wide atom advances the start address by 32 bytes;
 //     the hardware applies the swizzle to the absolute address, so this is exact.
+//   A 64-byte swizzle (layout type 2) works the same way with 64-byte rows and 512-byte atoms
+//   (SBO = 512); FP8 operands with 64-byte rows use it (wgmma_desc_kmajor).
 //   MN-major operand (rows indexed by K, 64 N-values per row, used with transpose-B): SBO = 1024
 //     (next 8 K-rows), LBO = distance between consecutive 64-column atoms along N. A k-step of 16
 //     advances the start address by 16 rows = 2048 bytes.
@@ -38,6 +40,19 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t addr, uint32_t lbo
     return static_cast<uint64_t>((addr & 0x3ffff) >> 4) |
            static_cast<uint64_t>((lbo_bytes >> 4) & 0x3fff) << 16 |
            static_cast<uint64_t>((sbo_bytes >> 4) & 0x3fff) << 32 | 1ull << 62;
+}
+
+// Descriptor of a K-major operand with kRowBytes-byte rows (64 or 128) swizzled over the whole
+// row, as TMA writes it with that swizzle span: 8-row atoms, SBO = 8 * kRowBytes, layout type 1
+// (128-byte) or 2 (64-byte) in bits 62-63. For 128-byte rows this equals
+// wgmma_desc_sw128(addr, 16, 1024).
+template <int kRowBytes>
+__device__ __forceinline__ uint64_t wgmma_desc_kmajor(uint32_t addr) {
+    static_assert(kRowBytes == 64 || kRowBytes == 128, "64- or 128-byte rows");
+    constexpr uint64_t kLayout = kRowBytes == 128 ? 1 : 2;
+    return static_cast<uint64_t>((addr & 0x3ffff) >> 4) |
+           static_cast<uint64_t>(1) << 16 |
+           static_cast<uint64_t>((8 * kRowBytes) >> 4) << 32 | kLayout << 62;
 }
 
 // Moves a descriptor's start address by `bytes` (a multiple of 16 inside the same operand).

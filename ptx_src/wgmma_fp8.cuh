@@ -9,27 +9,15 @@
 //     (rows relative to 16 * warp, g = lane / 4, t = lane % 4):
 //         a0 = A[g][4t..4t+3]   a1 = A[g+8][4t..4t+3]   a2 = A[g][16+4t..]   a3 = A[g+8][16+4t..]
 //     The accumulator gives a thread columns 8i+2t, 8i+2t+1 instead, so an S tile does not
-//     convert in place into the next product's A fragment: see fwd_sm90.cu for the key order
-//     that makes it do so without moving data between threads.
-// Descriptors and the 128-byte swizzle are as in wgmma.cuh (the K-major rules hold per byte);
-// 64-byte rows use the 64-byte swizzle, whose atoms are 8 rows = 512 bytes.
+//     convert in place into the next product's A fragment: transpose_e4m3.cuh orders the keys
+//     of Vt so that it does, with no data moving between threads.
+// Descriptors and swizzles are wgmma.cuh's (the K-major rules hold per byte, so a row of 128
+// e4m3 is laid out like a row of 64 bf16; FP8 head_dim 64 has 64-byte rows: wgmma_desc_kmajor).
 #pragma once
 #include "common.cuh"
 #include "wgmma.cuh"
 
 namespace ptxattn {
-
-// Descriptor of a K-major operand with `row_bytes`-byte rows (64 or 128) swizzled over the
-// whole row, as TMA writes it with that swizzle span: 8-row atoms, stride-dimension offset
-// 8 * row_bytes, layout type 1 (128-byte) or 2 (64-byte) in bits 62-63.
-template <int kRowBytes>
-__device__ __forceinline__ uint64_t wgmma_desc_kmajor(uint32_t addr) {
-    static_assert(kRowBytes == 64 || kRowBytes == 128, "64- or 128-byte rows");
-    constexpr uint64_t kLayout = kRowBytes == 128 ? 1 : 2;
-    return static_cast<uint64_t>((addr & 0x3ffff) >> 4) |
-           static_cast<uint64_t>(1) << 16 |
-           static_cast<uint64_t>((8 * kRowBytes) >> 4) << 32 | kLayout << 62;
-}
 
 // WgmmaE4m3<N>: m64nNk32, e4m3 x e4m3 -> f32. `accumulate` = 0 overwrites D.
 //   ss(d, desc_a, desc_b, accumulate): A and B K-major in shared memory.
@@ -65,6 +53,12 @@ PTXATTN_WGMMA_E4M3_SHAPE(64, PTXATTN_REG_32, PTXATTN_ACC_32, "%32", "%33", "%34"
                          "%37")
 PTXATTN_WGMMA_E4M3_SHAPE(128, PTXATTN_REG_64, PTXATTN_ACC_64, "%64", "%65", "%66", "%67", "%68",
                          "%69")
+PTXATTN_WGMMA_E4M3_SHAPE(160, PTXATTN_REG_80, PTXATTN_ACC_80, "%80", "%81", "%82", "%83", "%84",
+                         "%85")
+PTXATTN_WGMMA_E4M3_SHAPE(192, PTXATTN_REG_96, PTXATTN_ACC_96, "%96", "%97", "%98", "%99", "%100",
+                         "%101")
+PTXATTN_WGMMA_E4M3_SHAPE(224, PTXATTN_REG_112, PTXATTN_ACC_112, "%112", "%113", "%114", "%115",
+                         "%116", "%117")
 PTXATTN_WGMMA_E4M3_SHAPE(256, PTXATTN_REG_128, PTXATTN_ACC_128, "%128", "%129", "%130", "%131",
                          "%132", "%133")
 

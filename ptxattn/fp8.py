@@ -1,11 +1,12 @@
 """FP8 (e4m3) attention on Hopper: the data carrier, quantizers, descales, checks and a reference.
 
-Carrier. FP8 data travels as a ``cupy.ndarray`` of dtype ``ml_dtypes.float8_e4m3fn``
-(:data:`E4M3`). CuPy 14 accepts that dtype for storage: allocation, views, slicing, copies and
-``.get()`` to NumPy (where ml_dtypes gives it arithmetic) all work; CuPy has no arithmetic for it,
-and ptxattn needs none. The dtype names the format, so a bf16/fp16 array or raw bytes passed
-where FP8 is expected are refused by dtype. Raw ``uint8`` is refused too (it could hold e4m3,
-e5m2 or integers); bytes known to be e4m3 are adopted with ``x.view(ptxattn.fp8.E4M3)``.
+Carrier. CuPy 14 does not support FP8 dtypes: ``cupy.empty(..., dtype=float8_e4m3fn)`` and
+``cupy.asarray`` of an ml_dtypes float8 array raise "Unsupported dtype" (only ``.view`` slips
+through). So FP8 data is uint8 storage with an explicit format: :class:`E4M3Array` wraps a CuPy
+uint8 array of e4m3 bytes (shape, strides, slicing, ``.get()`` to an ml_dtypes
+``float8_e4m3fn`` NumPy array). The FP8 entry points take E4M3Array (or a CuPy view whose dtype
+is ``float8_e4m3fn``, which names the format too) and refuse anything else by type: a bf16/fp16
+array, and raw uint8, which could hold e4m3, e5m2 or integers (wrap it: ``E4M3Array(x)``).
 
 Scales. An FP8 tensor comes with a float32 *descale* d: the real value of a byte b is
 ``e4m3(b) * d``. Granularities, as arrays a kernel reads through strides (0 where constant):
@@ -62,6 +63,61 @@ def quantizer_spec(entry: str, dtype: str, head_dim: int) -> runtime.KernelSpec:
 def variants() -> list[runtime.KernelSpec]:
     return [quantizer_spec(entry, dtype, head_dim) for entry in ("fp8_amax", "fp8_quantize")
             for dtype in INPUT_DTYPES for head_dim in HEAD_DIMS]
+
+
+class E4M3Array:
+    """FP8 e4m3 data on the GPU: a CuPy uint8 array of e4m3 bytes, tagged with that format.
+
+    Has the array metadata the kernels check (shape, strides in bytes, dtype ``float8_e4m3fn``,
+    data pointer, device); indexing gives an E4M3Array view; ``get()`` copies to NumPy as
+    ml_dtypes ``float8_e4m3fn``; ``bytes`` is the uint8 storage.
+    """
+
+    __slots__ = ("bytes",)
+    dtype = None  # set below to E4M3
+    itemsize = 1
+
+    def __init__(self, data):
+        if np.dtype(data.dtype) not in (np.dtype(np.uint8), E4M3):
+            raise TypeError(f"E4M3Array holds uint8 e4m3 bytes, got dtype {data.dtype}")
+        self.bytes = data.view(np.uint8)
+
+    @classmethod
+    def from_host(cls, x) -> "E4M3Array":
+        """Uploads a NumPy float8_e4m3fn (or uint8) array."""
+        import cupy
+        return cls(cupy.asarray(np.asarray(x).view(np.uint8)))
+
+    shape = property(lambda self: self.bytes.shape)
+    strides = property(lambda self: self.bytes.strides)
+    ndim = property(lambda self: self.bytes.ndim)
+    size = property(lambda self: self.bytes.size)
+    data = property(lambda self: self.bytes.data)
+    device = property(lambda self: self.bytes.device)
+
+    def __getitem__(self, index) -> "E4M3Array":
+        return E4M3Array(self.bytes[index])
+
+    def get(self) -> np.ndarray:
+        return self.bytes.get().view(E4M3)
+
+    def __repr__(self) -> str:
+        return f"E4M3Array(shape={self.shape}, strides={self.strides})"
+
+
+E4M3Array.dtype = E4M3
+
+
+def as_e4m3(name: str, x) -> E4M3Array:
+    """``x`` as an E4M3Array, or a TypeError naming the argument."""
+    if isinstance(x, E4M3Array):
+        return x
+    import cupy
+    if not isinstance(x, cupy.ndarray):
+        raise TypeError(f"{name} must be a ptxattn.fp8.E4M3Array (or a CuPy float8_e4m3fn "
+                        f"view), got {type(x).__module__}.{type(x).__name__}")
+    check_e4m3(name, x)
+    return E4M3Array(x)
 
 
 @functools.lru_cache(maxsize=None)
@@ -130,7 +186,7 @@ def check_e4m3(name: str, x) -> None:
     if dtype != E4M3:
         if dtype in (np.dtype(np.uint8), np.dtype(np.int8)):
             hint = ("raw bytes are ambiguous (e4m3, e5m2 or integers); if they hold e4m3 values "
-                    f"pass {name}.view(ptxattn.fp8.E4M3)")
+                    f"pass ptxattn.fp8.E4M3Array({name})")
         elif dtype.name in INPUT_DTYPES or dtype == np.float32:
             hint = ("quantize it first (ptxattn.fp8.quantize / quantize_qkv), or call "
                     "ptxattn.attention for 16-bit inputs")
@@ -157,9 +213,9 @@ def check_descale(name: str, d, batch: int, heads: int, seqlen: int, allow_block
         if not (math.isfinite(d) and d > 0):
             raise ValueError(f"{name} must be finite and positive, got {d!r}")
         return "tensor"
-    if not hasattr(d, "shape") or not hasattr(d, "dtype"):
+    if not hasattr(d, "shape") or not hasattr(d, "dtype") or isinstance(d, np.ndarray):
         raise TypeError(f"{name} must be a positive number or a float32 cupy.ndarray, got "
-                        f"{type(d).__name__}")
+                        f"{type(d).__module__}.{type(d).__name__}")
     if np.dtype(d.dtype) != np.float32:
         raise TypeError(f"{name} must have dtype float32, got {d.dtype}")
     shapes = descale_shapes(batch, heads, seqlen, allow_block)
@@ -294,9 +350,9 @@ def _rotation_signs(rotation: HadamardRotation | None, head_dim: int):
 def quantize(x, granularity: str = "tensor", rotation: HadamardRotation | None = None):
     """bf16/fp16 x (batch, seqlen, heads, head_dim) -> (x8, descale) on the GPU.
 
-    x8 is a contiguous float8_e4m3fn array of x's shape holding e4m3(x / descale) (rounded to
-    nearest even); descale is float32 of the granularity's shape (module docstring), amax / 448
-    over each group (1 for an all-zero group). With ``rotation`` the rows are first rotated,
+    x8 is an :class:`E4M3Array` of x's shape (contiguous) holding e4m3(x / descale) (rounded
+    to nearest even); descale is float32 of the granularity's shape (module docstring), amax /
+    448 over each group (1 for an all-zero group). With ``rotation`` the rows are first rotated,
     x8 * descale then approximates x @ rotation.matrix().
     """
     import cupy
@@ -330,17 +386,17 @@ def quantize(x, granularity: str = "tensor", rotation: HadamardRotation | None =
                        [x, *strides, np.int32(seqlen), np.int32(heads), np.int64(rows), signs_arg,
                         d.array, np.int64(d.stride_b), np.int64(d.stride_h),
                         np.int64(d.stride_block), x8])
-    return x8.view(E4M3), descale
+    return E4M3Array(x8), descale
 
 
 def dequantize(x8, descale):
-    """float32 x8 * descale (any granularity) for an e4m3 array (batch, seqlen, heads, dim)."""
+    """float32 x8 * descale (any granularity) for e4m3 data (batch, seqlen, heads, dim)."""
     import cupy
 
-    check_e4m3("x8", x8)
+    x8 = as_e4m3("x8", x8)
     batch, seqlen, heads, _ = x8.shape
     with cupy.cuda.Device(x8.device.id):
-        values = cupy.asarray(e4m3_values())[x8.view(cupy.uint8)]
+        values = cupy.asarray(e4m3_values())[x8.bytes]
         return values * descale_rows(descale, batch, seqlen, heads)
 
 
@@ -367,7 +423,8 @@ def attention(q, k, v, *, q_descale, k_descale, v_descale, causal: bool = False,
     """FP8 attention forward: ``softmax(scale * (q dq)(k dk)^T) (v dv)`` on Hopper (sm_90a).
 
     q (batch, seqlen_q, heads_q, head_dim), k and v (batch, seqlen_k, heads_kv, head_dim):
-    float8_e4m3fn CuPy arrays, unit stride in head_dim, 16-byte aligned strides; head_dim 64,
+    :class:`E4M3Array` (or CuPy float8_e4m3fn views), unit stride in head_dim, 16-byte aligned
+    strides; head_dim 64,
     128 or 256; heads_q a multiple of heads_kv. q_descale, k_descale: a positive number or a
     float32 array of shape (), (batch, heads), or (batch, heads, ceil(seqlen / 128)) (the last
     per 128 rows); v_descale: a number, shape () or (batch, heads_kv). All three are required.
@@ -382,7 +439,8 @@ def attention(q, k, v, *, q_descale, k_descale, v_descale, causal: bool = False,
     from .api import require_cupy
     from .runtime import device_arch
 
-    require_cupy(q=q, k=k, v=v, out=out)
+    q, k, v = as_e4m3("q", q), as_e4m3("k", k), as_e4m3("v", v)
+    require_cupy(out=out)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     scale, out_name = validate(q, k, v, q_descale, k_descale, v_descale, out, out_dtype,
@@ -401,7 +459,8 @@ def attention(q, k, v, *, q_descale, k_descale, v_descale, causal: bool = False,
         if out is None:
             out = cupy.empty(q.shape, dtype=out_name)
         lse = cupy.empty((batch, heads_q, seqlen_q), dtype=cupy.float32)
-        hopper.forward_fp8(q, k, v, out, lse, descales, causal=causal, softmax_scale=scale)
+        hopper.forward_fp8(q.bytes, k.bytes, v.bytes, out, lse, descales, causal=causal,
+                           softmax_scale=scale)
     return (out, lse) if return_lse else out
 
 
@@ -427,8 +486,11 @@ def reference(q, k, v, *, q_descale, k_descale, v_descale, causal: bool = False,
     """FP32 attention of the dequantized inputs, what :func:`attention` approximates.
 
     ``precision="fp8"`` is the same math with the probabilities rounded to e4m3 before P V, as
-    the kernel does (with each row's maximum as the reference point): the naive FP8 yardstick
-    for tolerances. Returns float32 output (and LSE, natural log, (batch, heads, seqlen_q)).
+    the kernel does: the naive FP8 yardstick for tolerances. The kernel rounds exp(s - m) for a
+    running reference m that trails the row's maximum (softmax.cuh), so its largest
+    probability is not exactly 1 and carries a rounding error too; the yardstick models that by
+    rounding each row's probabilities times a fixed factor in [1, 2) (spread by row index).
+    Returns float32 output (and LSE, natural log, (batch, heads, seqlen_q)).
     """
     import cupy
 
@@ -459,7 +521,9 @@ def reference(q, k, v, *, q_descale, k_descale, v_descale, causal: bool = False,
         safe_max = cupy.where(cupy.isfinite(row_max), row_max, 0.0)
         probs = cupy.exp(scores - safe_max)
         row_sum = probs.sum(axis=-1, keepdims=True)
-        numerator = cupy.matmul(round_to_e4m3(probs), vh)
+        factor = cupy.exp2((cupy.arange(start, stop, dtype=cupy.float32) * 0.618034) % 1)
+        factor = factor[:, None]
+        numerator = cupy.matmul(round_to_e4m3(probs * factor) / factor, vh)
         out[:, :, start:stop] = numerator / cupy.where(row_sum > 0, row_sum, 1.0)
         lse[:, :, start:stop] = (cupy.log(row_sum) + safe_max)[..., 0]
     out = out.transpose(0, 2, 1, 3)

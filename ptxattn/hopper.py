@@ -1,9 +1,14 @@
 """Launcher of the Hopper (sm_90a) forward kernel, ``ptx_src/fwd_sm90.cu``.
 
 TMA descriptors are built here: 4-d maps over the (batch, seqlen, heads, head_dim) arrays with a
-box of 64 head_dim columns (128 bytes, the 128-byte swizzle span) by a tile of rows, so the kernel
-loads a tile of head_dim 128 as two boxes; rows past seqlen are zero-filled by the TMA unit. The
-output is stored from registers with the strides passed here.
+box of one swizzle span of head_dim columns (128 bytes: 64 16-bit or 128 e4m3 values; FP8
+head_dim 64 takes its 64-byte rows whole with the 64-byte swizzle) by a tile of rows, so the
+kernel loads a tile of bf16 head_dim 128 as two boxes; rows past seqlen are zero-filled by the
+TMA unit. The output is stored from registers with the strides passed here.
+
+The same kernel source runs FP8 (e4m3) inputs (:func:`forward_fp8`, reached through
+``ptxattn.fp8.attention``), with its own tile schedules: its data take half the shared memory,
+and V is transposed in shared memory into one more ring of buffers.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from . import runtime
 
 ARCHS = ("sm_90a",)
 HEAD_DIMS = (64, 128, 256)
-DTYPES = {"bfloat16": 1, "float16": 0}
+DTYPES = {"bfloat16": 1, "float16": 0}  # 16-bit inputs, and FP8's output types
+FP8 = "float8_e4m3fn"
 
 BLOCK_M = 128          # query rows per tile: two consumer warpgroups of 64
 BOX_COLS = 64          # head_dim columns per TMA box (128 bytes of 16-bit data)
@@ -52,35 +58,69 @@ SCHEDULES = {
     (256, True): Schedule(64, 2, persistent=False, l2_sections=False),
 }
 
+# FP8: block_n is 64 or a multiple of 32 from 128 (V is transposed into regions of 128 keys).
+# Shared memory: (128 + 2 * stages * block_n) * head_dim bytes for Q, K, V plus the Vt ring.
+SCHEDULES_FP8 = {  # from scripts/check_fp8.py --sweep and its throughput table on an H100
+    (64, False): Schedule(256, 3, persistent=True, l2_sections=False),
+    (64, True): Schedule(256, 3, persistent=True, l2_sections=True),
+    (128, False): Schedule(128, 3, persistent=True, l2_sections=False),
+    (128, True): Schedule(128, 3, persistent=False, l2_sections=False),
+    (256, False): Schedule(64, 3, persistent=True, l2_sections=False),
+    (256, True): Schedule(64, 3, persistent=False, l2_sections=False),
+}
+# FP8 with k descales that vary per 128 keys: a key block must lie inside one descale block, so
+# block_n divides 128 (keys per tile, stages) per head_dim.
+FP8_KEY_BLOCK_SCALED_TILES = {64: (128, 4), 128: (128, 3), 256: (64, 3)}
+
 # K/V bytes that the heads of one scheduling section may keep in L2 together (H100: 50 MB).
 L2_SECTION_BYTES = 32 << 20
 
 
-def _smem_bytes(head_dim: int, block_n: int, stages: int) -> int:
-    tiles = (BLOCK_M + 2 * stages * block_n) * head_dim * 2
-    barriers = 8 * (2 + 4 * stages)
+def _smem_bytes(head_dim: int, block_n: int, stages: int, fp8: bool = False) -> int:
+    if fp8:  # Q, K, V, and V transposed in regions of up to 128 keys; two more barriers a stage
+        vt_bytes = -(-block_n // 128) * head_dim * min(block_n, 128)
+        tiles = (BLOCK_M + 2 * stages * block_n) * head_dim + stages * vt_bytes
+        barriers = 8 * (2 + 6 * stages)
+    else:
+        tiles = (BLOCK_M + 2 * stages * block_n) * head_dim * 2
+        barriers = 8 * (2 + 4 * stages)
     return tiles + barriers + 1024  # + alignment of the base to the 1024-byte swizzle atom
 
 
-def spec(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | None = None
-         ) -> runtime.KernelSpec:
-    schedule = SCHEDULES[head_dim, causal]
+def spec(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | None = None,
+         out_dtype: str = "bfloat16") -> runtime.KernelSpec:
+    """The kernel variant for inputs of ``dtype`` (bfloat16, float16 or float8_e4m3fn; FP8
+    writes ``out_dtype``, 16-bit inputs their own type)."""
+    fp8 = dtype == FP8
+    schedule = (SCHEDULES_FP8 if fp8 else SCHEDULES)[head_dim, causal]
     block_n, stages = tiles or (schedule.block_n, schedule.stages)
+    out = out_dtype if fp8 else dtype
+    smem = _smem_bytes(head_dim, block_n, stages, fp8)
     return runtime.KernelSpec(
-        name=f"fwd_sm90_{dtype}_d{head_dim}_n{block_n}_s{stages}{'_causal' if causal else ''}",
+        name=(f"fwd_sm90_{'e4m3_' + out if fp8 else dtype}_d{head_dim}_n{block_n}_s{stages}"
+              f"{'_causal' if causal else ''}"),
         source="fwd_sm90.cu",
         entry="attn_fwd_sm90",
         defines={"HEAD_DIM": head_dim, "BLOCK_N": block_n, "STAGES": stages,
-                 "IS_BF16": DTYPES[dtype], "IS_CAUSAL": int(causal),
-                 "SMEM_BYTES": _smem_bytes(head_dim, block_n, stages)},
-        smem_bytes=_smem_bytes(head_dim, block_n, stages),
+                 "IS_FP8": int(fp8), "IS_BF16": DTYPES[out], "IS_CAUSAL": int(causal),
+                 "SMEM_BYTES": smem},
+        smem_bytes=smem,
         archs=ARCHS,
     )
 
 
 def variants() -> list[runtime.KernelSpec]:
-    return [spec(dtype, head_dim, causal)
-            for dtype in DTYPES for head_dim in HEAD_DIMS for causal in (False, True)]
+    return ([spec(dtype, head_dim, causal)
+             for dtype in DTYPES for head_dim in HEAD_DIMS for causal in (False, True)] +
+            [spec(FP8, head_dim, causal, tiles, out_dtype=out)
+             for out in DTYPES for head_dim in HEAD_DIMS for causal in (False, True)
+             for tiles in dict.fromkeys([None, _fp8_key_block_scaled_tiles(head_dim, causal)])])
+
+
+def _fp8_key_block_scaled_tiles(head_dim: int, causal: bool) -> tuple[int, int] | None:
+    """The FP8 tiles for k descales varying per 128 keys: None if the default ones do."""
+    return (None if 128 % SCHEDULES_FP8[head_dim, causal].block_n == 0
+            else FP8_KEY_BLOCK_SCALED_TILES[head_dim])
 
 
 def section_heads(batch: int, heads_q: int, heads_kv: int, seqlen_k: int, head_dim: int,
@@ -97,24 +137,47 @@ def _sm_count(device_id: int) -> int:
         cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id)
 
 
+def _no_descales() -> list:
+    return [np.uint64(0)] + [np.int64(0)] * 3 + [np.uint64(0)] + [np.int64(0)] * 3 + [
+        np.uint64(0)] + [np.int64(0)] * 2
+
+
+def _descale_args(descales) -> list:
+    (q_d, k_d, v_d) = descales
+    return [q_d.array, np.int64(q_d.stride_b), np.int64(q_d.stride_h), np.int64(q_d.stride_block),
+            k_d.array, np.int64(k_d.stride_b), np.int64(k_d.stride_h), np.int64(k_d.stride_block),
+            v_d.array, np.int64(v_d.stride_b), np.int64(v_d.stride_h)]
+
+
 def launcher(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
              tiles: tuple[int, int] | None = None, sections: int | None = None,
-             persistent: bool | None = None, grid_blocks: int | None = None
+             persistent: bool | None = None, grid_blocks: int | None = None, descales=None
              ) -> Callable[[], None]:
     """Everything forward() does except the launch itself, which the returned callable performs
     (benchmarks time that alone). ``tiles`` (keys per tile, stages), ``sections``,
     ``persistent`` and ``grid_blocks`` (blocks striding over the tiles) override the tuned
-    defaults, for tests and benchmarks."""
+    defaults, for tests and benchmarks. With ``descales`` (the (q, k, v) ``ptxattn.fp8.Descale``
+    operands) q, k and v are uint8 arrays of e4m3 bytes and the FP8 kernel runs."""
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
-    kernel_spec = spec(str(q.dtype), head_dim, causal, tiles)
+    fp8 = descales is not None
+    if fp8 and descales[1].stride_block:
+        if tiles is None:
+            tiles = _fp8_key_block_scaled_tiles(head_dim, causal)
+        elif 128 % tiles[0]:
+            raise ValueError(f"k descales that vary per 128 keys need keys per tile dividing 128, "
+                             f"got {tiles[0]}")
+    kernel_spec = spec(FP8 if fp8 else str(q.dtype), head_dim, causal, tiles,
+                       out_dtype=str(out.dtype))
     block_n = kernel_spec.defines["BLOCK_N"]
     kernel = runtime.load(kernel_spec)
-    q_map = runtime.tensor_map(q, (1, BLOCK_M, 1, BOX_COLS), swizzle=128)
-    k_map = runtime.tensor_map(k, (1, block_n, 1, BOX_COLS), swizzle=128)
-    v_map = runtime.tensor_map(v, (1, block_n, 1, BOX_COLS), swizzle=128)
+    box_cols = min(head_dim, 128) if fp8 else BOX_COLS
+    swizzle = box_cols * q.itemsize
+    q_map = runtime.tensor_map(q, (1, BLOCK_M, 1, box_cols), swizzle=swizzle)
+    k_map = runtime.tensor_map(k, (1, block_n, 1, box_cols), swizzle=swizzle)
+    v_map = runtime.tensor_map(v, (1, block_n, 1, box_cols), swizzle=swizzle)
     num_tiles = batch * heads_q * math.ceil(seqlen_q / BLOCK_M)
-    schedule = SCHEDULES[head_dim, causal]
+    schedule = (SCHEDULES_FP8 if fp8 else SCHEDULES)[head_dim, causal]
     if sections is None:
         sections = (section_heads(batch, heads_q, heads_kv, seqlen_k, head_dim, q.itemsize)
                     if schedule.l2_sections else 1)
@@ -130,8 +193,17 @@ def launcher(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
             lse, np.int32(seqlen_q), np.int32(seqlen_k), np.int32(batch), np.int32(heads_q),
             np.int32(heads_q // heads_kv), np.int32(sections),
             np.float32(softmax_scale * math.log2(math.e))]
+    args += _descale_args(descales) if fp8 else _no_descales()
     return lambda: runtime.launch(kernel, grid=(blocks, 1, 1), block=(THREADS, 1, 1), args=args)
 
 
 def forward(q, k, v, out, lse, *, causal: bool, softmax_scale: float, **overrides) -> None:
     launcher(q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, **overrides)()
+
+
+def forward_fp8(q, k, v, out, lse, descales, *, causal: bool, softmax_scale: float,
+                **overrides) -> None:
+    """FP8 forward on what ptxattn.fp8.attention validated: q, k, v uint8 arrays of e4m3
+    bytes, ``descales`` as in launcher()."""
+    launcher(q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, descales=descales,
+             **overrides)()
