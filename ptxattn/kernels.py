@@ -17,7 +17,8 @@ from concurrent.futures import ProcessPoolExecutor
 from . import runtime
 
 # Every module that ships kernels; each has variants() -> list[KernelSpec].
-FAMILY_MODULES = ("ptxattn.portable", "ptxattn.hopper", "ptxattn.blockscaled", "ptxattn.quant")
+FAMILY_MODULES = ("ptxattn.portable", "ptxattn.hopper", "ptxattn.fp8", "ptxattn.blockscaled",
+                  "ptxattn.quant")
 ARCHS = ("sm_80", "sm_90a", "sm_120a")
 
 

@@ -77,6 +77,30 @@ def ptxattn_runners(arch: str) -> dict:
     return runners
 
 
+def _quantized_once(quantize, attend):
+    """A runner that quantizes each new input set once (untimed after warm-up), then attends."""
+    quantized = {}
+
+    def run(q, k, v, causal):
+        key = (q.data.ptr, k.data.ptr, v.data.ptr)
+        if key not in quantized:
+            quantized.clear()
+            quantized[key] = quantize(q, k, v)
+        return attend(quantized[key], causal)
+    return run
+
+
+def fp8_runners(arch: str) -> dict:
+    """FP8 e4m3 attention (per-block q/k scales, per-head v scales), bf16 output."""
+    from ptxattn import fp8
+
+    if arch not in fp8.ARCHS:
+        return {}
+    return {"ptxattn-fp8": (fp8.HEAD_DIMS, _quantized_once(
+        lambda q, k, v: fp8.quantize_qkv(q, k, v, granularity="block"),
+        lambda qkv, causal: fp8.attention(*qkv[:3], **qkv[3], causal=causal)))}
+
+
 def blockscaled_runners(arch: str) -> tuple[dict, list[str]]:
     """The block-scaled (MXFP8 / NVFP4) kernels, quantizing each input set once, untimed."""
     import warnings
@@ -90,19 +114,10 @@ def blockscaled_runners(arch: str) -> tuple[dict, list[str]]:
     warnings.filterwarnings("ignore", "ptxattn.blockscaled_attention", RuntimeWarning)
     suffix = "-emulated" if build == "emulated" else ""
 
-    def make(fmt):
-        quantized = {}
-
-        def run(q, k, v, causal):
-            key = (q.data.ptr, k.data.ptr, v.data.ptr)
-            if key not in quantized:
-                quantized.clear()
-                quantized[key] = quant.quantize_qkv(q, k, v, fmt)
-            return blockscaled.blockscaled_attention(**quantized[key], causal=causal)
-        return run
-
-    runners = {f"ptxattn-{fmt}{suffix}": (blockscaled.HEAD_DIMS, make(fmt))
-               for fmt in blockscaled.FORMATS}
+    runners = {f"ptxattn-{fmt}{suffix}": (blockscaled.HEAD_DIMS, _quantized_once(
+        lambda q, k, v, fmt=fmt: quant.quantize_qkv(q, k, v, fmt),
+        lambda operands, causal: blockscaled.blockscaled_attention(**operands, causal=causal)))
+        for fmt in blockscaled.FORMATS}
     notes = [f"ptxattn-*{suffix}: the sm_90a emulation build of the sm_120a block-scaled kernel "
              "(correct, not fast; not a speed result)"] if suffix else []
     return runners, notes
@@ -155,6 +170,7 @@ def main(argv=None) -> int:
     arch = device_arch()
     repeats = args.repeats or (5 if args.quick else 15)
     runners = ptxattn_runners(arch)
+    runners.update(fp8_runners(arch))
     scaled, notes = blockscaled_runners(arch)
     runners.update(scaled)
     peers = torch_runners()
