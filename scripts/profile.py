@@ -222,12 +222,13 @@ def main(argv=None) -> int:
     print("\r" + " " * 80 + "\r", end="", file=sys.stderr)
 
     names = list(runners)
-    header = f"{'batch':>5} {'seqlen':>6} {'heads':>5} {'dim':>4} {'causal':>6} " + " ".join(
-        f"{n:>18}" for n in names)
+    widths = [max(len(n), 7) for n in names]
     print("TFLOP/s")
-    print(header)
+    print(f"{'batch':>5} {'seqlen':>6} {'heads':>5} {'dim':>4} {'causal':>6} "
+          + " ".join(f"{n:>{w}}" for n, w in zip(names, widths)))
     for row in results:
-        cells = " ".join(f"{row[n]:18.1f}" if row[n] is not None else f"{'-':>18}" for n in names)
+        cells = " ".join(f"{row[n]:{w}.1f}" if row[n] is not None else f"{'-':>{w}}"
+                         for n, w in zip(names, widths))
         print(f"{row['batch']:5d} {row['seqlen']:6d} {row['heads']:5d} {row['head_dim']:4d} "
               f"{str(row['causal']):>6} {cells}")
     for note in notes:
