@@ -32,15 +32,17 @@ def all_variants(arch: str) -> list[runtime.KernelSpec]:
 def _row(spec: runtime.KernelSpec, arch: str) -> dict:
     try:
         compiled = runtime.compile(spec, arch)
+        return {"name": spec.name, "arch": arch, "registers": compiled.reported().registers,
+                "spill_bytes": compiled.spill_bytes, "smem_bytes": compiled.smem_bytes}
     except runtime.CompileError as err:
         return {"name": spec.name, "arch": arch, "error": err.log}
-    return {"name": spec.name, "arch": arch, "registers": compiled.reported().registers,
-            "spill_bytes": compiled.spill_bytes, "smem_bytes": compiled.smem_bytes}
+    except runtime.PtxattnError as err:  # compiled, but this NVRTC gave no ptxas report
+        return {"name": spec.name, "arch": arch, "error": str(err)}
 
 
 def _problems(row: dict) -> list[str]:
     if "error" in row:
-        return ["does not compile"]
+        return ["does not compile, or has no ptxas report"]
     found = []
     if row["spill_bytes"]:
         found.append(f"spills {row['spill_bytes']} bytes")

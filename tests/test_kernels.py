@@ -10,6 +10,9 @@ from ptxattn import kernels, runtime
 
 @pytest.mark.parametrize("arch", kernels.ARCHS)
 def test_every_variant_compiles_without_spills_within_smem(arch, capsys):
+    if runtime.nvrtc_version() < (13, 5):
+        pytest.skip("NVRTC 13.0 leaves ptxas's report out of the log for later compiles in a "
+                    "process, so budgets are checked where CI runs, with NVRTC 13.5")
     status = kernels.main(["--arch", arch, "--json"])
     rows = json.loads(capsys.readouterr().out)
     assert status == 0, [row for row in rows if "error" in row or row["spill_bytes"]]
