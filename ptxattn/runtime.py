@@ -13,8 +13,10 @@ entry is detected and rebuilt rather than loaded.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -317,9 +319,15 @@ def arch_for_capability(major: int, minor: int) -> str:
 
 
 def device_arch(device_id: int | None = None) -> str:
+    """The compile target of a CuPy device (default: the current one)."""
     import cupy
-    device = cupy.cuda.Device(device_id)
-    major, minor = (int(c) for c in device.compute_capability)
+    return _arch_of_device(cupy.cuda.runtime.getDevice() if device_id is None else device_id)
+
+
+@functools.lru_cache(maxsize=None)
+def _arch_of_device(device_id: int) -> str:
+    import cupy
+    major, minor = (int(c) for c in cupy.cuda.Device(device_id).compute_capability)
     return arch_for_capability(major, minor)
 
 
@@ -402,12 +410,34 @@ _TMA_SWIZZLES = {0: "CU_TENSOR_MAP_SWIZZLE_NONE", 32: "CU_TENSOR_MAP_SWIZZLE_32B
                  64: "CU_TENSOR_MAP_SWIZZLE_64B", 128: "CU_TENSOR_MAP_SWIZZLE_128B"}
 
 
+# Encoded descriptors by everything they encode. A descriptor holds only an address and a
+# layout, so it stays right for any array later placed at that address with that layout.
+_tensor_maps: collections.OrderedDict[tuple, bytes] = collections.OrderedDict()
+_TENSOR_MAP_CACHE_SIZE = 512
+
+
 def tensor_map(array, box: Sequence[int], swizzle: int = 128, oob_zero: bool = True) -> TensorMap:
     """A tiled TMA descriptor over a CuPy array view.
 
     ``box`` is given in the array's own dimension order (outermost first); the descriptor's
     dimensions are the array's reversed, so kernel coordinates are innermost first.
     """
+    key = (array.data.ptr, str(array.dtype), array.shape, array.strides, tuple(box), swizzle,
+           oob_zero, array.device.id)
+    with _lock:
+        raw = _tensor_maps.get(key)
+        if raw is not None:
+            _tensor_maps.move_to_end(key)
+    if raw is None:
+        raw = _encode_tensor_map(array, box, swizzle, oob_zero)
+        with _lock:
+            _tensor_maps[key] = raw
+            if len(_tensor_maps) > _TENSOR_MAP_CACHE_SIZE:
+                _tensor_maps.popitem(last=False)
+    return TensorMap(raw, array)
+
+
+def _encode_tensor_map(array, box: Sequence[int], swizzle: int, oob_zero: bool) -> bytes:
     driver = _driver()
     dtype = str(array.dtype)
     if dtype not in _TMA_DTYPES:
@@ -443,7 +473,7 @@ def tensor_map(array, box: Sequence[int], swizzle: int = 128, oob_zero: bool = T
         getattr(driver.CUtensorMapSwizzle, _TMA_SWIZZLES[swizzle]),
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B, fill),
         "cuTensorMapEncodeTiled")
-    return TensorMap(ctypes.string_at(raw.getPtr(), 128), array)
+    return ctypes.string_at(raw.getPtr(), 128)
 
 
 def _argument(value) -> ctypes._SimpleCData | ctypes.Array:
