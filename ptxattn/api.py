@@ -50,13 +50,9 @@ def _check_tensor(name: str, x) -> None:
                          f"that are multiples of 16 bytes, got strides {x.strides}")
 
 
-def validate(q, k, v, out, softmax_scale):
-    """Checks everything the kernels assume of the arrays' metadata (shape, dtype, strides,
-    device); returns the softmax scale to use. Reads no array data, so it needs no GPU."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, x)
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+def check_qkv_shapes(q, k, v) -> None:
+    """What every attention entry point needs of q, k, v (batch, seqlen, heads, head_dim): one
+    device, k and v alike, batch and head_dim matching q's, q's heads a multiple of k's."""
     devices = {x.device.id for x in (q, k, v)}
     if len(devices) != 1:
         raise ValueError(f"q, k and v must be on one device, got devices {sorted(devices)}")
@@ -69,6 +65,17 @@ def validate(q, k, v, out, softmax_scale):
         raise ValueError(f"k and v must have head_dim {head_dim} like q, got {k.shape[3]}")
     if heads_q % k.shape[2]:
         raise ValueError(f"q's heads ({heads_q}) must be a multiple of k/v's heads ({k.shape[2]})")
+
+
+def validate(q, k, v, out, softmax_scale):
+    """Checks everything the kernels assume of the arrays' metadata (shape, dtype, strides,
+    device); returns the softmax scale to use. Reads no array data, so it needs no GPU."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, x)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    check_qkv_shapes(q, k, v)
+    head_dim = q.shape[3]
     if out is not None:
         _check_tensor("out", out)
         if out.shape != q.shape or out.dtype != q.dtype:

@@ -39,6 +39,7 @@ import ml_dtypes
 import numpy as np
 
 from . import runtime
+from .api import check_qkv_shapes
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E4M3_MAX = 448.0
@@ -230,21 +231,11 @@ def validate(q, k, v, q_descale, k_descale, v_descale, out, out_dtype, softmax_s
     (softmax_scale, out_dtype name). Reads no array data, so it needs no GPU."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_e4m3(name, x)
-    devices = {x.device.id for x in (q, k, v)}
-    if len(devices) != 1:
-        raise ValueError(f"q, k and v must be on one device, got devices {sorted(devices)}")
+    check_qkv_shapes(q, k, v)
     batch, seqlen_q, heads_q, head_dim = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
-    if k.shape[0] != batch:
-        raise ValueError(f"k must have batch {batch} like q, got {k.shape[0]}")
-    if k.shape[3] != head_dim:
-        raise ValueError(f"k and v must have head_dim {head_dim} like q, got {k.shape[3]}")
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS} for FP8, got {head_dim}")
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
-    if heads_q % heads_kv:
-        raise ValueError(f"q's heads ({heads_q}) must be a multiple of k/v's heads ({heads_kv})")
     check_descale("q_descale", q_descale, batch, heads_q, seqlen_q, allow_block=True)
     check_descale("k_descale", k_descale, batch, heads_kv, seqlen_k, allow_block=True)
     check_descale("v_descale", v_descale, batch, heads_kv, seqlen_k, allow_block=False)

@@ -1,45 +1,15 @@
 """Bad arguments are refused with a clear error before anything reaches a GPU.
 
-The checks read only array metadata, so they run here on stand-ins with a CuPy array's
-metadata attributes; the GPU tests cover the same path with real arrays.
+The checks read only array metadata, so they run here on MetaArray stand-ins; the GPU tests
+cover the same path with real arrays.
 """
-
-import dataclasses
 
 import numpy as np
 import pytest
 
 import ptxattn
+from meta_array import MetaArray
 from ptxattn import api
-
-
-@dataclasses.dataclass
-class _Data:
-    ptr: int
-
-
-@dataclasses.dataclass
-class _Device:
-    id: int
-
-
-class MetaArray:
-    """Shape, dtype, strides, data pointer and device of an array, without its contents."""
-
-    def __init__(self, shape, dtype="bfloat16", strides=None, ptr=1 << 20, device=0):
-        self.shape = tuple(shape)
-        self.dtype = np.dtype("float16") if dtype == "float16" else dtype
-        self.itemsize = 4 if dtype in ("float32", "int32") else 2
-        if strides is None:
-            strides, step = [], self.itemsize
-            for n in reversed(self.shape):
-                strides.insert(0, step)
-                step *= n
-        self.strides = tuple(strides)
-        self.ndim = len(self.shape)
-        self.size = int(np.prod(self.shape))
-        self.data = _Data(ptr)
-        self.device = _Device(device)
 
 
 def qkv(batch=2, seqlen_q=16, seqlen_k=16, heads_q=4, heads_kv=4, dim=64):

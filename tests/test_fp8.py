@@ -16,42 +16,18 @@ tensor cores' reduced-precision accumulation costs), plus one rounding of the ou
 at most twice the 16-bit computation's.
 """
 
-import dataclasses
 import math
 
 import ml_dtypes
 import numpy as np
 import pytest
 
+import meta_array
 from ptxattn import fp8, runtime
 
 
-@dataclasses.dataclass
-class _Data:
-    ptr: int
-
-
-@dataclasses.dataclass
-class _Device:
-    id: int
-
-
-class MetaArray:
-    """Shape, dtype, strides, data pointer and device of an array, without its contents."""
-
-    def __init__(self, shape, dtype=fp8.E4M3, ptr=1 << 20, device=0):
-        self.shape = tuple(shape)
-        self.dtype = np.dtype(dtype)
-        self.itemsize = self.dtype.itemsize
-        strides, step = [], self.itemsize
-        for n in reversed(self.shape):
-            strides.insert(0, step)
-            step *= n
-        self.strides = tuple(strides)
-        self.ndim = len(self.shape)
-        self.size = int(np.prod(self.shape))
-        self.data = _Data(ptr)
-        self.device = _Device(device)
+def MetaArray(shape, dtype=fp8.E4M3, **kwargs):
+    return meta_array.MetaArray(shape, dtype, **kwargs)
 
 
 def _qkv(batch=2, seqlen_q=300, seqlen_k=200, heads_q=8, heads_kv=2, dim=128, dtype=fp8.E4M3):
