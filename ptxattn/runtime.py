@@ -390,8 +390,12 @@ class TensorMap:
     """
 
     def __init__(self, raw: bytes, array):
-        self.raw = raw
+        self._buffer = (ctypes.c_ubyte * 128).from_buffer_copy(raw)
         self.array = array
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(self._buffer)
 
 
 _TMA_DTYPES = {
@@ -472,33 +476,16 @@ def _encode_tensor_map(array, box: Sequence[int], swizzle: int, oob_zero: bool) 
     return ctypes.string_at(raw.getPtr(), 128)
 
 
-def _argument_bytes(value) -> bytes:
+def _argument(value) -> ctypes._SimpleCData | ctypes.Array:
     import cupy
     if isinstance(value, cupy.ndarray):
-        return value.data.ptr.to_bytes(8, "little")
+        return ctypes.c_uint64(value.data.ptr)
     if isinstance(value, TensorMap):
-        return value.raw
+        return value._buffer
     if isinstance(value, np.generic):
-        return value.tobytes()
+        return (ctypes.c_ubyte * value.nbytes).from_buffer_copy(value.tobytes())
     raise TypeError(f"kernel argument of type {type(value).__name__} is not supported: pass a "
                     "cupy.ndarray, a TensorMap or a NumPy scalar such as np.int32(...)")
-
-
-def pack_arguments(args: Sequence) -> tuple[ctypes.Array, ctypes.Array]:
-    """The kernel parameters' bytes in one buffer (each at an 8-byte aligned offset) and the
-    array of pointers into it that cuLaunchKernelEx reads them through. One buffer instead of
-    a ctypes object per parameter keeps the per-launch host cost low."""
-    chunks, offsets, size = [], [], 0
-    for value in args:
-        raw = _argument_bytes(value)
-        padding = -size % 8
-        chunks.append(b"\0" * padding + raw)
-        offsets.append(size + padding)
-        size += padding + len(raw)
-    buffer = ctypes.create_string_buffer(b"".join(chunks), max(size, 1))
-    base = ctypes.addressof(buffer)
-    pointers = (ctypes.c_void_p * max(len(offsets), 1))(*[base + o for o in offsets])
-    return buffer, pointers
 
 
 def launch(kernel: LoadedKernel, grid: Sequence[int], block: Sequence[int], args: Sequence,
@@ -507,7 +494,8 @@ def launch(kernel: LoadedKernel, grid: Sequence[int], block: Sequence[int], args
     import cupy
     driver = _driver()
     smem = kernel.spec.smem_bytes if smem_bytes is None else smem_bytes
-    _buffer, pointers = pack_arguments(args)  # the buffer must outlive the launch call
+    holders = [_argument(a) for a in args]
+    pointers = (ctypes.c_void_p * max(len(holders), 1))(*[ctypes.addressof(h) for h in holders])
     stream = cupy.cuda.get_current_stream() if stream is None else stream
     config = driver.CUlaunchConfig()
     config.gridDimX, config.gridDimY, config.gridDimZ = (int(g) for g in _dim3(grid))
