@@ -25,6 +25,11 @@
 // [keys x d] into Vt [d x keys] (transpose_e4m3.cuh; one more ring of buffers with its own
 // full/empty barriers) and the consumers read Vt. P is rounded to e4m3 in registers straight
 // from the S accumulator; the key order transpose_e4m3 gives Vt makes that a pure conversion.
+// The FP8 wgmma keeps fewer bits of its FP32 accumulator than an FP32 add would (about 14, and
+// it truncates; the DeepSeek-V3 report measured this), so the error of S grows with the number
+// of k-steps chained into one accumulator: head_dim 256's 8 k-steps lose about twice what
+// head_dim 128's 4 do, visible in the LSE of large scores. So each 128-column slab of head_dim
+// accumulates into its own registers and the slabs are summed with FP32 adds ("promotion").
 // Descales are applied in FP32: q's (per tile) and k's (per key block) fold into the softmax's
 // score scale, v's multiplies the output in the epilogue. k's may vary per 128 keys only when
 // BLOCK_N divides 128 (the launcher picks such a variant then).
@@ -277,6 +282,11 @@ __device__ __forceinline__ void mma_ss(float (&d)[N / 2], uint64_t desc_a, uint6
     }
 }
 
+// Accumulators S = Q K^T is computed into: one, or with FP8 one per slab of head_dim (see the
+// top of the file), added into the first once the wgmmas completed.
+constexpr int kScoreAccs = kFp8 ? kSlabs : 1;
+static_assert(kScoreAccs <= 2, "the registers of one extra S accumulator at most");
+
 // P (as A fragments, kPRegs b32 per thread) into an accumulator of the given width.
 constexpr int kPRegs = kFp8 ? kBlockN / 8 : kBlockN / 4;
 
@@ -351,8 +361,10 @@ struct Consumer {
     }
 
     // S = Q K^T over head_dim in k-steps of 32 bytes (16 bf16/fp16 or 32 e4m3 values): four
-    // per 128-byte slab, two in FP8 head_dim 64's 64-byte rows.
-    __device__ __forceinline__ void issue_qk(float (&s)[kBlockN / 2], int stage) const {
+    // per 128-byte slab, two in FP8 head_dim 64's 64-byte rows. Slab j goes into s[j] when
+    // there are several accumulators; finish_qk sums them.
+    __device__ __forceinline__ void issue_qk(float (&s)[kScoreAccs][kBlockN / 2],
+                                            int stage) const {
         constexpr int kStepsPerSlab = kSlabRowBytes / 32;
         const uint64_t q_desc = wgmma_desc_kmajor<kSlabRowBytes>(q_addr());
         const uint64_t k_desc =
@@ -361,8 +373,21 @@ struct Consumer {
         for (int kk = 0; kk < kSlabs * kStepsPerSlab; ++kk) {
             const uint32_t slab = kk / kStepsPerSlab;
             const uint32_t step = (kk % kStepsPerSlab) * 32;
-            mma_ss<kBlockN>(s, wgmma_desc_advance(q_desc, slab * kQSlabBytes + step),
-                            wgmma_desc_advance(k_desc, slab * kKVSlabBytes + step), kk > 0);
+            const int acc = kScoreAccs > 1 ? slab : 0;
+            const bool accumulate = kScoreAccs > 1 ? step > 0 : kk > 0;
+            mma_ss<kBlockN>(s[acc], wgmma_desc_advance(q_desc, slab * kQSlabBytes + step),
+                            wgmma_desc_advance(k_desc, slab * kKVSlabBytes + step), accumulate);
+        }
+    }
+
+    // After the wait that completes Q K^T: S in s[0], the other slabs' sums added in FP32.
+    __device__ __forceinline__ void finish_qk(float (&s)[kScoreAccs][kBlockN / 2]) const {
+#pragma unroll
+        for (int a = 0; a < kScoreAccs; ++a) wgmma_fence_operand(s[a]);
+#pragma unroll
+        for (int a = 1; a < kScoreAccs; ++a) {
+#pragma unroll
+            for (int i = 0; i < kBlockN / 2; ++i) s[0][i] += s[a][i];
         }
     }
 
@@ -419,7 +444,7 @@ struct Consumer {
 
     // One step: S for key block n_block (ring slot `cur`), P V for the block before it (`prev`).
     template <bool kMasked>
-    __device__ __forceinline__ void step(int n_block, float (&s)[kBlockN / 2],
+    __device__ __forceinline__ void step(int n_block, float (&s)[kScoreAccs][kBlockN / 2],
                                          float (&rescale)[1][2]) {
         const RingCursor prev = ring;
         ++ring.count;
@@ -435,21 +460,21 @@ struct Consumer {
         wgmma_commit();
         scheduler_handoff();
         wgmma_wait<1>();
-        wgmma_fence_operand(s);
+        finish_qk(s);
         release(bars.k_empty[ring.stage()]);
-        if constexpr (kMasked) mask(s, n_block);
+        if constexpr (kMasked) mask(s[0], n_block);
         const bool rescale_o =
-            softmax.update(reinterpret_cast<ScoreTiles&>(s), block_scale, rescale);
+            softmax.update(reinterpret_cast<ScoreTiles&>(s[0]), block_scale, rescale);
         wgmma_wait<0>();
         wgmma_fence_operand(o);
         release(pv_empty(prev.stage()));
-        to_p(s);
+        to_p(s[0]);
         if (rescale_o) scale_rows(reinterpret_cast<OutTiles&>(o), rescale);
     }
 
     // Runs the tile's key blocks n_end-1 .. 0; leaves the ring cursor past the tile's last slot.
     __device__ __forceinline__ void mainloop(int n_end, int n_first_masked) {
-        float s[kBlockN / 2];
+        float s[kScoreAccs][kBlockN / 2];
         float rescale[1][2];
         const float first_scale = block_scale_log2(n_end - 1);
         bars.q_full.wait(q_loads & 1);
@@ -459,12 +484,12 @@ struct Consumer {
         issue_qk(s, ring.stage());
         wgmma_commit();
         wgmma_wait<0>();
-        wgmma_fence_operand(s);
+        finish_qk(s);
         release(bars.k_empty[ring.stage()]);
-        if (n_end - 1 >= n_first_masked) mask(s, n_end - 1);
+        if (n_end - 1 >= n_first_masked) mask(s[0], n_end - 1);
         // O is still zero, so whether it would need rescaling does not matter.
-        softmax.update(reinterpret_cast<ScoreTiles&>(s), first_scale, rescale);
-        to_p(s);
+        softmax.update(reinterpret_cast<ScoreTiles&>(s[0]), first_scale, rescale);
+        to_p(s[0]);
 
         // Warpgroup 0 issues first; the matching final wait is after the loop.
         if (wg == 1) scheduler_handoff();
