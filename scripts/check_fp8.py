@@ -10,7 +10,7 @@
    normal and outlier inputs).
 4. Throughput: FP8 attention (inputs quantized once, outside the timing, with per-(batch, head)
    descales and with per-block ones) and our own bf16 kernel on the same shapes in the same
-   process, timed with scripts/profile.py's own timer and FLOP count; prints TFLOP/s and the
+   process, timed with ptxattn.timing (the profiler's timer and FLOP count); prints TFLOP/s and the
    FP8 / bf16 ratio.
 5. --sweep: candidate FP8 tile configurations (keys per tile, stages, persistent grid or not),
    each checked for correctness on a small problem, then timed.
@@ -29,6 +29,7 @@ import cupy
 import numpy as np
 
 from ptxattn import fp8, hopper, runtime
+from ptxattn.timing import attention_flops, time_ms
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -38,10 +39,6 @@ def _load(name: str, path: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def _profile_module():
-    return _load("ptxattn_profile", os.path.join(_HERE, "profile.py"))
 
 
 def _tests_module():
@@ -102,8 +99,12 @@ def _fp8_launcher(q, k, v, out, lse, granularity, causal, **overrides):
                            softmax_scale=1.0 / math.sqrt(head_dim), descales=operands, **overrides)
 
 
+def _dims(cfg: dict) -> tuple:
+    return (cfg["batch"], cfg["heads"], cfg["seqlen"], cfg["seqlen"], cfg["head_dim"],
+            cfg["causal"])
+
+
 def throughput(rng, quick: bool) -> None:
-    profile = _profile_module()
     rows = [(16384 // s, s, 2048 // d, d, c) for d in ((128,) if quick else (64, 128, 256))
             for s in ((4096, 8192) if quick else (2048, 4096, 8192, 16384)) for c in (False, True)]
     print(f"{'batch':>5} {'seqlen':>6} {'heads':>5} {'dim':>4} {'causal':>6} "
@@ -114,7 +115,7 @@ def throughput(rng, quick: bool) -> None:
         out = cupy.empty_like(q)
         lse = cupy.empty((batch, heads, seqlen), dtype=cupy.float32)
         bf16 = hopper.launcher(q, k, v, out, lse, causal=causal, softmax_scale=head_dim ** -0.5)
-        tf = [profile.flops(cfg) / profile.time_ms(run, warmup=3, repeats=10) / 1e9 for run in
+        tf = [attention_flops(*_dims(cfg)) / time_ms(run, warmup=3, repeats=10) / 1e9 for run in
               (bf16, _fp8_launcher(q, k, v, out, lse, "head", causal),
                _fp8_launcher(q, k, v, out, lse, "block", causal))]
         print(f"{batch:5d} {seqlen:6d} {heads:5d} {head_dim:4d} {str(causal):>6} "
@@ -132,7 +133,6 @@ SWEEP = {  # (head_dim, causal) -> candidate (keys per tile, stages)
 
 def sweep(rng) -> int:
     tests = _tests_module()
-    profile = _profile_module()
     failures = 0
     for (head_dim, causal), candidates in SWEEP.items():
         batch, seqlen, heads = 2, 8192, 2048 // head_dim
@@ -155,7 +155,7 @@ def sweep(rng) -> int:
             for persistent in (False, True):
                 run = _fp8_launcher(q, k, v, out, lse, "head", causal, tiles=tiles,
                                     persistent=persistent)
-                tf = profile.flops(cfg) / profile.time_ms(run, warmup=2, repeats=5) / 1e9
+                tf = attention_flops(*_dims(cfg)) / time_ms(run, warmup=2, repeats=5) / 1e9
                 row += f" | {'pers' if persistent else 'grid'} {tf:6.1f}"
             print(row, flush=True)
     return failures

@@ -18,7 +18,6 @@ import argparse
 import math
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import cupy
 import numpy as np
 
 from ptxattn import api, hopper, reference, runtime
+from ptxattn.timing import time_ms
 
 SEQLEN_PAIRS = [(1, 1), (17, 17), (127, 127), (1000, 1000), (4097, 4097), (17, 1000),
                 (1000, 17), (127, 4097), (300, 129)]
@@ -128,23 +128,6 @@ def correctness_grid(rng) -> int:
     return failures
 
 
-def time_ms(fn, start, stop, warmup=5, repeats=15, batch=10) -> float:
-    """Median over `repeats` of the event-timed span of `batch` back-to-back calls, per call:
-    the launches queue up, so host overhead does not leave the GPU idle inside the span."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start.record()
-        for _ in range(batch):
-            fn()
-        stop.record()
-        stop.synchronize()
-        times.append((start.elapsed_time(stop) if hasattr(start, "elapsed_time")
-                      else cupy.cuda.get_elapsed_time(start, stop)) / batch)
-    return statistics.median(times)
-
-
 def timing(rng) -> None:
     try:
         import torch
@@ -164,7 +147,7 @@ def timing(rng) -> None:
         lse = cupy.empty((batch, heads, seqlen), dtype=cupy.float32)
         scale = 1.0 / math.sqrt(head_dim)
         ours = time_ms(hopper.launcher(q, k, v, out, lse, causal=causal, softmax_scale=scale),
-                       cupy.cuda.Event(), cupy.cuda.Event())
+                       warmup=5)
         ours_tf = flops / ours / 1e9
         peer = "n/a"
         ratio = ""
@@ -173,8 +156,7 @@ def timing(rng) -> None:
             try:
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                     peer_ms = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
-                        tq, tk, tv, is_causal=causal), torch.cuda.Event(enable_timing=True),
-                        torch.cuda.Event(enable_timing=True))
+                        tq, tk, tv, is_causal=causal), warmup=5)
                 peer_tf = flops / peer_ms / 1e9
                 peer = f"{peer_tf:7.1f} TFLOP/s"
                 ratio = f"{ours_tf / peer_tf:.3f}"
@@ -238,8 +220,7 @@ def sweep(rng) -> int:
                 for sections in (1, None):
                     ms = time_ms(hopper.launcher(
                         q, k, v, out, lse, causal=causal, softmax_scale=head_dim ** -0.5,
-                        tiles=tiles, sections=sections, persistent=persistent),
-                        cupy.cuda.Event(), cupy.cuda.Event())
+                        tiles=tiles, sections=sections, persistent=persistent), warmup=5)
                     row += (f" | {'pers' if persistent else 'grid'} sec={sections or 'auto'}: "
                             f"{flops / ms / 1e9:5.1f}")
             print(row, flush=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import math
 import multiprocessing
-import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -109,27 +108,10 @@ def _precompile(args):
     return time.time() - t0
 
 
-def time_ms(fn, warmup=5, repeats=20, calls=5):
-    """Median over `repeats` samples of the mean time of `calls` back-to-back launches, so that
-    host-side launch overhead (Python argument packing) stays hidden behind the GPU queue."""
-    import cupy
-    for _ in range(warmup):
-        fn()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(repeats):
-        start.record()
-        for _ in range(calls):
-            fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) / calls)
-    return statistics.median(times)
-
-
 def bench(dim, tiles, shape):
     """Times the tiles of tiles[causal] beside torch SDPA's FlashAttention-2."""
     import cupy
+    from ptxattn.timing import time_ms
     from ptxattn import portable
     batch, seqlen, heads = shape
     rng = np.random.default_rng(0)
@@ -149,7 +131,7 @@ def bench(dim, tiles, shape):
             def torch_run():
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                     return sdpa(tq, tk, tv, is_causal=causal)
-            ms = time_ms(torch_run)
+            ms = time_ms(torch_run, warmup=5, repeats=20, launches=5)
             ref = cupy.from_dlpack(torch_run().transpose(1, 2).contiguous())
             print(f"  D={dim} causal={int(causal)} torch-flash      {ms:7.3f} ms "
                   f"{flops / ms / 1e9:6.1f} TFLOP/s")
@@ -159,7 +141,7 @@ def bench(dim, tiles, shape):
         for tile in tiles[causal]:
             def ours():
                 portable.run(q, k, v, out, lse, causal=causal, softmax_scale=scale, tile=tile)
-            ms = time_ms(ours)
+            ms = time_ms(ours, warmup=5, repeats=20, launches=5)
             diff = (float(cupy.abs(out.astype(cupy.float32) - ref.astype(cupy.float32)).max())
                     if ref is not None else float("nan"))
             print(f"  D={dim} causal={int(causal)} {tile.label():22} {ms:7.3f} ms "

@@ -15,13 +15,14 @@ import argparse
 import csv
 import json
 import os
-import statistics
 import sys
 
 # This file's name shadows the standard library's `profile`, which cProfile (imported by torch)
 # loads: keep this folder off the import path.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+from ptxattn.timing import attention_flops, time_ms  # noqa: E402  (after the path fix)
 
 
 def configs(quick: bool) -> list[dict]:
@@ -39,27 +40,8 @@ def configs(quick: bool) -> list[dict]:
 
 
 def flops(cfg: dict) -> float:
-    total = 4.0 * cfg["batch"] * cfg["heads"] * cfg["seqlen"] ** 2 * cfg["head_dim"]
-    return total / 2 if cfg["causal"] else total
-
-
-def time_ms(fn, warmup: int, repeats: int, launches: int = 10) -> float:
-    """Median over ``repeats`` samples of the mean time of ``launches`` back-to-back calls, so
-    the host-side cost of each call overlaps the previous call's GPU work, as in real use."""
-    import cupy
-
-    for _ in range(warmup):
-        fn()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(repeats):
-        start.record()
-        for _ in range(launches):
-            fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) / launches)
-    return statistics.median(times)
+    return attention_flops(cfg["batch"], cfg["heads"], cfg["seqlen"], cfg["seqlen"],
+                           cfg["head_dim"], cfg["causal"])
 
 
 def ptxattn_runners(arch: str) -> dict:
