@@ -35,11 +35,16 @@ def require_cupy(**arrays) -> None:
 
 
 def _check_tensor(name: str, x) -> None:
+    check_layout(name, x)
+    if str(x.dtype) not in _DTYPES:
+        raise TypeError(f"{name} must have dtype float16 or bfloat16, got {x.dtype}")
+
+
+def check_layout(name: str, x) -> None:
+    """A 4-d (batch, seqlen, heads, head_dim) array the kernels can read in 16-byte vectors."""
     if x.ndim != 4:
         raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, heads, head_dim), "
                          f"got shape {x.shape}")
-    if str(x.dtype) not in _DTYPES:
-        raise TypeError(f"{name} must have dtype float16 or bfloat16, got {x.dtype}")
     if x.size == 0:
         raise ValueError(f"{name} must not be empty, got shape {x.shape}")
     if x.strides[-1] != x.itemsize:

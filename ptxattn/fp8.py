@@ -39,7 +39,7 @@ import ml_dtypes
 import numpy as np
 
 from . import runtime
-from .api import check_qkv_shapes
+from .api import check_layout, check_qkv_shapes
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E4M3_MAX = 448.0
@@ -52,7 +52,6 @@ INPUT_DTYPES = {"bfloat16": 1, "float16": 0}
 
 _QUANTIZER_ARCHS = ("sm_89", "sm_90a", "sm_120a")
 _WARPS_PER_BLOCK = 8
-_ALIGN_BYTES = 16
 
 
 def quantizer_spec(entry: str, dtype: str, head_dim: int) -> runtime.KernelSpec:
@@ -167,20 +166,6 @@ def hadamard_rotation(head_dim: int, seed: int | None = None) -> HadamardRotatio
 # Argument checks (array metadata only: no GPU needed)
 
 
-def _check_layout(name: str, x) -> None:
-    if x.ndim != 4:
-        raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, heads, head_dim), "
-                         f"got shape {x.shape}")
-    if x.size == 0:
-        raise ValueError(f"{name} must not be empty, got shape {x.shape}")
-    if x.strides[-1] != x.itemsize:
-        raise ValueError(f"{name} must have unit stride in head_dim, got strides {x.strides} "
-                         f"(bytes) for shape {x.shape}")
-    if x.data.ptr % _ALIGN_BYTES or any(s % _ALIGN_BYTES for s in x.strides[:-1]):
-        raise ValueError(f"{name} must have a 16-byte aligned base and batch/seqlen/heads strides "
-                         f"that are multiples of 16 bytes, got strides {x.strides}")
-
-
 def check_e4m3(name: str, x) -> None:
     """Refuses anything but a 4-d float8_e4m3fn array the kernel can read by TMA."""
     dtype = np.dtype(x.dtype)
@@ -194,7 +179,7 @@ def check_e4m3(name: str, x) -> None:
         else:
             hint = "only e4m3 (float8_e4m3fn) is supported"
         raise TypeError(f"{name} must have dtype float8_e4m3fn (FP8 e4m3), got {dtype}: {hint}")
-    _check_layout(name, x)
+    check_layout(name, x)
 
 
 def descale_shapes(batch: int, heads: int, seqlen: int, allow_block: bool) -> dict:
@@ -248,7 +233,7 @@ def validate(q, k, v, q_descale, k_descale, v_descale, out, out_dtype, softmax_s
         if out_dtype is not None and np.dtype(out.dtype).name != np.dtype(out_dtype).name:
             raise ValueError(f"out has dtype {out.dtype} but out_dtype is {out_dtype}")
         out_dtype = out.dtype
-        _check_layout("out", out)
+        check_layout("out", out)
         if out.shape != q.shape:
             raise ValueError(f"out must have q's shape {q.shape}, got {out.shape}")
         if out.device.id != q.device.id:
@@ -317,7 +302,7 @@ def _check_quantizer_input(x) -> None:
     require_cupy(x=x)
     if np.dtype(x.dtype).name not in INPUT_DTYPES:
         raise TypeError(f"x must have dtype bfloat16 or float16, got {x.dtype}")
-    _check_layout("x", x)
+    check_layout("x", x)
     if x.shape[3] not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {x.shape[3]}")
     if x.size >= 2 ** 31 * x.shape[3]:
