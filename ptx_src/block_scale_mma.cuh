@@ -47,6 +47,7 @@
 // emulated MMAs make their bodies large.
 #pragma once
 #include "common.cuh"
+#include "e4m3.cuh"
 
 #ifndef PTXATTN_EMULATE_BLOCK_SCALE
 #define PTXATTN_EMULATE_BLOCK_SCALE 0
@@ -63,24 +64,6 @@ namespace ptxattn {
 __device__ __forceinline__ float ue8m0_to_float(uint32_t byte) {
     const uint32_t bits = byte == 0 ? 0x00400000u : byte == 255 ? 0x7fffffffu : byte << 23;
     return __uint_as_float(bits);
-}
-
-// E4M3 (and UE4M3, whose sign bit is 0) to FP32 through cvt.rn.f16x2.e4m3x2 (sm_89+): exact.
-__device__ __forceinline__ float e4m3_to_float(uint32_t byte) {
-    uint32_t halves;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"(static_cast<uint16_t>(byte & 0xff)));
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(static_cast<uint16_t>(halves & 0xffff)));
-    return f;
-}
-
-// Packs four floats into four e4m3 bytes, v0 in the low byte, rounding to nearest even and
-// saturating to +-448: cvt.rn.satfinite.e4m3x2.f32 (sm_89+).
-__device__ __forceinline__ uint32_t pack_e4m3x4(float v0, float v1, float v2, float v3) {
-    uint16_t lo, hi;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(v1), "f"(v0));
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(v3), "f"(v2));
-    return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
 }
 
 #if PTXATTN_EMULATE_BLOCK_SCALE

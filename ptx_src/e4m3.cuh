@@ -32,4 +32,14 @@ __device__ __forceinline__ uint32_t e4m3x4(float b0, float b1, float b2, float b
     return r;
 }
 
+// E4M3 (and UE4M3, whose sign bit is 0) byte to FP32, exactly: cvt.rn.f16x2.e4m3x2, then
+// cvt.f32.f16 (every e4m3 value is an f16 value).
+__device__ __forceinline__ float e4m3_to_float(uint32_t byte) {
+    uint32_t halves;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"(static_cast<uint16_t>(byte & 0xff)));
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(static_cast<uint16_t>(halves & 0xffff)));
+    return f;
+}
+
 }  // namespace ptxattn

@@ -324,7 +324,7 @@ __device__ __forceinline__ void softmax_step(const StepContext& c, int tile, uin
                 const float(&lo)[4] = s[4 * n + 2 * upper];
                 const float(&hi)[4] = s[4 * n + 2 * upper + 1];
                 p_frag[n][2 * upper + h] =
-                    pack_e4m3x4(kPFactor * lo[2 * h], kPFactor * lo[2 * h + 1],
+                    e4m3x4(kPFactor * lo[2 * h], kPFactor * lo[2 * h + 1],
                                 kPFactor * hi[2 * h], kPFactor * hi[2 * h + 1]);
             }
         }

@@ -61,7 +61,7 @@ __device__ __forceinline__ void store_mxfp8_block(uint8_t* dst, const float (&x)
     uint32_t words[8];
 #pragma unroll
     for (int w = 0; w < 8; ++w) {
-        words[w] = pack_e4m3x4(__fmul_rn(x[4 * w], inv), __fmul_rn(x[4 * w + 1], inv),
+        words[w] = e4m3x4(__fmul_rn(x[4 * w], inv), __fmul_rn(x[4 * w + 1], inv),
                                __fmul_rn(x[4 * w + 2], inv), __fmul_rn(x[4 * w + 3], inv));
     }
     uint4* out = reinterpret_cast<uint4*>(dst);
@@ -166,7 +166,7 @@ nvfp4_quantize_rows(const uint16_t* __restrict__ x, uint8_t* __restrict__ data,
     float v[16];
     load_halves(v, x + block * 16, is_bf16);
     const float s = __fdiv_rn(__fdiv_rn(block_amax(v, 16), 6.0f), g);
-    const uint32_t scale = pack_e4m3x4(s, 0.0f, 0.0f, 0.0f) & 0xff;
+    const uint32_t scale = e4m3x4(s, 0.0f, 0.0f, 0.0f) & 0xff;
     const float denom = __fmul_rn(e4m3_to_float(scale), g);
     uint32_t words[2] = {0, 0};
     if (denom > 0.0f) {
