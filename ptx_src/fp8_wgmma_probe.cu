@@ -69,8 +69,9 @@ fp8_wgmma_probe(const uint8_t* __restrict__ q, const uint8_t* __restrict__ k,
     copy_tile(k_tile, k, kKeys);
     copy_tile(v_tile, v, kKeys);
     __syncthreads();
-    transpose_e4m3<kKeys, kHeadDim, kRowBytes, kKeys>(smem_addr(v_tile), smem_addr(vt_tile),
-                                               threadIdx.x / 32, 4, threadIdx.x % 32);
+    const TransposeE4m3<kKeys, kHeadDim, kRowBytes, kKeys> transpose(threadIdx.x / 32, 4,
+                                                                      threadIdx.x % 32);
+    transpose(smem_addr(v_tile), smem_addr(vt_tile));
     fence_proxy_async();
     __syncthreads();
 

@@ -35,7 +35,7 @@
 // BLOCK_N divides 128 (the launcher picks such a variant then).
 //
 // Compile-time parameters (-D): HEAD_DIM (64, 128, 256), BLOCK_N (keys per tile, multiple of
-// 16; FP8: of 32), STAGES (K/V ring depth), IS_FP8 (1: e4m3 inputs), IS_BF16 (1: bfloat16,
+// 16; FP8: 64, 128 or 256), STAGES (K/V ring depth), IS_FP8 (1: e4m3 inputs), IS_BF16 (1: bfloat16,
 // 0: float16; the inputs' type, or with FP8 the output's), IS_CAUSAL, SMEM_BYTES (the dynamic
 // shared memory the launcher requests, checked against the layout below).
 //
@@ -70,9 +70,11 @@ constexpr int kRowsPerConsumer = 64;  // one wgmma M
 constexpr int kThreads = 3 * 128;
 constexpr int kConsumerWarps = 8;
 // Launched at 168 registers per thread (65536 / 384, rounded down to 8); the producer keeps 24,
-// or 40 with FP8, where its four warps transpose V.
-constexpr int kProducerRegs = kFp8 ? 40 : 24;
-constexpr int kConsumerRegs = kFp8 ? 232 : 240;
+// or with FP8, where three of its warps transpose V, 56 (40 at head_dim 256, whose consumers
+// need 232 for their second S accumulator). The consumers take what the producer gives up.
+constexpr int kLaunchRegs = 168;
+constexpr int kProducerRegs = !kFp8 ? 24 : kHeadDim == 256 ? 40 : 56;
+constexpr int kConsumerRegs = (3 * kLaunchRegs - kProducerRegs) / 2 / 8 * 8;
 
 constexpr int kElemBytes = kFp8 ? 1 : 2;
 constexpr uint32_t kRowBytes = kHeadDim * kElemBytes;
@@ -93,8 +95,8 @@ constexpr int kScaleBlockRows = 128;  // rows sharing one FP8 "block" descale (p
 static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head_dim must be 64, 128 or 256");
 static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "BLOCK_N must be a multiple of 16, <= 256");
 static_assert(kKVSlabBytes % kSwizzleAtomBytes == 0, "tiles must stay 1024-byte aligned");
-static_assert(!kFp8 || (kBlockN % 32 == 0 && (kBlockN >= 128 || kBlockN == 64)),
-              "FP8: k-steps of 32 keys; Vt rows of 64 or 128 keys (one swizzle span)");
+static_assert(!kFp8 || kBlockN == 64 || kBlockN == 128 || kBlockN == 256,
+              "FP8: Vt in whole regions of 64 or 128 keys (one swizzle span)");
 
 struct Barriers {
     MBarrier q_full;
@@ -243,12 +245,14 @@ __device__ __forceinline__ void producer(const TensorMap* q_map, const TensorMap
 // consumers' wgmmas (async proxy) see all of Vt and TMA may overwrite V as soon as all reads
 // are done.
 constexpr int kTransposeWarps = 3;
+// 16-bit builds never call it; a legal shape keeps their (unused) instantiation compiling.
+using VTranspose = TransposeE4m3<kFp8 ? kBlockN : 64, kHeadDim, kSlabRowBytes,
+                                 kFp8 ? kVtRowBytes : 64>;
 
 __device__ __forceinline__ void transpose_v_tiles(uint8_t* smem, Barriers& bars, VtBarriers& vt,
                                                   const TileScheduler& sched, int seqlen_q,
                                                   int seqlen_k) {
-    const int warp = threadIdx.x / 32 - 1;
-    const int lane = threadIdx.x % 32;
+    const VTranspose transpose(threadIdx.x / 32 - 1, kTransposeWarps, threadIdx.x % 32);
     RingCursor ring;
 #pragma unroll 1
     for (int tile = blockIdx.x; tile < sched.num_tiles(); tile += gridDim.x) {
@@ -260,9 +264,8 @@ __device__ __forceinline__ void transpose_v_tiles(uint8_t* smem, Barriers& bars,
             const int stage = ring.stage();
             bars.v_full[stage].wait(ring.phase());
             vt.empty[stage].wait(ring.phase() ^ 1);
-            transpose_e4m3<kBlockN, kHeadDim, kSlabRowBytes, kVtRowBytes>(
-                smem_addr(smem + kVOffset + stage * kKVBytes),
-                smem_addr(smem + kVtOffset + stage * kVtBytes), warp, kTransposeWarps, lane);
+            transpose(smem_addr(smem + kVOffset + stage * kKVBytes),
+                      smem_addr(smem + kVtOffset + stage * kVtBytes));
             fence_proxy_async();
             bars.v_empty[stage].arrive();
             vt.full[stage].arrive();
@@ -593,8 +596,8 @@ attn_fwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ T
         warpgroup_reg_dealloc<kProducerRegs>();
         if (threadIdx.x == 0) {
             producer(&q_map, &k_map, &v_map, smem, bars, sched, seqlen_q, seqlen_k, q_per_kv);
-        } else if (kFp8 && threadIdx.x >= 32) {
-            transpose_v_tiles(smem, bars, vt, sched, seqlen_q, seqlen_k);
+        } else if (threadIdx.x >= 32) {
+            if constexpr (kFp8) transpose_v_tiles(smem, bars, vt, sched, seqlen_q, seqlen_k);
         }
         return;
     }

@@ -57,6 +57,33 @@ __device__ __forceinline__ void scale_rows(float (&acc)[kRowPairs][kTiles][4],
     }
 }
 
+struct Max {
+    __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+struct Sum {
+    __device__ __forceinline__ float operator()(float a, float b) const { return a + b; }
+};
+
+// Reduces with `op` the 2 * kTiles values this thread holds of row h of a 16-row slab, as a
+// balanced tree: a chain of dependent instructions log2(2 * kTiles) long instead of 2 * kTiles,
+// which matters when few warps share a scheduler (the Hopper kernel runs two per scheduler).
+template <int kTiles, typename Op>
+__device__ __forceinline__ float row_reduce(const float (&tiles)[kTiles][4], int h, Op op) {
+    float v[2 * kTiles];
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j) {
+        v[2 * j] = tiles[j][2 * h];
+        v[2 * j + 1] = tiles[j][2 * h + 1];
+    }
+#pragma unroll
+    for (int width = 1; width < 2 * kTiles; width *= 2) {
+#pragma unroll
+        for (int i = 0; i + width < 2 * kTiles; i += 2 * width) v[i] = op(v[i], v[i + width]);
+    }
+    return v[0];
+}
+
 template <int kRowPairs>
 struct OnlineSoftmax {
     float row_max[kRowPairs][2];  // scaled running max (log2 units), -inf before any key
@@ -96,12 +123,7 @@ struct OnlineSoftmax {
         for (int r = 0; r < kRowPairs; ++r) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                float m = s[r][0][2 * h];
-#pragma unroll
-                for (int j = 0; j < kTiles; ++j) {
-                    m = fmaxf(m, fmaxf(s[r][j][2 * h], s[r][j][2 * h + 1]));
-                }
-                block_max[r][h] = quad_max(m) * scale_log2;
+                block_max[r][h] = quad_max(row_reduce<kTiles>(s[r], h, Max{})) * scale_log2;
                 grows |= block_max[r][h] > row_max[r][h] + kMaxGrowth;
             }
         }
@@ -116,15 +138,14 @@ struct OnlineSoftmax {
                     row_max[r][h] = new_max;
                 }
                 const float m = bias(row_max[r][h]);
-                float block_sum = 0.0f;
 #pragma unroll
                 for (int j = 0; j < kTiles; ++j) {
 #pragma unroll
                     for (int c = 2 * h; c < 2 * h + 2; ++c) {
                         s[r][j][c] = exp2_approx(fmaf(s[r][j][c], scale_log2, -m));
-                        block_sum += s[r][j][c];
                     }
                 }
+                const float block_sum = row_reduce<kTiles>(s[r], h, Sum{});
                 row_sum[r][h] = move ? fmaf(row_sum[r][h], rescale[r][h], block_sum)
                                      : row_sum[r][h] + block_sum;
             }

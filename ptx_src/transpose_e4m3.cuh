@@ -53,44 +53,80 @@ __device__ __forceinline__ uint32_t swizzled_offset(int row, int chunk) {
 // Transposes src [kKeys x kCols] (kCols e4m3 per key, in slabs of kSrcRowBytes-byte rows, slab s
 // holding columns s * kSrcRowBytes .. at src + s * kKeys * kSrcRowBytes) into dst [kCols x kKeys]
 // (regions of kDstRowBytes keys, region r at dst + r * kCols * kDstRowBytes), with the key order
-// described above. The `warps` warps calling it with warp = 0 .. warps - 1 split the 32 x 16
-// units between them.
+// described above. The `warps` warps constructing it with warp = 0 .. warps - 1 split the work in
+// jobs of one 16-column chunk x one region (kDstRowBytes / 32 units of 32 keys).
+// Built once per warp and applied to every tile: within a job the swizzle XOR of the source rows
+// is the same for every unit (units are 32 keys, a multiple of the 8- or 4-row swizzle period)
+// and the one of the destination rows is the same for every column chunk, so the addresses are
+// per-lane constants plus compile-time offsets, and a unit costs ldmatrix, 4 prmt and stmatrix.
 template <int kKeys, int kCols, int kSrcRowBytes, int kDstRowBytes>
-__device__ __forceinline__ void transpose_e4m3(uint32_t src, uint32_t dst, int warp, int warps,
-                                               int lane) {
-    static_assert(kKeys % 32 == 0 && kCols % 16 == 0, "units of 32 keys x 16 columns");
-    static_assert(kDstRowBytes % 32 == 0, "a region holds whole 32-key units");
-    constexpr int kSrcChunks = kSrcRowBytes / 16;
-    constexpr int kUnitsPerRegion = kDstRowBytes / 32;
-    constexpr int kUnits = (kKeys / 32) * (kCols / 16);
-    const int g = lane % 8;  // row of the matrix this lane addresses
-    const int i = lane / 8;  // the matrix
-    // Bank-conflict-free store order: matrix rows 0-3 take the even Vt row of the pair, 4-7 the
-    // odd one (rows 2g + s, s = g / 4 for matrices 0, 2 and 1 - s for 1, 3).
-    const int swap = g / 4;
-    const int dst_row = 2 * g + ((i % 2) ^ swap);
-    const bool odd_first = (lane / 4) % 8 >= 4;
-#pragma unroll 1
-    for (int unit = warp; unit < kUnits; unit += warps) {
-        const int key_block = unit % (kKeys / 32);
-        const int col_chunk = unit / (kKeys / 32);
-        const int slab = col_chunk / kSrcChunks;
-        uint32_t r[4];
-        ldmatrix_x4_trans(r, src + slab * kKeys * kSrcRowBytes +
-                                 swizzled_offset<kSrcRowBytes>(32 * key_block + 8 * i + g,
-                                                               col_chunk % kSrcChunks));
-        const uint32_t even_lo = byte_permute(r[0], r[1], 0x6420);
-        const uint32_t odd_lo = byte_permute(r[0], r[1], 0x7531);
-        const uint32_t even_hi = byte_permute(r[2], r[3], 0x6420);
-        const uint32_t odd_hi = byte_permute(r[2], r[3], 0x7531);
-        const int region = key_block / kUnitsPerRegion;
-        stmatrix_x4(dst + region * kCols * kDstRowBytes +
-                        swizzled_offset<kDstRowBytes>(16 * col_chunk + dst_row,
-                                                      2 * (key_block % kUnitsPerRegion) + i / 2),
-                    odd_first ? odd_lo : even_lo, odd_first ? even_lo : odd_lo,
-                    odd_first ? odd_hi : even_hi, odd_first ? even_hi : odd_hi);
+struct TransposeE4m3 {
+    static constexpr int kSrcChunks = kSrcRowBytes / 16;
+    static constexpr int kDstChunks = kDstRowBytes / 16;
+    static constexpr int kUnitsPerRegion = kDstRowBytes / 32;
+    static constexpr int kRegions = kKeys / kDstRowBytes;
+    static constexpr int kColChunks = kCols / 16;
+    static constexpr int kJobs = kColChunks * kRegions;
+    static_assert(kKeys % kDstRowBytes == 0 && kCols % 16 == 0, "whole regions, 16-column chunks");
+    static_assert(kDstRowBytes == 64 || kDstRowBytes == 128, "64- or 128-byte Vt rows");
+
+    uint32_t src_lane;  // this lane's ldmatrix row in a unit, and its chunk's swizzle XOR
+    uint32_t src_xor;
+    uint32_t dst_lane;  // this lane's stmatrix row, and per unit of a region its chunk offset
+    uint32_t dst_unit[kUnitsPerRegion];
+    uint32_t select_first;  // prmt selectors: which of the even / odd columns this lane stores first
+    uint32_t select_second;
+    int first_job;
+    int job_stride;
+
+    __device__ __forceinline__ TransposeE4m3(int warp, int warps, int lane)
+        : first_job(warp), job_stride(warps) {
+        const int g = lane % 8;  // row of the matrix this lane addresses
+        const int i = lane / 8;  // the matrix
+        const int src_row = 8 * i + g;
+        src_lane = src_row * kSrcRowBytes;
+        src_xor = (src_row * kSrcRowBytes / 128) % kSrcChunks;
+        // Bank-conflict-free store order: matrix rows 0-3 take the even Vt row of the pair, 4-7
+        // the odd one (rows 2g + s, s = g / 4 for matrices 0, 2 and 1 - s for 1, 3).
+        const int dst_row = 2 * g + ((i % 2) ^ (g / 4));
+        dst_lane = dst_row * kDstRowBytes;
+        const int dst_xor = (dst_row * kDstRowBytes / 128) % kDstChunks;
+#pragma unroll
+        for (int u = 0; u < kUnitsPerRegion; ++u) dst_unit[u] = 16 * ((2 * u + i / 2) ^ dst_xor);
+        const bool odd_first = (lane / 4) % 8 >= 4;
+        select_first = odd_first ? 0x7531 : 0x6420;
+        select_second = odd_first ? 0x6420 : 0x7531;
     }
-}
+
+    __device__ __forceinline__ void operator()(uint32_t src, uint32_t dst) const {
+#pragma unroll 1
+        for (int job = first_job; job < kJobs; job += job_stride) {
+            const int chunk = job % kColChunks;
+            const int region = job / kColChunks;
+            const uint32_t src_job = src + src_lane +
+                                     (chunk / kSrcChunks) * (kKeys * kSrcRowBytes) +
+                                     16 * ((chunk % kSrcChunks) ^ src_xor) +
+                                     region * (kDstRowBytes * kSrcRowBytes);
+            const uint32_t dst_job = dst + dst_lane + region * (kCols * kDstRowBytes) +
+                                     chunk * (16 * kDstRowBytes);
+            // Two units in flight: their loads overlap, within the transposing warps' registers.
+#pragma unroll
+            for (int u = 0; u < kUnitsPerRegion; u += 2) {
+                uint32_t r[2][4];
+                ldmatrix_x4_trans(r[0], src_job + u * 32 * kSrcRowBytes);
+                ldmatrix_x4_trans(r[1], src_job + (u + 1) * 32 * kSrcRowBytes);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    stmatrix_x4(dst_job + dst_unit[u + h],
+                                byte_permute(r[h][0], r[h][1], select_first),
+                                byte_permute(r[h][0], r[h][1], select_second),
+                                byte_permute(r[h][2], r[h][3], select_first),
+                                byte_permute(r[h][2], r[h][3], select_second));
+                }
+            }
+        }
+    }
+};
 
 // A wgmma accumulator S (m64nN, fp32, wgmma.cuh layout) rounded to e4m3 as the A fragments of
 // the product S Vt, one b32 per 4 keys: p[4kk .. 4kk+3] is k-step kk (keys 32kk ..), in the key

@@ -56,8 +56,11 @@ __device__ __forceinline__ uint64_t wgmma_desc_kmajor(uint32_t addr) {
 }
 
 // Moves a descriptor's start address by `bytes` (a multiple of 16 inside the same operand).
+// A 32-bit add on the low word: the address field cannot carry out of it (shared memory is
+// below 256 KB, so start + offset stays within bits 0-13's reach plus the reserved bits 14-15).
 __device__ __forceinline__ uint64_t wgmma_desc_advance(uint64_t desc, uint32_t bytes) {
-    return desc + (bytes >> 4);
+    const uint32_t lo = static_cast<uint32_t>(desc) + (bytes >> 4);
+    return (desc & 0xffffffff00000000ull) | lo;
 }
 
 // wgmma.fence.sync.aligned: orders earlier register writes (accumulators, A fragments) before

@@ -33,8 +33,8 @@ THREADS = 384          # producer warpgroup + two consumer warpgroups
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """Tuned per (head_dim, causal) on an H100 SXM, bf16, batch*seqlen = 16384 (see
-    scripts/check_hopper.py --sweep).
+    """Tuned per (head_dim, causal) on an H100 SXM, bf16, batch*seqlen = 16384, seqlen 2048 and
+    8192 (scripts/check_hopper.py --sweep; docs/hopper-tuning.md has the last sweep).
 
     block_n, stages: keys per K/V tile and ring depth. Registers per consumer thread grow with
       head_dim / 2 (O) + 3/4 * block_n (S in fp32, P in 16 bits); shared memory is
@@ -50,20 +50,20 @@ class Schedule:
 
 
 SCHEDULES = {
-    (64, False): Schedule(192, 2, persistent=True, l2_sections=False),
+    (64, False): Schedule(192, 3, persistent=True, l2_sections=False),
     (64, True): Schedule(192, 2, persistent=True, l2_sections=True),
-    (128, False): Schedule(128, 2, persistent=False, l2_sections=False),
+    (128, False): Schedule(128, 2, persistent=True, l2_sections=False),
     (128, True): Schedule(128, 2, persistent=False, l2_sections=False),
-    (256, False): Schedule(64, 2, persistent=False, l2_sections=False),
-    (256, True): Schedule(64, 2, persistent=False, l2_sections=False),
+    (256, False): Schedule(80, 2, persistent=True, l2_sections=False),
+    (256, True): Schedule(80, 2, persistent=False, l2_sections=False),
 }
 
-# FP8: block_n is 64 or a multiple of 32 from 128 (V is transposed into regions of 128 keys).
+# FP8: block_n is 64, 128 or 256 (V is transposed into whole regions of 64 or 128 keys).
 # Shared memory: (128 + 2 * stages * block_n) * head_dim bytes for Q, K, V plus the Vt ring.
 SCHEDULES_FP8 = {  # from scripts/check_fp8.py --sweep and its throughput table on an H100
     (64, False): Schedule(256, 3, persistent=True, l2_sections=False),
     (64, True): Schedule(256, 3, persistent=True, l2_sections=True),
-    (128, False): Schedule(128, 3, persistent=True, l2_sections=False),
+    (128, False): Schedule(128, 2, persistent=True, l2_sections=False),
     (128, True): Schedule(128, 3, persistent=False, l2_sections=False),
     (256, False): Schedule(64, 3, persistent=True, l2_sections=False),
     (256, True): Schedule(64, 3, persistent=False, l2_sections=False),
