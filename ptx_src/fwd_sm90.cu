@@ -14,10 +14,11 @@
 // so one warpgroup's softmax overlaps the other's GEMMs.
 // Key blocks are visited from the last to the first, so the blocks that need a mask (the
 // seqlen_k tail, the causal diagonal) come first and the rest run mask-free.
-// Tiles: the grid is either one block per tile or persistent (fewer blocks striding over the
-// tile list); the K/V ring and its phases run on across tiles, the producer loads the next
+// Tiles: the grid is either one block per tile or persistent (fewer blocks going through the
+// tile list, in a static order or taking the next unclaimed tile as they free up); the K/V ring and its phases run on across tiles, the producer loads the next
 // tile's Q as soon as both consumers finished their last Q K^T (q_empty), and the epilogue
-// stores O straight from registers, so nothing waits for the output to drain.
+// hands O to a TMA store (or, where shared memory has no room to stage it, stores it straight
+// from registers), so nothing waits for the output to drain.
 //
 // FP8 (IS_FP8 = 1): q, k, v are e4m3 and both GEMMs are e4m3 wgmmas (k-steps of 32) with FP32
 // accumulation. FP8 wgmma reads B only K-major, so V is transposed in shared memory inside the
@@ -36,8 +37,9 @@
 //
 // Compile-time parameters (-D): HEAD_DIM (64, 128, 256), BLOCK_N (keys per tile, multiple of
 // 16; FP8: 64, 128 or 256), STAGES (K/V ring depth), IS_FP8 (1: e4m3 inputs), IS_BF16 (1: bfloat16,
-// 0: float16; the inputs' type, or with FP8 the output's), IS_CAUSAL, SMEM_BYTES (the dynamic
-// shared memory the launcher requests, checked against the layout below).
+// 0: float16; the inputs' type, or with FP8 the output's), IS_CAUSAL, STAGED_OUT (1: the output
+// goes through shared memory and a TMA store), SMEM_BYTES (the dynamic shared memory the
+// launcher requests, checked against the layout below).
 //
 // Global layouts: q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D), read through 4-d tensor maps with
 // coordinates (d, head, row, batch) and a box of one swizzle span of columns (128 bytes, or the
@@ -105,6 +107,10 @@ struct Barriers {
     MBarrier k_empty[kStages];
     MBarrier v_full[kStages];
     MBarrier v_empty[kStages];
+    // Dynamic tile order (TileSource): the tile the producer took, for the other warps.
+    MBarrier tile_full[2];
+    MBarrier tile_empty[2];
+    int tile[2];
 };
 
 // FP8 only: the transposed V ring, filled by the producer warpgroup, drained by the consumers.
@@ -119,7 +125,13 @@ struct VtBarriers {
 constexpr uint32_t kKOffset = kQBytes;
 constexpr uint32_t kVOffset = kKOffset + kStages * kKVBytes;
 constexpr uint32_t kVtOffset = kVOffset + kStages * kKVBytes;
-constexpr uint32_t kBarrierOffset = kVtOffset + kStages * kVtBytes;
+// STAGED_OUT = 1: each consumer warpgroup stages its 64 x head_dim output tile here, in 128-byte
+// swizzled slabs of 64 columns (one TMA box each), for a TMA store (see Consumer::epilogue).
+constexpr bool kStagedOut = STAGED_OUT != 0;
+constexpr uint32_t kOutSlabBytes = 64 * 128;
+constexpr uint32_t kOutBytes = kOutSlabBytes * (kHeadDim / 64);  // per consumer warpgroup
+constexpr uint32_t kOutOffset = kVtOffset + kStages * kVtBytes;
+constexpr uint32_t kBarrierOffset = kOutOffset + (kStagedOut ? 2 * kOutBytes : 0);
 constexpr uint32_t kVtBarrierOffset = kBarrierOffset + sizeof(Barriers);
 static_assert(kVtBarrierOffset + (kFp8 ? sizeof(VtBarriers) : 0) + kSwizzleAtomBytes <= SMEM_BYTES,
               "SMEM_BYTES too small for this tile configuration");
@@ -127,6 +139,8 @@ static_assert(kVtBarrierOffset + (kFp8 ? sizeof(VtBarriers) : 0) + kSwizzleAtomB
 // Named barriers (0 is __syncthreads): per consumer warpgroup, one that it waits on before
 // issuing its GEMMs (the other warpgroup arrives on it).
 constexpr uint32_t kSchedulerBarrier = 1;
+// Per consumer warpgroup, around the staging of its output tile (ids 3, 4).
+constexpr uint32_t kEpilogueBarrier = 3;
 
 // Key blocks a tile of query rows [m0, m0 + kBlockM) attends to: [0, end).
 __device__ __forceinline__ int kv_block_end(int m0, int seqlen_q, int seqlen_k) {
@@ -179,6 +193,50 @@ struct RingCursor {
     __device__ __forceinline__ uint32_t phase() const { return (count / kStages) & 1; }
 };
 
+// The tiles of one block, in the order of TileScheduler's index. Static (no counter): tiles
+// blockIdx.x, + gridDim.x, ... Dynamic (a zeroed pair of ints in global memory): the block's
+// first tile is blockIdx.x and each next one the next unclaimed index, taken by the producer
+// thread with an atomicAdd once it has issued the previous tile's loads, so blocks that drew
+// short (causal) tiles take more of them; the producer passes each index to the other warps
+// through a two-slot mailbox (bars.tile*). The last block to run out resets the counter pair for
+// the next launch on the stream (launches on one stream never overlap).
+struct TileSource {
+    int* counter;
+    Barriers& bars;
+    int taken = 0;
+
+    // Producer thread.
+    __device__ __forceinline__ int take(int num_tiles) {
+        if (counter == nullptr) return blockIdx.x + gridDim.x * taken++;
+        const int tile = taken == 0 ? blockIdx.x : gridDim.x + atomicAdd(counter, 1);
+        const int slot = taken % 2;
+        bars.tile_empty[slot].wait(((taken / 2) & 1) ^ 1);
+        bars.tile[slot] = tile;
+        bars.tile_full[slot].arrive();
+        ++taken;
+        if (tile >= num_tiles) {
+            __threadfence();
+            if (atomicAdd(counter + 1, 1) == gridDim.x - 1) {
+                counter[0] = 0;
+                counter[1] = 0;
+            }
+        }
+        return tile;
+    }
+
+    // Every other warp taking part (all of its lanes call this).
+    __device__ __forceinline__ int receive() {
+        if (counter == nullptr) return blockIdx.x + gridDim.x * taken++;
+        const int slot = taken % 2;
+        bars.tile_full[slot].wait((taken / 2) & 1);
+        const int tile = bars.tile[slot];
+        __syncwarp();
+        if (threadIdx.x % 32 == 0) bars.tile_empty[slot].arrive();
+        ++taken;
+        return tile;
+    }
+};
+
 __device__ __forceinline__ void load_kv_tile(uint8_t* tile, const TensorMap* map, MBarrier& full,
                                              int kv_head, int n_block, int batch) {
     full.arrive_expect_tx(kKVBytes);
@@ -193,8 +251,8 @@ __device__ __forceinline__ void load_kv_tile(uint8_t* tile, const TensorMap* map
 // before the V of this one, since consumers need K(j+1) (for S) before V(j) (for P V).
 __device__ __forceinline__ void producer(const TensorMap* q_map, const TensorMap* k_map,
                                          const TensorMap* v_map, uint8_t* smem, Barriers& bars,
-                                         const TileScheduler& sched, int seqlen_q, int seqlen_k,
-                                         int q_per_kv) {
+                                         const TileScheduler& sched, TileSource tiles,
+                                         int seqlen_q, int seqlen_k, int q_per_kv) {
     tma_prefetch(q_map);
     tma_prefetch(k_map);
     tma_prefetch(v_map);
@@ -204,7 +262,8 @@ __device__ __forceinline__ void producer(const TensorMap* q_map, const TensorMap
     RingCursor v_ring;
     int q_loads = 0;
 #pragma unroll 1
-    for (int tile = blockIdx.x; tile < sched.num_tiles(); tile += gridDim.x) {
+    for (int tile = tiles.take(sched.num_tiles()); tile < sched.num_tiles();
+         tile = tiles.take(sched.num_tiles())) {
         int m_block, head, batch;
         sched.decode(tile, m_block, head, batch);
         const int m0 = m_block * kBlockM;
@@ -250,12 +309,12 @@ using VTranspose = TransposeE4m3<kFp8 ? kBlockN : 64, kHeadDim, kSlabRowBytes,
                                  kFp8 ? kVtRowBytes : 64>;
 
 __device__ __forceinline__ void transpose_v_tiles(uint8_t* smem, Barriers& bars, VtBarriers& vt,
-                                                  const TileScheduler& sched, int seqlen_q,
-                                                  int seqlen_k) {
+                                                  const TileScheduler& sched, TileSource tiles,
+                                                  int seqlen_q, int seqlen_k) {
     const VTranspose transpose(threadIdx.x / 32 - 1, kTransposeWarps, threadIdx.x % 32);
     RingCursor ring;
 #pragma unroll 1
-    for (int tile = blockIdx.x; tile < sched.num_tiles(); tile += gridDim.x) {
+    for (int tile = tiles.receive(); tile < sched.num_tiles(); tile = tiles.receive()) {
         int m_block, head, batch;
         sched.decode(tile, m_block, head, batch);
         const int n_end = kv_block_end(m_block * kBlockM, seqlen_q, seqlen_k);
@@ -516,29 +575,72 @@ struct Consumer {
         ++ring.count;
     }
 
-    // Normalises O and stores it from registers (each quad writes 16 contiguous bytes of a row),
-    // and the log-sum-exp of this thread's rows. Rows past seqlen_q are skipped.
-    __device__ __forceinline__ void epilogue(uint16_t* out, int64_t out_stride_b,
-                                             int64_t out_stride_s, int64_t out_stride_h,
-                                             float* lse, int head, int heads_q, int batch) {
+    // Normalises O and writes it, and the log-sum-exp of this thread's rows (rows past
+    // seqlen_q are skipped or clipped). Staged: stmatrix into this warpgroup's staging slabs
+    // (the accumulator layout is stmatrix's), then one thread issues the TMA store, so the
+    // warpgroup goes on to the next tile while the copy drains; the staging buffer is reused
+    // once that store has read it. Otherwise each quad writes 16 contiguous bytes of a row.
+    __device__ __forceinline__ void epilogue(const TensorMap* out_map, uint16_t* out,
+                                             int64_t out_stride_b, int64_t out_stride_s,
+                                             int64_t out_stride_h, float* lse, int m0, int head,
+                                             int heads_q, int batch) {
         float inv_sum[1][2];
         float row_lse[1][2];
         softmax.finalize(inv_sum, row_lse);
+        float factor[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) factor[h] = kFp8 ? inv_sum[0][h] * v_descale : inv_sum[0][h];
         const int t = lane % 4;
+        if constexpr (kStagedOut) {
+            const bool issuer = threadIdx.x % 128 == 0;
+            uint8_t* staging = smem + kOutOffset + wg * kOutBytes;
+            if (issuer) tma_store_wait_read<0>();
+            named_barrier_sync(kEpilogueBarrier + wg, 128);
+            // Lane (j = lane / 8, r = lane % 8) addresses row r of matrix j: rows 0-7 or 8-15 of
+            // the warp's 16 (j % 2), 16-byte column chunk i or i + 1 (j / 2).
+            const int row = 16 * ((threadIdx.x % 128) / 32) + 8 * ((lane / 8) % 2) + lane % 8;
+#pragma unroll
+            for (int i = 0; i < kHeadDim / 8; i += 2) {
+                const int chunk = i + lane / 16;
+                const uint32_t addr = smem_addr(staging + (chunk / 8) * kOutSlabBytes + row * 128 +
+                                                16 * ((chunk % 8) ^ (row % 8)));
+                stmatrix_x4(addr, pack_f32x2<kBf16>(o[4 * i] * factor[0], o[4 * i + 1] * factor[0]),
+                            pack_f32x2<kBf16>(o[4 * i + 2] * factor[1], o[4 * i + 3] * factor[1]),
+                            pack_f32x2<kBf16>(o[4 * i + 4] * factor[0], o[4 * i + 5] * factor[0]),
+                            pack_f32x2<kBf16>(o[4 * i + 6] * factor[1], o[4 * i + 7] * factor[1]));
+            }
+            fence_proxy_async();
+            named_barrier_sync(kEpilogueBarrier + wg, 128);
+            if (issuer) {
+#pragma unroll
+                for (int slab = 0; slab < kHeadDim / 64; ++slab) {
+                    tma_store_4d(out_map, staging + slab * kOutSlabBytes, 64 * slab, head,
+                                 m0 + wg * kRowsPerConsumer, batch);
+                }
+                tma_store_commit();
+            }
+        }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = row0 + 8 * h;
             if (row >= seqlen_q) continue;
-            uint16_t* out_row = out + batch * out_stride_b + row * out_stride_s + head * out_stride_h;
-            const float factor = kFp8 ? inv_sum[0][h] * v_descale : inv_sum[0][h];
+            if constexpr (!kStagedOut) {
+                uint16_t* out_row =
+                    out + batch * out_stride_b + row * out_stride_s + head * out_stride_h;
 #pragma unroll
-            for (int i = 0; i < kHeadDim / 8; ++i) {
-                *reinterpret_cast<uint32_t*>(out_row + 8 * i + 2 * t) = pack_f32x2<kBf16>(
-                    o[4 * i + 2 * h] * factor, o[4 * i + 2 * h + 1] * factor);
+                for (int i = 0; i < kHeadDim / 8; ++i) {
+                    *reinterpret_cast<uint32_t*>(out_row + 8 * i + 2 * t) = pack_f32x2<kBf16>(
+                        o[4 * i + 2 * h] * factor[h], o[4 * i + 2 * h + 1] * factor[h]);
+                }
             }
             if (t == 0) lse[(static_cast<int64_t>(batch) * heads_q + head) * seqlen_q + row] =
                 row_lse[0][h];
         }
+    }
+
+    // Staged output: the last TMA store must have read shared memory before the block exits.
+    __device__ __forceinline__ void finish() const {
+        if (kStagedOut && threadIdx.x % 128 == 0) tma_store_wait_read<0>();
     }
 };
 
@@ -548,16 +650,19 @@ struct Consumer {
 using namespace ptxattn;
 using namespace ptxattn::fwd_sm90;
 
-// grid: (any number of blocks up to batch * heads_q * num_m_blocks; each strides over the
-// tiles); block: 384 threads; dynamic smem: SMEM_BYTES. out strides are in elements. The
+// grid: any number of blocks up to batch * heads_q * num_m_blocks, each taking tiles in static
+// order or, given tile_counter (two zeroed ints, see TileSource), dynamically; block: 384 threads; dynamic smem: SMEM_BYTES. out_map: a 4-d map over out with a box
+// of 64 rows x 64 columns and the 128-byte swizzle (STAGED_OUT builds store through it, the
+// others through out and its strides, in elements). The
 // descales (FP8 only; 16-bit builds ignore them) are read at [b * stride_b + h * stride_h +
 // block * stride_block] with h the q head for q's and the kv head for k's and v's.
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
 attn_fwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
-              const __grid_constant__ TensorMap v_map, uint16_t* __restrict__ out,
+              const __grid_constant__ TensorMap v_map, const __grid_constant__ TensorMap out_map,
+              uint16_t* __restrict__ out,
               int64_t out_stride_b, int64_t out_stride_s, int64_t out_stride_h,
               float* __restrict__ lse, int seqlen_q, int seqlen_k, int batch_size, int heads_q,
-              int q_per_kv, int section_heads, float scale_log2,
+              int q_per_kv, int section_heads, int* __restrict__ tile_counter, float scale_log2,
               const float* __restrict__ q_descale, int64_t q_descale_stride_b,
               int64_t q_descale_stride_h, int64_t q_descale_stride_block,
               const float* __restrict__ k_descale, int64_t k_descale_stride_b,
@@ -588,16 +693,23 @@ attn_fwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ T
                 vt.empty[s].init(kConsumerWarps);
             }
         }
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+            bars.tile_full[s].init(1);
+            bars.tile_empty[s].init(kConsumerWarps + (kFp8 ? kTransposeWarps : 0));
+        }
         fence_barrier_init();
     }
     __syncthreads();
+    TileSource tiles{tile_counter, bars};
 
     if (threadIdx.x < 128) {
         warpgroup_reg_dealloc<kProducerRegs>();
         if (threadIdx.x == 0) {
-            producer(&q_map, &k_map, &v_map, smem, bars, sched, seqlen_q, seqlen_k, q_per_kv);
+            producer(&q_map, &k_map, &v_map, smem, bars, sched, tiles, seqlen_q, seqlen_k,
+                     q_per_kv);
         } else if (threadIdx.x >= 32) {
-            if constexpr (kFp8) transpose_v_tiles(smem, bars, vt, sched, seqlen_q, seqlen_k);
+            if constexpr (kFp8) transpose_v_tiles(smem, bars, vt, sched, tiles, seqlen_q, seqlen_k);
         }
         return;
     }
@@ -608,7 +720,7 @@ attn_fwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ T
     const int row_in_tile = wg * kRowsPerConsumer + ((threadIdx.x % 128) / 32) * 16 + lane / 4;
     Consumer consumer{smem, bars, vt, wg, lane, seqlen_q, seqlen_k, scale_log2};
 #pragma unroll 1
-    for (int tile = blockIdx.x; tile < sched.num_tiles(); tile += gridDim.x) {
+    for (int tile = tiles.receive(); tile < sched.num_tiles(); tile = tiles.receive()) {
         int m_block, head, batch;
         sched.decode(tile, m_block, head, batch);
         const int m0 = m_block * kBlockM;
@@ -629,7 +741,8 @@ attn_fwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ T
         for (int i = 0; i < kHeadDim / 2; ++i) consumer.o[i] = 0.0f;
         consumer.softmax.init();
         if (n_end > 0) consumer.mainloop(n_end, kv_block_first_masked(m0, seqlen_q, seqlen_k));
-        consumer.epilogue(out, out_stride_b, out_stride_s, out_stride_h, lse, head, heads_q,
-                          batch);
+        consumer.epilogue(&out_map, out, out_stride_b, out_stride_s, out_stride_h, lse, m0, head,
+                          heads_q, batch);
     }
+    consumer.finish();
 }

@@ -28,14 +28,6 @@
 
 namespace ptxattn {
 
-// stmatrix.sync.aligned.m8n8.x4.shared.b16: lanes 8i..8i+7 give the row addresses of matrix i;
-// every lane supplies in register i the pair (row g, columns 2t..2t+1) of matrix i.
-__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
-                                            uint32_t r3) {
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
-                 ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
-}
-
 // prmt.b32 d, a, b, selector: byte k of d is byte (selector >> 4k) & 7 of {b, a} (a = 0..3).
 __device__ __forceinline__ uint32_t byte_permute(uint32_t a, uint32_t b, uint32_t selector) {
     uint32_t d;

@@ -4,7 +4,8 @@ TMA descriptors are built here: 4-d maps over the (batch, seqlen, heads, head_di
 box of one swizzle span of head_dim columns (128 bytes: 64 16-bit or 128 e4m3 values; FP8
 head_dim 64 takes its 64-byte rows whole with the 64-byte swizzle) by a tile of rows, so the
 kernel loads a tile of bf16 head_dim 128 as two boxes; rows past seqlen are zero-filled by the
-TMA unit. The output is stored from registers with the strides passed here.
+TMA unit. The output goes out through a TMA store of 64-row boxes (clipped at seqlen) where shared
+memory has room to stage it, otherwise from registers with the strides passed here.
 
 The same kernel source runs FP8 (e4m3) inputs (:func:`forward_fp8`, reached through
 ``ptxattn.fp8.attention``), with its own tile schedules: its data take half the shared memory,
@@ -38,8 +39,11 @@ class Schedule:
 
     block_n, stages: keys per K/V tile and ring depth. Registers per consumer thread grow with
       head_dim / 2 (O) + 3/4 * block_n (S in fp32, P in 16 bits); shared memory is
-      (128 + 2 * stages * block_n) * head_dim * 2 bytes (227 KB at most).
-    persistent: one block per SM striding over the tiles, instead of one block per tile.
+      (128 + 2 * stages * block_n) * head_dim * 2 bytes (227 KB at most), plus 128 * head_dim * 2
+      to stage the output for a TMA store when that still fits.
+    persistent: one block per SM going through the tiles, instead of one block per tile; with
+      causal masking, whose tiles differ in length, each block takes the next unclaimed tile
+      as it frees up (dynamic order), otherwise the order is static.
     l2_sections: group (batch, head) pairs whose K/V fit in L2 together and run each group's
       query tiles longest-first across the group; otherwise pair by pair.
     """
@@ -51,11 +55,11 @@ class Schedule:
 
 SCHEDULES = {
     (64, False): Schedule(192, 3, persistent=True, l2_sections=False),
-    (64, True): Schedule(192, 2, persistent=True, l2_sections=True),
+    (64, True): Schedule(128, 3, persistent=True, l2_sections=True),
     (128, False): Schedule(128, 2, persistent=True, l2_sections=False),
-    (128, True): Schedule(128, 2, persistent=False, l2_sections=False),
+    (128, True): Schedule(128, 2, persistent=True, l2_sections=False),
     (256, False): Schedule(80, 2, persistent=True, l2_sections=False),
-    (256, True): Schedule(80, 2, persistent=False, l2_sections=False),
+    (256, True): Schedule(80, 2, persistent=True, l2_sections=False),
 }
 
 # FP8: block_n is 64, 128 or 256 (V is transposed into whole regions of 64 or 128 keys).
@@ -76,15 +80,25 @@ FP8_KEY_BLOCK_SCALED_TILES = {64: (128, 4), 128: (128, 3), 256: (64, 3)}
 L2_SECTION_BYTES = 32 << 20
 
 
-def _smem_bytes(head_dim: int, block_n: int, stages: int, fp8: bool = False) -> int:
+SMEM_LIMIT = 227 * 1024  # dynamic shared memory one block may have on sm_90
+
+
+def _staged_out_bytes(head_dim: int) -> int:
+    """Shared memory the two consumer warpgroups stage their 64-row output tiles in."""
+    return 2 * 64 * head_dim * 2
+
+
+def _smem_bytes(head_dim: int, block_n: int, stages: int, fp8: bool = False,
+                staged_out: bool = False) -> int:
+    out = _staged_out_bytes(head_dim) if staged_out else 0
     if fp8:  # Q, K, V, and V transposed in regions of up to 128 keys; two more barriers a stage
         vt_bytes = -(-block_n // 128) * head_dim * min(block_n, 128)
         tiles = (BLOCK_M + 2 * stages * block_n) * head_dim + stages * vt_bytes
-        barriers = 8 * (2 + 6 * stages)
+        barriers = 8 * (2 + 6 * stages) + 40
     else:
         tiles = (BLOCK_M + 2 * stages * block_n) * head_dim * 2
-        barriers = 8 * (2 + 4 * stages)
-    return tiles + barriers + 1024  # + alignment of the base to the 1024-byte swizzle atom
+        barriers = 8 * (2 + 4 * stages) + 40  # + the dynamic tile order's mailbox
+    return tiles + out + barriers + 1024  # + alignment of the base to the 1024-byte swizzle atom
 
 
 def spec(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | None = None,
@@ -95,7 +109,9 @@ def spec(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | None 
     schedule = (SCHEDULES_FP8 if fp8 else SCHEDULES)[head_dim, causal]
     block_n, stages = tiles or (schedule.block_n, schedule.stages)
     out = out_dtype if fp8 else dtype
-    smem = _smem_bytes(head_dim, block_n, stages, fp8)
+    # The output goes through shared memory and a TMA store where there is room for it.
+    staged_out = _smem_bytes(head_dim, block_n, stages, fp8, staged_out=True) <= SMEM_LIMIT
+    smem = _smem_bytes(head_dim, block_n, stages, fp8, staged_out)
     return runtime.KernelSpec(
         name=(f"fwd_sm90_{'e4m3_' + out if fp8 else dtype}_d{head_dim}_n{block_n}_s{stages}"
               f"{'_causal' if causal else ''}"),
@@ -103,7 +119,7 @@ def spec(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | None 
         entry="attn_fwd_sm90",
         defines={"HEAD_DIM": head_dim, "BLOCK_N": block_n, "STAGES": stages,
                  "IS_FP8": int(fp8), "IS_BF16": DTYPES[out], "IS_CAUSAL": int(causal),
-                 "SMEM_BYTES": smem},
+                 "STAGED_OUT": int(staged_out), "SMEM_BYTES": smem},
         smem_bytes=smem,
         archs=ARCHS,
     )
@@ -135,6 +151,20 @@ def _sm_count(device_id: int) -> int:
     import cupy
     return cupy.cuda.runtime.deviceGetAttribute(
         cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id)
+
+
+_tile_counters: dict = {}
+
+
+def _tile_counter(device_id: int):
+    """Two zeroed int32 the kernel's dynamic tile order counts in (it leaves them zeroed), one
+    pair per (device, stream): launches on one stream run one after another, never together."""
+    import cupy
+    key = (device_id, cupy.cuda.get_current_stream().ptr)
+    counter = _tile_counters.get(key)
+    if counter is None:
+        counter = _tile_counters[key] = cupy.zeros(2, dtype=cupy.int32)
+    return counter
 
 
 def _no_descales() -> list:
@@ -176,6 +206,7 @@ def launcher(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
     q_map = runtime.tensor_map(q, (1, BLOCK_M, 1, box_cols), swizzle=swizzle)
     k_map = runtime.tensor_map(k, (1, block_n, 1, box_cols), swizzle=swizzle)
     v_map = runtime.tensor_map(v, (1, block_n, 1, box_cols), swizzle=swizzle)
+    out_map = runtime.tensor_map(out, (1, 64, 1, BOX_COLS), swizzle=BOX_COLS * out.itemsize)
     num_tiles = batch * heads_q * math.ceil(seqlen_q / BLOCK_M)
     schedule = (SCHEDULES_FP8 if fp8 else SCHEDULES)[head_dim, causal]
     if sections is None:
@@ -189,9 +220,10 @@ def launcher(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
     if grid_blocks is not None:
         blocks = min(num_tiles, grid_blocks)
     stride_b, stride_s, stride_h, _ = (s // out.itemsize for s in out.strides)
-    args = [q_map, k_map, v_map, out, np.int64(stride_b), np.int64(stride_s), np.int64(stride_h),
-            lse, np.int32(seqlen_q), np.int32(seqlen_k), np.int32(batch), np.int32(heads_q),
-            np.int32(heads_q // heads_kv), np.int32(sections),
+    counter = _tile_counter(q.device.id) if persistent and causal else np.uint64(0)
+    args = [q_map, k_map, v_map, out_map, out, np.int64(stride_b), np.int64(stride_s),
+            np.int64(stride_h), lse, np.int32(seqlen_q), np.int32(seqlen_k), np.int32(batch),
+            np.int32(heads_q), np.int32(heads_q // heads_kv), np.int32(sections), counter,
             np.float32(softmax_scale * math.log2(math.e))]
     args += _descale_args(descales) if fp8 else _no_descales()
     return lambda: runtime.launch(kernel, grid=(blocks, 1, 1), block=(THREADS, 1, 1), args=args)
