@@ -161,3 +161,28 @@ def test_reference_matches_a_float64_softmax(rng):
     p = np.exp(s - s.max(-1, keepdims=True))
     expected = (p / p.sum(-1, keepdims=True)) @ vh
     np.testing.assert_allclose(out, expected.transpose(0, 2, 1, 3), atol=2e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_hopper_dynamic_tile_order_matches_one_block_per_tile(head_dim, rng):
+    """Persistent causal grids take tiles in a dynamic order; every tile's arithmetic is the same
+    whichever block runs it, so the result is bitwise that of one block per tile, launch after
+    launch (the kernel leaves its tile counter zeroed for the next one)."""
+    import cupy
+
+    hopper = _module("hopper")
+    q = _random((2, 1000, 4, head_dim), "bfloat16", rng)
+    k = _random((2, 1000, 2, head_dim), "bfloat16", rng)
+    v = _random((2, 1000, 2, head_dim), "bfloat16", rng)
+    results = []
+    for persistent in (False, True, True):
+        out = cupy.full(q.shape, cupy.nan, dtype=q.dtype)
+        lse = cupy.full((2, 4, 1000), cupy.nan, dtype=cupy.float32)
+        hopper.forward(q, k, v, out, lse, causal=True, softmax_scale=head_dim ** -0.5,
+                       persistent=persistent)
+        results.append((out, lse))
+    for out, lse in results[1:]:
+        assert bool(cupy.array_equal(out, results[0][0])), "output differs from static order"
+        assert bool(cupy.array_equal(lse, results[0][1])), "LSE differs from static order"
+    assert hopper._tile_counter(q.device.id).get().tolist() == [0, 0]
+    _assert_close(q, k, v, *results[0], causal=True)
