@@ -1,22 +1,27 @@
 // Attention forward for Hopper (sm_90a): TMA + mbarrier pipeline, wgmma, warp specialisation.
 //
-// A block computes tiles of kBlockM = 128 query rows of one (batch, head) with 3 warpgroups:
+// A block computes tiles of kBlockM = 64 * CONSUMERS query rows (128 or 192) of one
+// (batch, head) with 1 + CONSUMERS warpgroups:
 //   warpgroup 0  producer: gives most of its registers away (setmaxnreg) and one thread issues
 //                TMA loads: each tile's Q, then K and V tiles of kBlockN keys through a
 //                kStages-deep ring of shared-memory buffers guarded by full/empty mbarriers.
-//   warpgroups 1, 2  consumers: each owns 64 query rows. S = Q K^T is a wgmma with both operands
+//   warpgroups 1 ..  consumers: each owns 64 query rows. S = Q K^T is a wgmma with both operands
 //                in shared memory; P = softmax(S) stays in registers and O += P V is a wgmma with
 //                A from registers and V read transposed (MN-major) from shared memory.
 // Schedule (FlashAttention-3): within a warpgroup the GEMMs of key block j+1 (Q K^T) and of
 // block j (P V) are issued together and the softmax of block j+1 runs while P V is in flight
 // (softmax.cuh only asks for O to be rescaled when a row max grew enough to matter);
-// between the two consumer warpgroups two named barriers hand the tensor cores back and forth,
-// so one warpgroup's softmax overlaps the other's GEMMs.
+// the consumer warpgroups run free of each other, so one's softmax overlaps the others' GEMMs
+// on the tensor cores' queue. (FlashAttention-3 orders them strictly, warpgroup after
+// warpgroup, with named barriers; measured here on an H100 that ordering cost 2-12%, most with
+// FP8, so it is not used. Three consumers give each softmax more GEMMs to hide under, for head
+// dims whose GEMMs are short next to the softmax.)
 // Key blocks are visited from the last to the first, so the blocks that need a mask (the
 // seqlen_k tail, the causal diagonal) come first and the rest run mask-free.
 // Tiles: the grid is either one block per tile or persistent (fewer blocks going through the
-// tile list, in a static order or taking the next unclaimed tile as they free up); the K/V ring and its phases run on across tiles, the producer loads the next
-// tile's Q as soon as both consumers finished their last Q K^T (q_empty), and the epilogue
+// tile list, in a static order or taking the next unclaimed tile as they free up); the K/V
+// ring and its phases run on across tiles, the producer loads the next tile's Q as soon as
+// every consumer finished its last Q K^T (q_empty), and the epilogue
 // hands O to a TMA store (or, where shared memory has no room to stage it, stores it straight
 // from registers), so nothing waits for the output to drain.
 //
@@ -36,8 +41,9 @@
 // BLOCK_N divides 128 (the launcher picks such a variant then).
 //
 // Compile-time parameters (-D): HEAD_DIM (64, 128, 256), BLOCK_N (keys per tile, multiple of
-// 16; FP8: 64, 128 or 256), STAGES (K/V ring depth), IS_FP8 (1: e4m3 inputs), IS_BF16 (1: bfloat16,
-// 0: float16; the inputs' type, or with FP8 the output's), IS_CAUSAL, STAGED_OUT (1: the output
+// 16; FP8: of 32), STAGES (K/V ring depth), IS_FP8 (1: e4m3 inputs), IS_BF16 (1: bfloat16,
+// 0: float16; the inputs' type, or with FP8 the output's), IS_CAUSAL, CONSUMERS (consumer
+// warpgroups, 2 or 3), STAGED_OUT (1: the output
 // goes through shared memory and a TMA store), SMEM_BYTES (the dynamic shared memory the
 // launcher requests, checked against the layout below).
 //
@@ -67,16 +73,12 @@ constexpr bool kFp8 = IS_FP8 != 0;
 constexpr bool kBf16 = IS_BF16 != 0;
 constexpr bool kCausal = IS_CAUSAL != 0;
 
-constexpr int kBlockM = 128;
+constexpr int kConsumers = CONSUMERS;  // consumer warpgroups
 constexpr int kRowsPerConsumer = 64;  // one wgmma M
-constexpr int kThreads = 3 * 128;
-constexpr int kConsumerWarps = 8;
-// Launched at 168 registers per thread (65536 / 384, rounded down to 8); the producer keeps 24,
-// or with FP8, where three of its warps transpose V, 56 (40 at head_dim 256, whose consumers
-// need 232 for their second S accumulator). The consumers take what the producer gives up.
-constexpr int kLaunchRegs = 168;
-constexpr int kProducerRegs = !kFp8 ? 24 : kHeadDim == 256 ? 40 : 56;
-constexpr int kConsumerRegs = (3 * kLaunchRegs - kProducerRegs) / 2 / 8 * 8;
+constexpr int kBlockM = kConsumers * kRowsPerConsumer;
+constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kConsumerWarps = 4 * kConsumers;
+static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
 
 constexpr int kElemBytes = kFp8 ? 1 : 2;
 constexpr uint32_t kRowBytes = kHeadDim * kElemBytes;
@@ -97,8 +99,8 @@ constexpr int kScaleBlockRows = 128;  // rows sharing one FP8 "block" descale (p
 static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head_dim must be 64, 128 or 256");
 static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "BLOCK_N must be a multiple of 16, <= 256");
 static_assert(kKVSlabBytes % kSwizzleAtomBytes == 0, "tiles must stay 1024-byte aligned");
-static_assert(!kFp8 || kBlockN == 64 || kBlockN == 128 || kBlockN == 256,
-              "FP8: Vt in whole regions of 64 or 128 keys (one swizzle span)");
+static_assert(!kFp8 || (kBlockN % 32 == 0 && (kBlockN >= 128 || kBlockN == 64)),
+              "FP8: k-steps of 32 keys; Vt rows of 64 or 128 keys (one swizzle span)");
 
 struct Barriers {
     MBarrier q_full;
@@ -131,16 +133,14 @@ constexpr bool kStagedOut = STAGED_OUT != 0;
 constexpr uint32_t kOutSlabBytes = 64 * 128;
 constexpr uint32_t kOutBytes = kOutSlabBytes * (kHeadDim / 64);  // per consumer warpgroup
 constexpr uint32_t kOutOffset = kVtOffset + kStages * kVtBytes;
-constexpr uint32_t kBarrierOffset = kOutOffset + (kStagedOut ? 2 * kOutBytes : 0);
+constexpr uint32_t kBarrierOffset = kOutOffset + (kStagedOut ? kConsumers * kOutBytes : 0);
 constexpr uint32_t kVtBarrierOffset = kBarrierOffset + sizeof(Barriers);
 static_assert(kVtBarrierOffset + (kFp8 ? sizeof(VtBarriers) : 0) + kSwizzleAtomBytes <= SMEM_BYTES,
               "SMEM_BYTES too small for this tile configuration");
 
-// Named barriers (0 is __syncthreads): per consumer warpgroup, one that it waits on before
-// issuing its GEMMs (the other warpgroup arrives on it).
-constexpr uint32_t kSchedulerBarrier = 1;
-// Per consumer warpgroup, around the staging of its output tile (ids 3, 4).
-constexpr uint32_t kEpilogueBarrier = 3;
+// Named barriers (0 is __syncthreads): per consumer warpgroup, one around the staging of its
+// output tile.
+constexpr uint32_t kEpilogueBarrier = 1;
 
 // Key blocks a tile of query rows [m0, m0 + kBlockM) attends to: [0, end).
 __device__ __forceinline__ int kv_block_end(int m0, int seqlen_q, int seqlen_k) {
@@ -270,7 +270,7 @@ __device__ __forceinline__ void producer(const TensorMap* q_map, const TensorMap
         const int n_end = kv_block_end(m0, seqlen_q, seqlen_k);
         if (n_end == 0) continue;
         const int kv_head = head / q_per_kv;
-        // The previous tile's Q is free once both consumers finished their last Q K^T.
+        // The previous tile's Q is free once every consumer finished its last Q K^T.
         bars.q_empty.wait((q_loads & 1) ^ 1);
         bars.q_full.arrive_expect_tx(kQBytes);
 #pragma unroll
@@ -351,6 +351,15 @@ static_assert(kScoreAccs <= 2, "the registers of one extra S accumulator at most
 
 // P (as A fragments, kPRegs b32 per thread) into an accumulator of the given width.
 constexpr int kPRegs = kFp8 ? kBlockN / 8 : kBlockN / 4;
+
+// Launched at 65536 / kThreads registers per thread (rounded down to 8: 168 with two consumer
+// warpgroups, 128 with three); the producer keeps 24, or with FP8, where three of its warps
+// transpose V, 56, or 40 when the consumers' S, O and P fragments alone take 200 registers or
+// more. The consumers share what the producer gives up.
+constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+constexpr int kFragmentRegs = kScoreAccs * kBlockN / 2 + kHeadDim / 2 + kPRegs;
+constexpr int kProducerRegs = !kFp8 ? 24 : kFragmentRegs >= 200 ? 40 : 56;
+constexpr int kConsumerRegs = ((1 + kConsumers) * kLaunchRegs - kProducerRegs) / kConsumers / 8 * 8;
 
 template <int N>
 __device__ __forceinline__ void accumulator_to_p(uint32_t (&p)[kPRegs], const float (&s)[N / 2]) {
@@ -496,14 +505,6 @@ struct Consumer {
         accumulator_to_p<kBlockN>(p, s);
     }
 
-    __device__ __forceinline__ void scheduler_wait() const {
-        named_barrier_sync(kSchedulerBarrier + wg, 256);
-    }
-
-    __device__ __forceinline__ void scheduler_handoff() const {
-        named_barrier_arrive(kSchedulerBarrier + (1 - wg), 256);
-    }
-
     // One step: S for key block n_block (ring slot `cur`), P V for the block before it (`prev`).
     template <bool kMasked>
     __device__ __forceinline__ void step(int n_block, float (&s)[kScoreAccs][kBlockN / 2],
@@ -512,7 +513,6 @@ struct Consumer {
         ++ring.count;
         const float block_scale = block_scale_log2(n_block);
         bars.k_full[ring.stage()].wait(ring.phase());
-        scheduler_wait();
         wgmma_fence_operand(o);
         wgmma_fence();
         issue_qk(s, ring.stage());
@@ -520,7 +520,6 @@ struct Consumer {
         pv_full(prev.stage()).wait(prev.phase());
         issue_pv(prev.stage());
         wgmma_commit();
-        scheduler_handoff();
         wgmma_wait<1>();
         finish_qk(s);
         release(bars.k_empty[ring.stage()]);
@@ -553,14 +552,11 @@ struct Consumer {
         softmax.update(reinterpret_cast<ScoreTiles&>(s[0]), first_scale, rescale);
         to_p(s[0]);
 
-        // Warpgroup 0 issues first; the matching final wait is after the loop.
-        if (wg == 1) scheduler_handoff();
         int n_block = n_end - 2;
 #pragma unroll 1
         for (; n_block >= 0 && n_block >= n_first_masked; --n_block) step<true>(n_block, s, rescale);
 #pragma unroll 1
         for (; n_block >= 0; --n_block) step<false>(n_block, s, rescale);
-        if (wg == 0) scheduler_wait();
         // Every Q K^T of this tile has completed: the producer may load the next tile's Q.
         release(bars.q_empty);
 
@@ -651,7 +647,7 @@ using namespace ptxattn;
 using namespace ptxattn::fwd_sm90;
 
 // grid: any number of blocks up to batch * heads_q * num_m_blocks, each taking tiles in static
-// order or, given tile_counter (two zeroed ints, see TileSource), dynamically; block: 384 threads; dynamic smem: SMEM_BYTES. out_map: a 4-d map over out with a box
+// order or, given tile_counter (two zeroed ints, see TileSource), dynamically; block: 128 * (1 + CONSUMERS) threads; dynamic smem: SMEM_BYTES. out_map: a 4-d map over out with a box
 // of 64 rows x 64 columns and the 128-byte swizzle (STAGED_OUT builds store through it, the
 // others through out and its strides, in elements). The
 // descales (FP8 only; 16-bit builds ignore them) are read at [b * stride_b + h * stride_h +
@@ -669,7 +665,6 @@ attn_fwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ T
               int64_t k_descale_stride_h, int64_t k_descale_stride_block,
               const float* __restrict__ v_descale, int64_t v_descale_stride_b,
               int64_t v_descale_stride_h) {
-    static_assert(kBlockM == kScaleBlockRows, "a query tile is one q descale block");
     extern __shared__ uint8_t smem_raw[];
     uint8_t* smem = smem_raw + ((kSwizzleAtomBytes - (smem_addr(smem_raw) % kSwizzleAtomBytes)) %
                                 kSwizzleAtomBytes);
@@ -728,9 +723,11 @@ attn_fwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ T
         consumer.row0 = m0 + row_in_tile;
         if constexpr (kFp8) {
             const int kv_head = head / q_per_kv;
+            // This warpgroup's 64 rows lie in one 128-row q descale block.
+            const int q_block = (m0 + wg * kRowsPerConsumer) / kScaleBlockRows;
             consumer.scale_log2 = scale_log2 * q_descale[batch * q_descale_stride_b +
                                                          head * q_descale_stride_h +
-                                                         m_block * q_descale_stride_block];
+                                                         q_block * q_descale_stride_block];
             consumer.k_descale =
                 k_descale + batch * k_descale_stride_b + kv_head * k_descale_stride_h;
             consumer.k_descale_step = k_descale_stride_block;

@@ -46,7 +46,8 @@ __device__ __forceinline__ uint32_t swizzled_offset(int row, int chunk) {
 // holding columns s * kSrcRowBytes .. at src + s * kKeys * kSrcRowBytes) into dst [kCols x kKeys]
 // (regions of kDstRowBytes keys, region r at dst + r * kCols * kDstRowBytes), with the key order
 // described above. The `warps` warps constructing it with warp = 0 .. warps - 1 split the work in
-// jobs of one 16-column chunk x one region (kDstRowBytes / 32 units of 32 keys).
+// jobs of one 16-column chunk x one region (kDstRowBytes / 32 units of 32 keys, fewer in a last,
+// partly used region).
 // Built once per warp and applied to every tile: within a job the swizzle XOR of the source rows
 // is the same for every unit (units are 32 keys, a multiple of the 8- or 4-row swizzle period)
 // and the one of the destination rows is the same for every column chunk, so the addresses are
@@ -56,18 +57,21 @@ struct TransposeE4m3 {
     static constexpr int kSrcChunks = kSrcRowBytes / 16;
     static constexpr int kDstChunks = kDstRowBytes / 16;
     static constexpr int kUnitsPerRegion = kDstRowBytes / 32;
-    static constexpr int kRegions = kKeys / kDstRowBytes;
+    static constexpr int kRegions = (kKeys + kDstRowBytes - 1) / kDstRowBytes;
+    static constexpr int kLastRegionUnits = (kKeys - (kRegions - 1) * kDstRowBytes) / 32;
     static constexpr int kColChunks = kCols / 16;
     static constexpr int kJobs = kColChunks * kRegions;
-    static_assert(kKeys % kDstRowBytes == 0 && kCols % 16 == 0, "whole regions, 16-column chunks");
+    static_assert(kKeys % 32 == 0 && kCols % 16 == 0, "units of 32 keys x 16 columns");
     static_assert(kDstRowBytes == 64 || kDstRowBytes == 128, "64- or 128-byte Vt rows");
 
     uint32_t src_lane;  // this lane's ldmatrix row in a unit, and its chunk's swizzle XOR
     uint32_t src_xor;
-    uint32_t dst_lane;  // this lane's stmatrix row, and per unit of a region its chunk offset
-    uint32_t dst_unit[kUnitsPerRegion];
+    // This lane's stmatrix row, and the swizzle XOR of its 16-byte chunk split into the bit that
+    // the matrix index (i / 2) meets and the bits the unit index meets: unit u of a region
+    // stores at 32 * (u ^ dst_xor_units) past dst_lane.
+    uint32_t dst_lane;
+    uint32_t dst_xor_units;
     uint32_t select_first;  // prmt selectors: which of the even / odd columns this lane stores first
-    uint32_t select_second;
     int first_job;
     int job_stride;
 
@@ -81,13 +85,19 @@ struct TransposeE4m3 {
         // Bank-conflict-free store order: matrix rows 0-3 take the even Vt row of the pair, 4-7
         // the odd one (rows 2g + s, s = g / 4 for matrices 0, 2 and 1 - s for 1, 3).
         const int dst_row = 2 * g + ((i % 2) ^ (g / 4));
-        dst_lane = dst_row * kDstRowBytes;
         const int dst_xor = (dst_row * kDstRowBytes / 128) % kDstChunks;
-#pragma unroll
-        for (int u = 0; u < kUnitsPerRegion; ++u) dst_unit[u] = 16 * ((2 * u + i / 2) ^ dst_xor);
+        dst_lane = dst_row * kDstRowBytes + 16 * ((i / 2) ^ (dst_xor % 2));
+        dst_xor_units = dst_xor / 2;
         const bool odd_first = (lane / 4) % 8 >= 4;
         select_first = odd_first ? 0x7531 : 0x6420;
-        select_second = odd_first ? 0x6420 : 0x7531;
+    }
+
+    __device__ __forceinline__ void store(uint32_t dst_job, int unit, const uint32_t (&r)[4]) const {
+        const uint32_t select_second = select_first ^ 0x1111;  // the other of 0x6420 / 0x7531
+        stmatrix_x4(dst_job + 32 * (unit ^ dst_xor_units), byte_permute(r[0], r[1], select_first),
+                    byte_permute(r[0], r[1], select_second),
+                    byte_permute(r[2], r[3], select_first),
+                    byte_permute(r[2], r[3], select_second));
     }
 
     __device__ __forceinline__ void operator()(uint32_t src, uint32_t dst) const {
@@ -95,6 +105,7 @@ struct TransposeE4m3 {
         for (int job = first_job; job < kJobs; job += job_stride) {
             const int chunk = job % kColChunks;
             const int region = job / kColChunks;
+            const int units = region == kRegions - 1 ? kLastRegionUnits : kUnitsPerRegion;
             const uint32_t src_job = src + src_lane +
                                      (chunk / kSrcChunks) * (kKeys * kSrcRowBytes) +
                                      16 * ((chunk % kSrcChunks) ^ src_xor) +
@@ -104,16 +115,12 @@ struct TransposeE4m3 {
             // Two units in flight: their loads overlap, within the transposing warps' registers.
 #pragma unroll
             for (int u = 0; u < kUnitsPerRegion; u += 2) {
-                uint32_t r[2][4];
-                ldmatrix_x4_trans(r[0], src_job + u * 32 * kSrcRowBytes);
-                ldmatrix_x4_trans(r[1], src_job + (u + 1) * 32 * kSrcRowBytes);
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    stmatrix_x4(dst_job + dst_unit[u + h],
-                                byte_permute(r[h][0], r[h][1], select_first),
-                                byte_permute(r[h][0], r[h][1], select_second),
-                                byte_permute(r[h][2], r[h][3], select_first),
-                                byte_permute(r[h][2], r[h][3], select_second));
+                if (u < units) {
+                    uint32_t r[2][4];
+                    ldmatrix_x4_trans(r[0], src_job + u * 32 * kSrcRowBytes);
+                    if (u + 1 < units) ldmatrix_x4_trans(r[1], src_job + (u + 1) * 32 * kSrcRowBytes);
+                    store(dst_job, u, r[0]);
+                    if (u + 1 < units) store(dst_job, u + 1, r[1]);
                 }
             }
         }

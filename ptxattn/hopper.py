@@ -28,9 +28,8 @@ HEAD_DIMS = (64, 128, 256)
 DTYPES = {"bfloat16": 1, "float16": 0}  # 16-bit inputs, and FP8's output types
 FP8 = "float8_e4m3fn"
 
-BLOCK_M = 128          # query rows per tile: two consumer warpgroups of 64
-BOX_COLS = 64          # head_dim columns per TMA box (128 bytes of 16-bit data)
-THREADS = 384          # producer warpgroup + two consumer warpgroups
+ROWS_PER_CONSUMER = 64  # query rows per consumer warpgroup; a tile has 2 or 3 of them
+BOX_COLS = 64           # head_dim columns per TMA box (128 bytes of 16-bit data)
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
@@ -39,42 +38,46 @@ class Schedule:
 
     block_n, stages: keys per K/V tile and ring depth. Registers per consumer thread grow with
       head_dim / 2 (O) + 3/4 * block_n (S in fp32, P in 16 bits); shared memory is
-      (128 + 2 * stages * block_n) * head_dim * 2 bytes (227 KB at most), plus 128 * head_dim * 2
-      to stage the output for a TMA store when that still fits.
+      (block_m + 2 * stages * block_n) * head_dim * 2 bytes (227 KB at most), plus
+      block_m * head_dim * 2 to stage the output for a TMA store when that still fits.
     persistent: one block per SM going through the tiles, instead of one block per tile; with
       causal masking, whose tiles differ in length, each block takes the next unclaimed tile
       as it frees up (dynamic order), otherwise the order is static.
     l2_sections: group (batch, head) pairs whose K/V fit in L2 together and run each group's
       query tiles longest-first across the group; otherwise pair by pair.
+    consumers: consumer warpgroups, 64 query rows each (block_m = 64 * consumers). Three leave
+      each warpgroup's softmax two others' GEMMs to hide under, where the GEMMs are short next
+      to the softmax (head_dim 64), at 160 registers per consumer thread instead of 240.
     """
     block_n: int
     stages: int
     persistent: bool
     l2_sections: bool
+    consumers: int = 2
 
 
 SCHEDULES = {
-    (64, False): Schedule(192, 3, persistent=True, l2_sections=False),
-    (64, True): Schedule(128, 3, persistent=True, l2_sections=True),
+    (64, False): Schedule(128, 2, persistent=True, l2_sections=False, consumers=3),
+    (64, True): Schedule(128, 2, persistent=True, l2_sections=True, consumers=3),
     (128, False): Schedule(128, 2, persistent=True, l2_sections=False),
     (128, True): Schedule(128, 2, persistent=True, l2_sections=False),
-    (256, False): Schedule(80, 2, persistent=True, l2_sections=False),
-    (256, True): Schedule(80, 2, persistent=True, l2_sections=False),
+    (256, False): Schedule(64, 2, persistent=True, l2_sections=False),
+    (256, True): Schedule(64, 2, persistent=True, l2_sections=False),
 }
 
-# FP8: block_n is 64, 128 or 256 (V is transposed into whole regions of 64 or 128 keys).
+# FP8: block_n is 64 or a multiple of 32 from 128 (V is transposed into regions of 128 keys).
 # Shared memory: (128 + 2 * stages * block_n) * head_dim bytes for Q, K, V plus the Vt ring.
 SCHEDULES_FP8 = {  # from scripts/check_fp8.py --sweep and its throughput table on an H100
-    (64, False): Schedule(256, 3, persistent=True, l2_sections=False),
-    (64, True): Schedule(256, 3, persistent=True, l2_sections=True),
-    (128, False): Schedule(128, 2, persistent=True, l2_sections=False),
-    (128, True): Schedule(128, 3, persistent=False, l2_sections=False),
+    (64, False): Schedule(128, 3, persistent=True, l2_sections=False, consumers=3),
+    (64, True): Schedule(128, 3, persistent=True, l2_sections=True, consumers=3),
+    (128, False): Schedule(192, 2, persistent=True, l2_sections=False),
+    (128, True): Schedule(192, 2, persistent=True, l2_sections=False),
     (256, False): Schedule(64, 3, persistent=True, l2_sections=False),
     (256, True): Schedule(64, 3, persistent=False, l2_sections=False),
 }
 # FP8 with k descales that vary per 128 keys: a key block must lie inside one descale block, so
 # block_n divides 128 (keys per tile, stages) per head_dim.
-FP8_KEY_BLOCK_SCALED_TILES = {64: (128, 4), 128: (128, 3), 256: (64, 3)}
+FP8_KEY_BLOCK_SCALED_TILES = {64: (128, 4), 128: (128, 2), 256: (64, 3)}
 
 # K/V bytes that the heads of one scheduling section may keep in L2 together (H100: 50 MB).
 L2_SECTION_BYTES = 32 << 20
@@ -83,43 +86,40 @@ L2_SECTION_BYTES = 32 << 20
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory one block may have on sm_90
 
 
-def _staged_out_bytes(head_dim: int) -> int:
-    """Shared memory the two consumer warpgroups stage their 64-row output tiles in."""
-    return 2 * 64 * head_dim * 2
-
-
 def _smem_bytes(head_dim: int, block_n: int, stages: int, fp8: bool = False,
-                staged_out: bool = False) -> int:
-    out = _staged_out_bytes(head_dim) if staged_out else 0
+                staged_out: bool = False, consumers: int = 2) -> int:
+    block_m = ROWS_PER_CONSUMER * consumers
+    out = block_m * head_dim * 2 if staged_out else 0  # 16-bit output tiles of every consumer
     if fp8:  # Q, K, V, and V transposed in regions of up to 128 keys; two more barriers a stage
         vt_bytes = -(-block_n // 128) * head_dim * min(block_n, 128)
-        tiles = (BLOCK_M + 2 * stages * block_n) * head_dim + stages * vt_bytes
+        tiles = (block_m + 2 * stages * block_n) * head_dim + stages * vt_bytes
         barriers = 8 * (2 + 6 * stages) + 40
     else:
-        tiles = (BLOCK_M + 2 * stages * block_n) * head_dim * 2
+        tiles = (block_m + 2 * stages * block_n) * head_dim * 2
         barriers = 8 * (2 + 4 * stages) + 40  # + the dynamic tile order's mailbox
     return tiles + out + barriers + 1024  # + alignment of the base to the 1024-byte swizzle atom
 
 
 def spec(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | None = None,
-         out_dtype: str = "bfloat16") -> runtime.KernelSpec:
+         out_dtype: str = "bfloat16", consumers: int | None = None) -> runtime.KernelSpec:
     """The kernel variant for inputs of ``dtype`` (bfloat16, float16 or float8_e4m3fn; FP8
     writes ``out_dtype``, 16-bit inputs their own type)."""
     fp8 = dtype == FP8
     schedule = (SCHEDULES_FP8 if fp8 else SCHEDULES)[head_dim, causal]
     block_n, stages = tiles or (schedule.block_n, schedule.stages)
+    consumers = consumers or schedule.consumers
     out = out_dtype if fp8 else dtype
     # The output goes through shared memory and a TMA store where there is room for it.
-    staged_out = _smem_bytes(head_dim, block_n, stages, fp8, staged_out=True) <= SMEM_LIMIT
-    smem = _smem_bytes(head_dim, block_n, stages, fp8, staged_out)
+    staged_out = (_smem_bytes(head_dim, block_n, stages, fp8, True, consumers) <= SMEM_LIMIT)
+    smem = _smem_bytes(head_dim, block_n, stages, fp8, staged_out, consumers)
     return runtime.KernelSpec(
         name=(f"fwd_sm90_{'e4m3_' + out if fp8 else dtype}_d{head_dim}_n{block_n}_s{stages}"
-              f"{'_causal' if causal else ''}"),
+              f"{'_c3' if consumers == 3 else ''}{'_causal' if causal else ''}"),
         source="fwd_sm90.cu",
         entry="attn_fwd_sm90",
         defines={"HEAD_DIM": head_dim, "BLOCK_N": block_n, "STAGES": stages,
                  "IS_FP8": int(fp8), "IS_BF16": DTYPES[out], "IS_CAUSAL": int(causal),
-                 "STAGED_OUT": int(staged_out), "SMEM_BYTES": smem},
+                 "CONSUMERS": consumers, "STAGED_OUT": int(staged_out), "SMEM_BYTES": smem},
         smem_bytes=smem,
         archs=ARCHS,
     )
@@ -181,11 +181,11 @@ def _descale_args(descales) -> list:
 
 def launcher(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
              tiles: tuple[int, int] | None = None, sections: int | None = None,
-             persistent: bool | None = None, grid_blocks: int | None = None, descales=None
-             ) -> Callable[[], None]:
+             persistent: bool | None = None, grid_blocks: int | None = None, descales=None,
+             consumers: int | None = None) -> Callable[[], None]:
     """Everything forward() does except the launch itself, which the returned callable performs
-    (benchmarks time that alone). ``tiles`` (keys per tile, stages), ``sections``,
-    ``persistent`` and ``grid_blocks`` (blocks striding over the tiles) override the tuned
+    (benchmarks time that alone). ``tiles`` (keys per tile, stages), ``consumers``,
+    ``sections``, ``persistent`` and ``grid_blocks`` (blocks taking tiles) override the tuned
     defaults, for tests and benchmarks. With ``descales`` (the (q, k, v) ``ptxattn.fp8.Descale``
     operands) q, k and v are uint8 arrays of e4m3 bytes and the FP8 kernel runs."""
     batch, seqlen_q, heads_q, head_dim = q.shape
@@ -198,16 +198,18 @@ def launcher(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
             raise ValueError(f"k descales that vary per 128 keys need keys per tile dividing 128, "
                              f"got {tiles[0]}")
     kernel_spec = spec(FP8 if fp8 else str(q.dtype), head_dim, causal, tiles,
-                       out_dtype=str(out.dtype))
+                       out_dtype=str(out.dtype), consumers=consumers)
     block_n = kernel_spec.defines["BLOCK_N"]
+    block_m = ROWS_PER_CONSUMER * kernel_spec.defines["CONSUMERS"]
     kernel = runtime.load(kernel_spec)
     box_cols = min(head_dim, 128) if fp8 else BOX_COLS
     swizzle = box_cols * q.itemsize
-    q_map = runtime.tensor_map(q, (1, BLOCK_M, 1, box_cols), swizzle=swizzle)
+    q_map = runtime.tensor_map(q, (1, block_m, 1, box_cols), swizzle=swizzle)
     k_map = runtime.tensor_map(k, (1, block_n, 1, box_cols), swizzle=swizzle)
     v_map = runtime.tensor_map(v, (1, block_n, 1, box_cols), swizzle=swizzle)
-    out_map = runtime.tensor_map(out, (1, 64, 1, BOX_COLS), swizzle=BOX_COLS * out.itemsize)
-    num_tiles = batch * heads_q * math.ceil(seqlen_q / BLOCK_M)
+    out_map = runtime.tensor_map(out, (1, ROWS_PER_CONSUMER, 1, BOX_COLS),
+                                 swizzle=BOX_COLS * out.itemsize)
+    num_tiles = batch * heads_q * math.ceil(seqlen_q / block_m)
     schedule = (SCHEDULES_FP8 if fp8 else SCHEDULES)[head_dim, causal]
     if sections is None:
         sections = (section_heads(batch, heads_q, heads_kv, seqlen_k, head_dim, q.itemsize)
@@ -226,7 +228,8 @@ def launcher(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
             np.int32(heads_q), np.int32(heads_q // heads_kv), np.int32(sections), counter,
             np.float32(softmax_scale * math.log2(math.e))]
     args += _descale_args(descales) if fp8 else _no_descales()
-    return lambda: runtime.launch(kernel, grid=(blocks, 1, 1), block=(THREADS, 1, 1), args=args)
+    threads = 128 * (1 + kernel_spec.defines["CONSUMERS"])  # producer + consumer warpgroups
+    return lambda: runtime.launch(kernel, grid=(blocks, 1, 1), block=(threads, 1, 1), args=args)
 
 
 def forward(q, k, v, out, lse, *, causal: bool, softmax_scale: float, **overrides) -> None:

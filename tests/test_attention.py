@@ -186,3 +186,24 @@ def test_hopper_dynamic_tile_order_matches_one_block_per_tile(head_dim, rng):
         assert bool(cupy.array_equal(lse, results[0][1])), "LSE differs from static order"
     assert hopper._tile_counter(q.device.id).get().tolist() == [0, 0]
     _assert_close(q, k, v, *results[0], causal=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(17, 17), (1000, 1000), (300, 1000), (1000, 300)],
+                         ids=lambda p: f"{p[0]}x{p[1]}")
+@pytest.mark.parametrize("persistent", [False, True])
+def test_hopper_three_consumer_warpgroups(causal, seqlens, persistent, rng):
+    """Tiles of 192 query rows (three consumer warpgroups handing the tensor cores round),
+    whichever schedule the tuned table picks for head_dim 64."""
+    import cupy
+
+    hopper = _module("hopper")
+    seqlen_q, seqlen_k = seqlens
+    q = _random((2, seqlen_q, 4, 64), "bfloat16", rng)
+    k = _random((2, seqlen_k, 2, 64), "bfloat16", rng)
+    v = _random((2, seqlen_k, 2, 64), "bfloat16", rng)
+    out = cupy.full(q.shape, cupy.nan, dtype=q.dtype)
+    lse = cupy.full((2, 4, seqlen_q), cupy.nan, dtype=cupy.float32)
+    hopper.forward(q, k, v, out, lse, causal=causal, softmax_scale=64 ** -0.5, tiles=(128, 2),
+                   consumers=3, persistent=persistent)
+    _assert_close(q, k, v, out, lse, causal=causal)
