@@ -70,8 +70,8 @@ SCHEDULES = {
 SCHEDULES_FP8 = {  # from scripts/check_fp8.py --sweep and its throughput table on an H100
     (64, False): Schedule(128, 3, persistent=True, l2_sections=False, consumers=3),
     (64, True): Schedule(128, 3, persistent=True, l2_sections=True, consumers=3),
-    (128, False): Schedule(192, 2, persistent=True, l2_sections=False),
-    (128, True): Schedule(192, 2, persistent=True, l2_sections=False),
+    (128, False): Schedule(128, 2, persistent=True, l2_sections=False),
+    (128, True): Schedule(128, 2, persistent=True, l2_sections=False),
     (256, False): Schedule(64, 3, persistent=True, l2_sections=False),
     (256, True): Schedule(64, 3, persistent=False, l2_sections=False),
 }
