@@ -9,20 +9,31 @@ def time_ms(fn, warmup: int = 3, repeats: int = 15, launches: int = 10) -> float
     """Median over ``repeats`` CUDA-event-timed samples of the mean time of ``launches``
     back-to-back calls of ``fn`` on the current stream, after ``warmup`` calls. Back-to-back
     calls let each call's host-side work overlap the previous call's GPU work, as in real use."""
+    return time_ms_interleaved({None: fn}, warmup, repeats, launches)[None]
+
+
+def time_ms_interleaved(fns: dict, warmup: int = 3, repeats: int = 15,
+                        launches: int = 10) -> dict:
+    """time_ms of each function of ``fns`` (name -> callable), sampled in turns: round r times
+    every function once. A GPU's clock follows its temperature and power draw, which the previous
+    work set, so timing one function after the other would hand each the state its predecessor
+    left; taking turns gives all of them the same mix."""
     import cupy
 
-    for _ in range(warmup):
-        fn()
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(repeats):
-        start.record()
-        for _ in range(launches):
+    for fn in fns.values():
+        for _ in range(warmup):
             fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) / launches)
-    return statistics.median(times)
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start.record()
+            for _ in range(launches):
+                fn()
+            stop.record()
+            stop.synchronize()
+            times[name].append(cupy.cuda.get_elapsed_time(start, stop) / launches)
+    return {name: statistics.median(samples) for name, samples in times.items()}
 
 
 def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,

@@ -4,7 +4,8 @@
 
 TFLOP/s = 4 * batch * heads * seqlen_q * seqlen_k * head_dim / time (halved for causal), time
 being the median over repeated CUDA-event-timed samples (each the mean of 10 back-to-back calls)
-after warm-up. Peers run in the same process
+after warm-up, every runner of a row taking its samples in turn with the others so that all see
+the same GPU clock and temperature. Peers run in the same process
 on the same GPU: torch SDPA's FlashAttention-2 and cuDNN backends when torch is installed, and
 ptxattn's plain CuPy reference.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import os
 import sys
@@ -22,7 +24,7 @@ import sys
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
-from ptxattn.timing import attention_flops, time_ms  # noqa: E402  (after the path fix)
+from ptxattn.timing import attention_flops, time_ms_interleaved  # noqa: E402  (after the path fix)
 
 
 def configs(quick: bool) -> list[dict]:
@@ -182,11 +184,12 @@ def main(argv=None) -> int:
                    for _ in range(3))
         tensors = None
         row = dict(cfg)
+        calls = {}
         for name, (dims, max_seqlen, run) in runners.items():
             print(f"\r[{index}/{len(rows)}] {shape} causal={cfg['causal']} {name:<22}",
                   end="", file=sys.stderr, flush=True)
+            row[name] = None
             if cfg["head_dim"] not in dims or (max_seqlen and cfg["seqlen"] > max_seqlen):
-                row[name] = None
                 continue
             if name.startswith("torch"):
                 if tensors is None:
@@ -194,12 +197,16 @@ def main(argv=None) -> int:
                 inputs = tensors
             else:
                 inputs = (q, k, v)
+            call = functools.partial(run, *inputs, cfg["causal"])
             try:
-                ms = time_ms(lambda: run(*inputs, cfg["causal"]), warmup=3, repeats=repeats)
-                row[name] = flops(cfg) / ms / 1e9
+                call()  # compiles, quantizes, or finds the shape unsupported
             except Exception as err:  # a peer that cannot run this shape is reported, not fatal
                 print(f"\n{name} failed on {shape}: {type(err).__name__}: {err}", file=sys.stderr)
-                row[name] = None
+                continue
+            calls[name] = call
+        # Every runner is timed in the same rounds, so none inherits a cooler or hotter GPU.
+        for name, ms in time_ms_interleaved(calls, warmup=3, repeats=repeats).items():
+            row[name] = flops(cfg) / ms / 1e9
         results.append(row)
     print("\r" + " " * 80 + "\r", end="", file=sys.stderr)
 
