@@ -190,8 +190,8 @@ def sass(specs, show=0) -> None:
 SWEEP = {  # (head_dim, causal) -> candidate (keys per tile, stages); shapes as in timing()
     (128, False): [(128, 2), (128, 3), (176, 2)],
     (128, True): [(128, 2), (128, 3), (176, 2)],
-    (64, False): [(192, 2), (192, 3), (128, 3)],
-    (64, True): [(192, 2), (192, 3), (128, 3)],
+    (64, False): [(128, 2), (128, 3)],  # head_dim 64 tiles have three consumer warpgroups
+    (64, True): [(128, 2), (128, 3)],
     (256, False): [(64, 2), (80, 2)],
     (256, True): [(64, 2), (80, 2)],
 }
