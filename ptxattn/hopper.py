@@ -179,15 +179,33 @@ def _descale_args(descales) -> list:
             v_d.array, np.int64(v_d.stride_b), np.int64(v_d.stride_h)]
 
 
-def launcher(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
+_launches = runtime.LaunchCache()
+
+
+def launcher(q, k, v, out, lse, *, causal: bool, softmax_scale: float, descales=None,
+             **overrides) -> Callable[[], None]:
+    """Everything forward() does except the launch itself, which the returned callable performs
+    (benchmarks time that alone). ``overrides`` (``tiles``: keys per tile and stages,
+    ``consumers``, ``sections``, ``persistent``, ``grid_blocks``: blocks taking tiles) replace
+    the tuned defaults, for tests and benchmarks. With ``descales`` (the (q, k, v)
+    ``ptxattn.fp8.Descale`` operands) q, k and v are uint8 arrays of e4m3 bytes and the FP8
+    kernel runs. Launches are prepared once per set of arrays, arguments and stream."""
+    import cupy
+
+    key = (tuple(runtime.array_key(x) for x in (q, k, v, out, lse)), causal, softmax_scale,
+           tuple(sorted(overrides.items())), q.device.id, cupy.cuda.get_current_stream().ptr)
+    if descales is not None:
+        key += tuple((runtime.array_key(d.array), d.stride_b, d.stride_h, d.stride_block)
+                     for d in descales)
+    return _launches.get(key, lambda: _prepare(q, k, v, out, lse, causal=causal,
+                                               softmax_scale=softmax_scale, descales=descales,
+                                               **overrides))
+
+
+def _prepare(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
              tiles: tuple[int, int] | None = None, sections: int | None = None,
              persistent: bool | None = None, grid_blocks: int | None = None, descales=None,
-             consumers: int | None = None) -> Callable[[], None]:
-    """Everything forward() does except the launch itself, which the returned callable performs
-    (benchmarks time that alone). ``tiles`` (keys per tile, stages), ``consumers``,
-    ``sections``, ``persistent`` and ``grid_blocks`` (blocks taking tiles) override the tuned
-    defaults, for tests and benchmarks. With ``descales`` (the (q, k, v) ``ptxattn.fp8.Descale``
-    operands) q, k and v are uint8 arrays of e4m3 bytes and the FP8 kernel runs."""
+             consumers: int | None = None) -> runtime.PreparedLaunch:
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     fp8 = descales is not None
@@ -229,7 +247,7 @@ def launcher(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
             np.float32(softmax_scale * math.log2(math.e))]
     args += _descale_args(descales) if fp8 else _no_descales()
     threads = 128 * (1 + kernel_spec.defines["CONSUMERS"])  # producer + consumer warpgroups
-    return lambda: runtime.launch(kernel, grid=(blocks, 1, 1), block=(threads, 1, 1), args=args)
+    return runtime.PreparedLaunch(kernel, grid=(blocks, 1, 1), block=(threads, 1, 1), args=args)
 
 
 def forward(q, k, v, out, lse, *, causal: bool, softmax_scale: float, **overrides) -> None:

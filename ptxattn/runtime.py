@@ -24,7 +24,7 @@ import re
 import tempfile
 import threading
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -480,31 +480,75 @@ def _argument(value) -> ctypes._SimpleCData | ctypes.Array:
     import cupy
     if isinstance(value, cupy.ndarray):
         return ctypes.c_uint64(value.data.ptr)
-    if isinstance(value, TensorMap):
-        return value._buffer
+    if isinstance(value, TensorMap):  # a copy: the prepared launch must not keep the array alive
+        return (ctypes.c_ubyte * 128).from_buffer_copy(value._buffer)
     if isinstance(value, np.generic):
         return (ctypes.c_ubyte * value.nbytes).from_buffer_copy(value.tobytes())
     raise TypeError(f"kernel argument of type {type(value).__name__} is not supported: pass a "
                     "cupy.ndarray, a TensorMap or a NumPy scalar such as np.int32(...)")
 
 
+class PreparedLaunch:
+    """A kernel launch with its arguments packed once: calling it only enqueues the kernel on
+    the stream it was prepared for. It keeps the arguments' values (addresses, descriptor
+    bytes, scalars), not the arrays, so a cache of these keeps no array alive."""
+
+    def __init__(self, kernel: LoadedKernel, grid: Sequence[int], block: Sequence[int],
+                 args: Sequence, smem_bytes: int | None = None, stream=None):
+        import cupy
+        driver = _driver()
+        smem = kernel.spec.smem_bytes if smem_bytes is None else smem_bytes
+        self._holders = [_argument(a) for a in args]
+        self._pointers = (ctypes.c_void_p * max(len(self._holders), 1))(
+            *[ctypes.addressof(h) for h in self._holders])
+        stream = cupy.cuda.get_current_stream() if stream is None else stream
+        config = driver.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = (int(g) for g in _dim3(grid))
+        config.blockDimX, config.blockDimY, config.blockDimZ = (int(b) for b in _dim3(block))
+        config.sharedMemBytes = int(smem)
+        config.hStream = driver.CUstream(stream.ptr)
+        config.numAttrs = 0
+        self._config = config
+        self._kernel = kernel
+
+    def __call__(self) -> None:
+        _check(_driver().cuLaunchKernelEx(self._config, self._kernel.function,
+                                          ctypes.addressof(self._pointers), 0),
+               f"launching {self._kernel.spec.name}")
+
+
 def launch(kernel: LoadedKernel, grid: Sequence[int], block: Sequence[int], args: Sequence,
            smem_bytes: int | None = None, stream=None) -> None:
     """Launches ``kernel`` with cuLaunchKernelEx on ``stream`` (default: CuPy's current one)."""
-    import cupy
-    driver = _driver()
-    smem = kernel.spec.smem_bytes if smem_bytes is None else smem_bytes
-    holders = [_argument(a) for a in args]
-    pointers = (ctypes.c_void_p * max(len(holders), 1))(*[ctypes.addressof(h) for h in holders])
-    stream = cupy.cuda.get_current_stream() if stream is None else stream
-    config = driver.CUlaunchConfig()
-    config.gridDimX, config.gridDimY, config.gridDimZ = (int(g) for g in _dim3(grid))
-    config.blockDimX, config.blockDimY, config.blockDimZ = (int(b) for b in _dim3(block))
-    config.sharedMemBytes = int(smem)
-    config.hStream = driver.CUstream(stream.ptr)
-    config.numAttrs = 0
-    _check(driver.cuLaunchKernelEx(config, kernel.function, ctypes.addressof(pointers), 0),
-           f"launching {kernel.spec.name}")
+    PreparedLaunch(kernel, grid, block, args, smem_bytes, stream)()
+
+
+def array_key(x) -> tuple:
+    """What a prepared launch depends on of a CuPy array: its address and layout."""
+    return (x.data.ptr, x.shape, x.strides, x.dtype.char)
+
+
+class LaunchCache:
+    """Prepared launches under keys the caller builds (from array_key, scalars and the current
+    stream), least recently used dropped first: a repeated call with the same arrays skips
+    everything but the enqueue."""
+
+    def __init__(self, size: int = 256):
+        self._entries: collections.OrderedDict[tuple, PreparedLaunch] = collections.OrderedDict()
+        self._size = size
+
+    def get(self, key: tuple, build: Callable[[], PreparedLaunch]) -> PreparedLaunch:
+        with _lock:
+            hit = self._entries.get(key)
+            if hit is not None:
+                self._entries.move_to_end(key)
+                return hit
+        prepared = build()
+        with _lock:
+            self._entries[key] = prepared
+            if len(self._entries) > self._size:
+                self._entries.popitem(last=False)
+        return prepared
 
 
 def _dim3(dims: Sequence[int]) -> tuple[int, int, int]:
