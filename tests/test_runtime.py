@@ -137,3 +137,35 @@ def test_launch_rejects_python_scalars():
         pytest.skip("TMA needs sm_90 or newer")
     with pytest.raises(TypeError, match="np.int32"):
         runtime.launch(kernel, (1,), (32,), [1])
+
+
+def test_launch_cache_builds_once_per_key_and_drops_the_least_recent():
+    built = []
+
+    def build(name):
+        def make():
+            built.append(name)
+            return object()
+        return make
+
+    cache = runtime.LaunchCache(size=2)
+    first = cache.get(("a",), build("a"))
+    assert cache.get(("a",), build("a")) is first and built == ["a"]
+    cache.get(("b",), build("b"))
+    cache.get(("a",), build("a"))  # a is now the most recent, b the least
+    cache.get(("c",), build("c"))  # evicts b
+    assert built == ["a", "b", "c"]
+    cache.get(("a",), build("a"))
+    cache.get(("b",), build("b"))
+    assert built == ["a", "b", "c", "b"]
+
+
+def test_array_key_follows_address_and_layout():
+    from meta_array import MetaArray
+
+    x = MetaArray((2, 8, 4, 64), "bfloat16")
+    assert runtime.array_key(x) == runtime.array_key(MetaArray((2, 8, 4, 64), "bfloat16"))
+    assert runtime.array_key(x) != runtime.array_key(MetaArray((2, 8, 4, 64), "float16"))
+    assert runtime.array_key(x) != runtime.array_key(
+        MetaArray((2, 8, 4, 64), "bfloat16", strides=(65536, 128, 16384, 2)))
+    assert runtime.array_key(x) != runtime.array_key(MetaArray((2, 8, 4, 64), ptr=2 << 20))
