@@ -21,9 +21,9 @@
 // Tiles: the grid is either one block per tile or persistent (fewer blocks going through the
 // tile list, in a static order or taking the next unclaimed tile as they free up); the K/V
 // ring and its phases run on across tiles, the producer loads the next tile's Q as soon as
-// every consumer finished its last Q K^T (q_empty), and the epilogue
-// hands O to a TMA store (or, where shared memory has no room to stage it, stores it straight
-// from registers), so nothing waits for the output to drain.
+// every consumer finished its last Q K^T (q_empty), and the epilogue hands O to a TMA store
+// (or, where shared memory has no room to stage it, stores it straight from registers), so
+// nothing waits for the output to drain.
 //
 // FP8 (IS_FP8 = 1): q, k, v are e4m3 and both GEMMs are e4m3 wgmmas (k-steps of 32) with FP32
 // accumulation. FP8 wgmma reads B only K-major, so V is transposed in shared memory inside the
@@ -43,14 +43,15 @@
 // Compile-time parameters (-D): HEAD_DIM (64, 128, 256), BLOCK_N (keys per tile, multiple of
 // 16; FP8: of 32), STAGES (K/V ring depth), IS_FP8 (1: e4m3 inputs), IS_BF16 (1: bfloat16,
 // 0: float16; the inputs' type, or with FP8 the output's), IS_CAUSAL, CONSUMERS (consumer
-// warpgroups, 2 or 3), STAGED_OUT (1: the output
-// goes through shared memory and a TMA store), SMEM_BYTES (the dynamic shared memory the
-// launcher requests, checked against the layout below).
+// warpgroups, 2 or 3), STAGED_OUT (1: the output goes through shared memory and a TMA store),
+// SMEM_BYTES (the dynamic shared memory the launcher requests, checked against the layout
+// below).
 //
 // Global layouts: q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D), read through 4-d tensor maps with
 // coordinates (d, head, row, batch) and a box of one swizzle span of columns (128 bytes, or the
 // whole 64-byte row of FP8 head_dim 64), so a row of head_dim takes kSlabs boxes ("slabs");
-// rows past the end are zero-filled. out (B, Sq, Hq, D) 16-bit with element strides given;
+// rows past the end are zero-filled. out (B, Sq, Hq, D) 16-bit, through its own tensor map
+// (STAGED_OUT; rows past the end are clipped) or its element strides;
 // lse (B, Hq, Sq) fp32, contiguous. FP8 descales: float32 arrays read through element strides
 // over (batch, head, 128-row block), 0 where a scale does not vary (ptxattn/fp8.py).
 #include "common.cuh"
