@@ -163,12 +163,9 @@ __device__ __forceinline__ void gemm_qk(float (&s)[kMTiles][kSTiles][4], uint32_
         for (int p = 0; p < kSTiles / 2; ++p) {
             uint32_t b[4];
             ldmatrix_x4(b, k_lane.at(k_tile, 16 * p, 2 * ks));
-            const uint32_t b_lo[2] = {b[0], b[1]};
-            const uint32_t b_hi[2] = {b[2], b[3]};
 #pragma unroll
             for (int m = 0; m < kMTiles; ++m) {
-                mma_m16n8k16<kBf16>(s[m][2 * p], a[m], b_lo);
-                mma_m16n8k16<kBf16>(s[m][2 * p + 1], a[m], b_hi);
+                mma_m16n16k16<kBf16>(s[m][2 * p], s[m][2 * p + 1], a[m], b);
             }
         }
     }
@@ -199,12 +196,9 @@ __device__ __forceinline__ void gemm_pv(float (&o)[kMTiles][kOTiles][4],
         for (int dp = 0; dp < kOTiles / 2; ++dp) {
             uint32_t b[4];
             ldmatrix_x4_trans(b, v_lane.at(v_tile, 16 * ks, 2 * dp));
-            const uint32_t b_lo[2] = {b[0], b[1]};
-            const uint32_t b_hi[2] = {b[2], b[3]};
 #pragma unroll
             for (int m = 0; m < kMTiles; ++m) {
-                mma_m16n8k16<kBf16>(o[m][2 * dp], p[m][ks], b_lo);
-                mma_m16n8k16<kBf16>(o[m][2 * dp + 1], p[m][ks], b_hi);
+                mma_m16n16k16<kBf16>(o[m][2 * dp], o[m][2 * dp + 1], p[m][ks], b);
             }
         }
     }

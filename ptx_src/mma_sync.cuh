@@ -66,6 +66,17 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[
     }
 }
 
+// One A fragment times the two 8-column halves of a B fragment loaded by ldmatrix.x4 (registers
+// 0-1: columns 0-7, 2-3: columns 8-15): D0 += A B[:, 0:8], D1 += A B[:, 8:16].
+template <bool kBf16>
+__device__ __forceinline__ void mma_m16n16k16(float (&d0)[4], float (&d1)[4],
+                                              const uint32_t (&a)[4], const uint32_t (&b)[4]) {
+    const uint32_t b_lo[2] = {b[0], b[1]};
+    const uint32_t b_hi[2] = {b[2], b[3]};
+    mma_m16n8k16<kBf16>(d0, a, b_lo);
+    mma_m16n8k16<kBf16>(d1, a, b_hi);
+}
+
 // Packs two floats into one b32 of 16-bit values, `lo` in the low half (the lower column):
 // cvt.rn.{bf16x2,f16x2}.f32 d, hi, lo.
 template <bool kBf16>

@@ -36,6 +36,12 @@ def random(shape, dtype, rng, scale=1.0):
     return cupy.asarray(rng.standard_normal(shape, dtype=np.float32) * scale).astype(dtype)
 
 
+def problem(batch, seqlen, heads, head_dim, rng):
+    """Random bf16 q, k, v of one shape, and an output and LSE buffer for them."""
+    q, k, v = (random((batch, seqlen, heads, head_dim), "bfloat16", rng) for _ in range(3))
+    return q, k, v, cupy.empty_like(q), cupy.empty((batch, heads, seqlen), dtype=cupy.float32)
+
+
 def check(q, k, v, *, causal, softmax_scale=None, out=None, **launch) -> tuple[bool, str]:
     scale = api.validate(q, k, v, out, softmax_scale)
     if out is None:
@@ -140,11 +146,7 @@ def timing(rng) -> None:
     print(f"{'shape':34s} {'ptxattn':>16s} {'cuDNN':>16s} {'ratio':>6s}")
     for batch, seqlen, heads, head_dim, causal in shapes:
         flops = 4.0 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
-        q = random((batch, seqlen, heads, head_dim), "bfloat16", rng)
-        k = random((batch, seqlen, heads, head_dim), "bfloat16", rng)
-        v = random((batch, seqlen, heads, head_dim), "bfloat16", rng)
-        out = cupy.empty_like(q)
-        lse = cupy.empty((batch, heads, seqlen), dtype=cupy.float32)
+        q, k, v, out, lse = problem(batch, seqlen, heads, head_dim, rng)
         scale = 1.0 / math.sqrt(head_dim)
         ours = time_ms(hopper.launcher(q, k, v, out, lse, causal=causal, softmax_scale=scale),
                        warmup=5)
@@ -206,11 +208,7 @@ def sweep(rng) -> int:
         batch, heads = (4, 32) if head_dim == 128 else (8, 2048 // head_dim)
         seqlen = 2048
         flops = 4.0 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
-        q = random((batch, seqlen, heads, head_dim), "bfloat16", rng)
-        k = random((batch, seqlen, heads, head_dim), "bfloat16", rng)
-        v = random((batch, seqlen, heads, head_dim), "bfloat16", rng)
-        out = cupy.empty_like(q)
-        lse = cupy.empty((batch, heads, seqlen), dtype=cupy.float32)
+        q, k, v, out, lse = problem(batch, seqlen, heads, head_dim, rng)
         small = [random((2, 1000, 2, head_dim), "bfloat16", rng) for _ in range(3)]
         for tiles in candidates:
             ok, text = check(*small, causal=causal, tiles=tiles)
