@@ -73,6 +73,7 @@ constexpr int kStages = STAGES;
 constexpr bool kFp8 = IS_FP8 != 0;
 constexpr bool kBf16 = IS_BF16 != 0;
 constexpr bool kCausal = IS_CAUSAL != 0;
+constexpr bool kStaleMaxFirst = STALE_MAX_FIRST != 0;
 
 constexpr int kConsumers = CONSUMERS;  // consumer warpgroups
 constexpr int kRowsPerConsumer = 64;  // one wgmma M
@@ -114,6 +115,12 @@ struct Barriers {
     MBarrier tile_full[2];
     MBarrier tile_empty[2];
     int tile[2];
+    // FP8: the number of V tiles the producer loaded in all, set before its closing arrive on
+    // the v_full barrier of the next ring position, which carries no tile: the V transposers
+    // stop at that position (they follow the V ring alone, see transpose_v_tiles). Comparing
+    // positions, not testing a flag, keeps a transposer still short of the last tile from
+    // stopping early when the flag is already set.
+    int v_end;
 };
 
 // FP8 only: the transposed V ring, filled by the producer warpgroup, drained by the consumers.
@@ -142,6 +149,8 @@ static_assert(kVtBarrierOffset + (kFp8 ? sizeof(VtBarriers) : 0) + kSwizzleAtomB
 // Named barriers (0 is __syncthreads): per consumer warpgroup, one around the staging of its
 // output tile.
 constexpr uint32_t kEpilogueBarrier = 1;
+// STALE_MAX_FIRST: per consumer warpgroup, the vote on whether a key block keeps the row maxima.
+constexpr uint32_t kVoteBarrier = kEpilogueBarrier + 3;
 
 // Key blocks a tile of query rows [m0, m0 + kBlockM) attends to: [0, end).
 __device__ __forceinline__ int kv_block_end(int m0, int seqlen_q, int seqlen_k) {
@@ -297,39 +306,36 @@ __device__ __forceinline__ void producer(const TensorMap* q_map, const TensorMap
             ++v_ring.count;
         }
     }
+    if constexpr (kFp8) {
+        bars.v_empty[v_ring.stage()].wait(v_ring.phase() ^ 1);
+        bars.v_end = v_ring.count;
+        bars.v_full[v_ring.stage()].arrive();
+    }
 }
 
 // FP8: warps 1-3 of the producer warpgroup transpose every V tile the producer loads into the
-// Vt ring, visiting the tiles and key blocks in the producer's order (same ring slots and
-// phases). Each thread arrives on v_empty / vt.full itself, after its fence.proxy.async, so the
-// consumers' wgmmas (async proxy) see all of Vt and TMA may overwrite V as soon as all reads
-// are done.
+// Vt ring (same slots and phases), in ring order up to the producer's closing arrive (v_end), so
+// they need no tile schedule. Each thread arrives on v_empty / vt.full itself, after its
+// fence.proxy.async, so the consumers' wgmmas (async proxy) see all of Vt and TMA may overwrite
+// V as soon as all reads are done.
 constexpr int kTransposeWarps = 3;
 // 16-bit builds never call it; a legal shape keeps their (unused) instantiation compiling.
 using VTranspose = TransposeE4m3<kFp8 ? kBlockN : 64, kHeadDim, kSlabRowBytes,
                                  kFp8 ? kVtRowBytes : 64>;
 
-__device__ __forceinline__ void transpose_v_tiles(uint8_t* smem, Barriers& bars, VtBarriers& vt,
-                                                  const TileScheduler& sched, TileSource tiles,
-                                                  int seqlen_q, int seqlen_k) {
+__device__ __forceinline__ void transpose_v_tiles(uint8_t* smem, Barriers& bars, VtBarriers& vt) {
     const VTranspose transpose(threadIdx.x / 32 - 1, kTransposeWarps, threadIdx.x % 32);
-    RingCursor ring;
 #pragma unroll 1
-    for (int tile = tiles.receive(); tile < sched.num_tiles(); tile = tiles.receive()) {
-        int m_block, head, batch;
-        sched.decode(tile, m_block, head, batch);
-        const int n_end = kv_block_end(m_block * kBlockM, seqlen_q, seqlen_k);
-#pragma unroll 1
-        for (int n = 0; n < n_end; ++n, ++ring.count) {
-            const int stage = ring.stage();
-            bars.v_full[stage].wait(ring.phase());
-            vt.empty[stage].wait(ring.phase() ^ 1);
-            transpose(smem_addr(smem + kVOffset + stage * kKVBytes),
-                      smem_addr(smem + kVtOffset + stage * kVtBytes));
-            fence_proxy_async();
-            bars.v_empty[stage].arrive();
-            vt.full[stage].arrive();
-        }
+    for (RingCursor ring;; ++ring.count) {
+        const int stage = ring.stage();
+        bars.v_full[stage].wait(ring.phase());
+        if (*static_cast<volatile int*>(&bars.v_end) == ring.count) return;
+        vt.empty[stage].wait(ring.phase() ^ 1);
+        transpose(smem_addr(smem + kVOffset + stage * kKVBytes),
+                  smem_addr(smem + kVtOffset + stage * kVtBytes));
+        fence_proxy_async();
+        bars.v_empty[stage].arrive();
+        vt.full[stage].arrive();
     }
 }
 
@@ -507,7 +513,8 @@ struct Consumer {
     }
 
     // One step: S for key block n_block (ring slot `cur`), P V for the block before it (`prev`).
-    template <bool kMasked>
+    // kStaleMax: try the softmax's fast path first (STALE_MAX_FIRST builds).
+    template <bool kMasked, bool kStaleMax = false>
     __device__ __forceinline__ void step(int n_block, float (&s)[kScoreAccs][kBlockN / 2],
                                          float (&rescale)[1][2]) {
         const RingCursor prev = ring;
@@ -523,10 +530,32 @@ struct Consumer {
         wgmma_commit();
         wgmma_wait<1>();
         finish_qk(s);
-        release(bars.k_empty[ring.stage()]);
+        // K is released once no Q K^T of this block can follow.
+        if constexpr (!kStaleMax) release(bars.k_empty[ring.stage()]);
         if constexpr (kMasked) mask(s[0], n_block);
-        const bool rescale_o =
-            softmax.update(reinterpret_cast<ScoreTiles&>(s[0]), block_scale, rescale);
+        bool rescale_o = false;
+        float block_sum[1][2];
+        if (kStaleMax &&
+            named_barrier_all(kVoteBarrier + wg, 128,
+                              softmax.exp_with_stale_max(reinterpret_cast<ScoreTiles&>(s[0]),
+                                                         block_scale, block_sum))) {
+            softmax.add_block_sums(block_sum);
+        } else {
+            if constexpr (kStaleMax) {
+                // The fast path spoiled S: Q K^T again, by the whole warpgroup (hence the vote),
+                // on its own (ptxas keeps wgmmas asynchronous only if none is issued
+                // conditionally while another is in flight).
+                wgmma_wait<0>();
+                wgmma_fence();
+                issue_qk(s, ring.stage());
+                wgmma_commit();
+                wgmma_wait<0>();
+                finish_qk(s);
+                if constexpr (kMasked) mask(s[0], n_block);
+            }
+            rescale_o = softmax.update(reinterpret_cast<ScoreTiles&>(s[0]), block_scale, rescale);
+        }
+        if constexpr (kStaleMax) release(bars.k_empty[ring.stage()]);
         wgmma_wait<0>();
         wgmma_fence_operand(o);
         release(pv_empty(prev.stage()));
@@ -556,8 +585,16 @@ struct Consumer {
         int n_block = n_end - 2;
 #pragma unroll 1
         for (; n_block >= 0 && n_block >= n_first_masked; --n_block) step<true>(n_block, s, rescale);
+        if constexpr (kStaleMaxFirst) {
+            // The masked blocks and the first unmasked one go through the max pass: that is
+            // where a row max still grows (a causal row that saw few keys on the diagonal).
+            if (n_block >= 0) step<false>(n_block--, s, rescale);
 #pragma unroll 1
-        for (; n_block >= 0; --n_block) step<false>(n_block, s, rescale);
+            for (; n_block >= 0; --n_block) step<false, true>(n_block, s, rescale);
+        } else {
+#pragma unroll 1
+            for (; n_block >= 0; --n_block) step<false>(n_block, s, rescale);
+        }
         // Every Q K^T of this tile has completed: the producer may load the next tile's Q.
         release(bars.q_empty);
 
@@ -692,8 +729,9 @@ attn_fwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ T
 #pragma unroll
         for (int s = 0; s < 2; ++s) {
             bars.tile_full[s].init(1);
-            bars.tile_empty[s].init(kConsumerWarps + (kFp8 ? kTransposeWarps : 0));
+            bars.tile_empty[s].init(kConsumerWarps);
         }
+        bars.v_end = -1;
         fence_barrier_init();
     }
     __syncthreads();
@@ -705,7 +743,7 @@ attn_fwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ T
             producer(&q_map, &k_map, &v_map, smem, bars, sched, tiles, seqlen_q, seqlen_k,
                      q_per_kv);
         } else if (threadIdx.x >= 32) {
-            if constexpr (kFp8) transpose_v_tiles(smem, bars, vt, sched, tiles, seqlen_q, seqlen_k);
+            if constexpr (kFp8) transpose_v_tiles(smem, bars, vt);
         }
         return;
     }

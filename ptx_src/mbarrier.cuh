@@ -58,4 +58,19 @@ __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Whether `pred` holds in every one of the `threads` threads meeting at named barrier `id`
+// (bar.red.and.pred): a vote across warps, e.g. one warpgroup.
+__device__ __forceinline__ bool named_barrier_all(uint32_t id, uint32_t threads, bool pred) {
+    uint32_t all;
+    asm volatile(
+        "{\n"
+        ".reg .pred p, q;\n"
+        "setp.ne.u32 q, %1, 0;\n"
+        "bar.red.and.pred p, %2, %3, q;\n"
+        "selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(all) : "r"(static_cast<uint32_t>(pred)), "r"(id), "r"(threads) : "memory");
+    return all != 0;
+}
+
 }  // namespace ptxattn

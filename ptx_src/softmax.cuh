@@ -153,6 +153,49 @@ struct OnlineSoftmax {
         return move;
     }
 
+    // The common case of update(), without its max pass: probabilities exp2(c * s - m) with each
+    // row's reference max m unchanged, in place, and this thread's share of their row sums in
+    // `block_sum`. That is what update() does when no row max grew by more than kMaxGrowth,
+    // i.e. when no probability exceeds 2^kMaxGrowth; returns whether this thread can vouch for
+    // that: each of its shares is at most 2^kMaxGrowth (which a larger probability would
+    // exceed; a share may exceed it with none larger, which only costs the slow path) and its
+    // rows have a max already. If the caller's threads all vouch, it passes `block_sum` to
+    // add_block_sums(); otherwise `s` is spoiled, and the caller recomputes the raw scores and
+    // calls update(). Either way the results are bitwise those of update() alone.
+    template <int kTiles>
+    __device__ __forceinline__ bool exp_with_stale_max(float (&s)[kRowPairs][kTiles][4],
+                                                       float scale_log2,
+                                                       float (&block_sum)[kRowPairs][2]) const {
+        constexpr float kMaxGrowth = 8.0f;
+        bool holds = true;
+#pragma unroll
+        for (int r = 0; r < kRowPairs; ++r) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float m = row_max[r][h];
+#pragma unroll
+                for (int j = 0; j < kTiles; ++j) {
+#pragma unroll
+                    for (int c = 2 * h; c < 2 * h + 2; ++c) {
+                        s[r][j][c] = exp2_approx(fmaf(s[r][j][c], scale_log2, -m));
+                    }
+                }
+                block_sum[r][h] = row_reduce<kTiles>(s[r], h, Sum{});
+                holds &= block_sum[r][h] <= exp2f(kMaxGrowth) &&
+                         m != -__int_as_float(0x7f800000);
+            }
+        }
+        return holds;
+    }
+
+    __device__ __forceinline__ void add_block_sums(const float (&block_sum)[kRowPairs][2]) {
+#pragma unroll
+        for (int r = 0; r < kRowPairs; ++r) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) row_sum[r][h] += block_sum[r][h];
+        }
+    }
+
     // Completes the row sums across the quad. Returns per owned row the factor that normalises
     // the output (0 for a row that saw no key, so it comes out as zeros) and the log-sum-exp of
     // the scaled scores in natural-log units (-inf for such a row).

@@ -48,18 +48,23 @@ class Schedule:
     consumers: consumer warpgroups, 64 query rows each (block_m = 64 * consumers). Three leave
       each warpgroup's softmax two others' GEMMs to hide under, where the GEMMs are short next
       to the softmax (head_dim 64), at 160 registers per consumer thread instead of 240.
+    stale_max_first: after the first unmasked key block of a tile, the softmax first tries
+      keeping the row maxima (no max pass; softmax.cuh), falling back to Q K^T again and the
+      max pass for a block where a max grew by more than 2^8; the results are the same bits.
     """
     block_n: int
     stages: int
     persistent: bool
     l2_sections: bool
     consumers: int = 2
+    stale_max_first: bool = False
 
 
 SCHEDULES = {
-    (64, False): Schedule(128, 2, persistent=True, l2_sections=False, consumers=3),
+    (64, False): Schedule(128, 2, persistent=True, l2_sections=False, consumers=3,
+                          stale_max_first=True),
     (64, True): Schedule(128, 2, persistent=True, l2_sections=True, consumers=3),
-    (128, False): Schedule(128, 2, persistent=True, l2_sections=False),
+    (128, False): Schedule(128, 2, persistent=True, l2_sections=False, stale_max_first=True),
     (128, True): Schedule(128, 2, persistent=True, l2_sections=False),
     (256, False): Schedule(64, 2, persistent=True, l2_sections=False),
     (256, True): Schedule(64, 2, persistent=True, l2_sections=False),
@@ -68,9 +73,10 @@ SCHEDULES = {
 # FP8: block_n is 64 or a multiple of 32 from 128 (V is transposed into regions of 128 keys).
 # Shared memory: (128 + 2 * stages * block_n) * head_dim bytes for Q, K, V plus the Vt ring.
 SCHEDULES_FP8 = {  # from scripts/check_fp8.py --sweep and its throughput table on an H100
-    (64, False): Schedule(128, 3, persistent=True, l2_sections=False, consumers=3),
+    (64, False): Schedule(128, 3, persistent=True, l2_sections=False, consumers=3,
+                          stale_max_first=True),
     (64, True): Schedule(128, 3, persistent=True, l2_sections=True, consumers=3),
-    (128, False): Schedule(128, 2, persistent=True, l2_sections=False),
+    (128, False): Schedule(192, 2, persistent=True, l2_sections=False, stale_max_first=True),
     (128, True): Schedule(128, 2, persistent=True, l2_sections=False),
     (256, False): Schedule(64, 3, persistent=True, l2_sections=False),
     (256, True): Schedule(64, 3, persistent=False, l2_sections=False),
@@ -93,33 +99,38 @@ def _smem_bytes(head_dim: int, block_n: int, stages: int, fp8: bool = False,
     if fp8:  # Q, K, V, and V transposed in regions of up to 128 keys; two more barriers a stage
         vt_bytes = -(-block_n // 128) * head_dim * min(block_n, 128)
         tiles = (block_m + 2 * stages * block_n) * head_dim + stages * vt_bytes
-        barriers = 8 * (2 + 6 * stages) + 40
+        barriers = 8 * (2 + 6 * stages) + 48
     else:
         tiles = (block_m + 2 * stages * block_n) * head_dim * 2
-        barriers = 8 * (2 + 4 * stages) + 40  # + the dynamic tile order's mailbox
+        barriers = 8 * (2 + 4 * stages) + 48  # + the tile mailbox and v_end
     return tiles + out + barriers + 1024  # + alignment of the base to the 1024-byte swizzle atom
 
 
 def spec(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | None = None,
-         out_dtype: str = "bfloat16", consumers: int | None = None) -> runtime.KernelSpec:
+         out_dtype: str = "bfloat16", consumers: int | None = None,
+         stale_max_first: bool | None = None) -> runtime.KernelSpec:
     """The kernel variant for inputs of ``dtype`` (bfloat16, float16 or float8_e4m3fn; FP8
     writes ``out_dtype``, 16-bit inputs their own type)."""
     fp8 = dtype == FP8
     schedule = (SCHEDULES_FP8 if fp8 else SCHEDULES)[head_dim, causal]
     block_n, stages = tiles or (schedule.block_n, schedule.stages)
     consumers = consumers or schedule.consumers
+    if stale_max_first is None:
+        stale_max_first = schedule.stale_max_first
     out = out_dtype if fp8 else dtype
     # The output goes through shared memory and a TMA store where there is room for it.
     staged_out = (_smem_bytes(head_dim, block_n, stages, fp8, True, consumers) <= SMEM_LIMIT)
     smem = _smem_bytes(head_dim, block_n, stages, fp8, staged_out, consumers)
     return runtime.KernelSpec(
         name=(f"fwd_sm90_{'e4m3_' + out if fp8 else dtype}_d{head_dim}_n{block_n}_s{stages}"
-              f"{'_c3' if consumers == 3 else ''}{'_causal' if causal else ''}"),
+              f"{'_c3' if consumers == 3 else ''}{'_smf' if stale_max_first else ''}"
+              f"{'_causal' if causal else ''}"),
         source="fwd_sm90.cu",
         entry="attn_fwd_sm90",
         defines={"HEAD_DIM": head_dim, "BLOCK_N": block_n, "STAGES": stages,
                  "IS_FP8": int(fp8), "IS_BF16": DTYPES[out], "IS_CAUSAL": int(causal),
-                 "CONSUMERS": consumers, "STAGED_OUT": int(staged_out), "SMEM_BYTES": smem},
+                 "CONSUMERS": consumers, "STALE_MAX_FIRST": int(stale_max_first),
+                 "STAGED_OUT": int(staged_out), "SMEM_BYTES": smem},
         smem_bytes=smem,
         archs=ARCHS,
     )
@@ -186,7 +197,7 @@ def launcher(q, k, v, out, lse, *, causal: bool, softmax_scale: float, descales=
              **overrides) -> Callable[[], None]:
     """Everything forward() does except the launch itself, which the returned callable performs
     (benchmarks time that alone). ``overrides`` (``tiles``: keys per tile and stages,
-    ``consumers``, ``sections``, ``persistent``, ``grid_blocks``: blocks taking tiles) replace
+    ``consumers``, ``stale_max_first``, ``sections``, ``persistent``, ``grid_blocks``: blocks taking tiles) replace
     the tuned defaults, for tests and benchmarks. With ``descales`` (the (q, k, v)
     ``ptxattn.fp8.Descale`` operands) q, k and v are uint8 arrays of e4m3 bytes and the FP8
     kernel runs. Launches are prepared once per set of arrays, arguments and stream."""
@@ -205,7 +216,8 @@ def launcher(q, k, v, out, lse, *, causal: bool, softmax_scale: float, descales=
 def _prepare(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
              tiles: tuple[int, int] | None = None, sections: int | None = None,
              persistent: bool | None = None, grid_blocks: int | None = None, descales=None,
-             consumers: int | None = None) -> runtime.PreparedLaunch:
+             consumers: int | None = None,
+             stale_max_first: bool | None = None) -> runtime.PreparedLaunch:
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     fp8 = descales is not None
@@ -216,7 +228,8 @@ def _prepare(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
             raise ValueError(f"k descales that vary per 128 keys need keys per tile dividing 128, "
                              f"got {tiles[0]}")
     kernel_spec = spec(FP8 if fp8 else str(q.dtype), head_dim, causal, tiles,
-                       out_dtype=str(out.dtype), consumers=consumers)
+                       out_dtype=str(out.dtype), consumers=consumers,
+                       stale_max_first=stale_max_first)
     block_n = kernel_spec.defines["BLOCK_N"]
     block_m = ROWS_PER_CONSUMER * kernel_spec.defines["CONSUMERS"]
     kernel = runtime.load(kernel_spec)

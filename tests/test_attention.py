@@ -10,6 +10,8 @@ import math
 import numpy as np
 import pytest
 
+from inputs import growing_keys
+
 pytestmark = pytest.mark.gpu
 
 BACKENDS = ("portable", "hopper")
@@ -186,6 +188,37 @@ def test_hopper_dynamic_tile_order_matches_one_block_per_tile(head_dim, rng):
         assert bool(cupy.array_equal(lse, results[0][1])), "LSE differs from static order"
     assert hopper._tile_counter(q.device.id).get().tolist() == [0, 0]
     _assert_close(q, k, v, *results[0], causal=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim, consumers", [(64, 3), (128, 2)])
+@pytest.mark.parametrize("seqlens", [(17, 17), (300, 457), (1000, 1000), (1000, 300)],
+                         ids=lambda p: f"{p[0]}x{p[1]}")
+@pytest.mark.parametrize("keys", ["normal", "growing"])
+def test_hopper_stale_max_fast_path_matches_the_max_pass(causal, head_dim, consumers, seqlens,
+                                                         keys, rng):
+    """The softmax's fast path (keep the row maxima, check the probabilities' sums) with its
+    slow path (Q K^T again, then the max pass) gives bitwise the results of the max pass alone."""
+    import cupy
+
+    hopper = _module("hopper")
+    seqlen_q, seqlen_k = seqlens
+    q = _random((2, seqlen_q, 4, head_dim), "bfloat16", rng)
+    k = _random((2, seqlen_k, 2, head_dim), "bfloat16", rng)
+    v = _random((2, seqlen_k, 2, head_dim), "bfloat16", rng)
+    if keys == "growing":
+        k = growing_keys(k)
+    results = []
+    for fast in (False, True):
+        out = cupy.full(q.shape, cupy.nan, dtype=q.dtype)
+        lse = cupy.full((2, 4, seqlen_q), cupy.nan, dtype=cupy.float32)
+        hopper.forward(q, k, v, out, lse, causal=causal, softmax_scale=head_dim ** -0.5,
+                       tiles=(128, 2), consumers=consumers, stale_max_first=fast)
+        results.append((out, lse))
+    (plain_out, plain_lse), (fast_out, fast_lse) = results
+    assert bool(cupy.array_equal(fast_out, plain_out)), "output differs from the max pass"
+    assert bool(cupy.array_equal(fast_lse, plain_lse)), "LSE differs from the max pass"
+    _assert_close(q, k, v, fast_out, fast_lse, causal=causal)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import meta_array
+from inputs import growing_keys
 from ptxattn import fp8, runtime
 
 
@@ -383,6 +384,43 @@ def test_scalar_descales_strided_inputs_and_output(rng):
                            softmax_scale=0.3)
     _assert_close(q8, k8, v8, descales, out, lse, causal=True, softmax_scale=0.3)
     assert bool(cupy.isnan(big_out[:, :, 0::2]).all()), "wrote outside the out view"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim, tiles, consumers",
+                         [(64, (128, 3), 3), (128, (192, 2), 2), (256, (64, 3), 2)])
+@pytest.mark.parametrize("seqlens", [(17, 17), (300, 457), (1000, 1000)],
+                         ids=lambda p: f"{p[0]}x{p[1]}")
+@pytest.mark.parametrize("keys", ["normal", "growing"])
+def test_stale_max_fast_path_matches_the_max_pass(causal, head_dim, tiles, consumers, seqlens,
+                                                  keys, rng):
+    """The softmax's fast path (row maxima kept while no probability exceeds 2^8) and its slow
+    path (Q K^T again, then the max pass) give bitwise the results of the max pass alone."""
+    import cupy
+    from ptxattn import hopper
+    seqlen_q, seqlen_k = seqlens
+    q = _random((2, seqlen_q, 4, head_dim), "bfloat16", rng)
+    k = _random((2, seqlen_k, 2, head_dim), "bfloat16", rng)
+    v = _random((2, seqlen_k, 2, head_dim), "bfloat16", rng)
+    if keys == "growing":
+        k = growing_keys(k)
+    q8, k8, v8, descales = fp8.quantize_qkv(q, k, v, "head")
+    operands = tuple(fp8.descale_operand(descales[f"{n}_descale"], 2, heads, seqlen)
+                     for n, heads, seqlen in (("q", 4, seqlen_q), ("k", 2, seqlen_k),
+                                              ("v", 2, seqlen_k)))
+    results = []
+    for fast in (False, True):
+        out = cupy.full(q8.shape, cupy.nan, dtype="bfloat16")
+        lse = cupy.full((2, 4, seqlen_q), cupy.nan, dtype=cupy.float32)
+        hopper.forward_fp8(q8.bytes, k8.bytes, v8.bytes, out, lse, operands, causal=causal,
+                           softmax_scale=head_dim ** -0.5, tiles=tiles, consumers=consumers,
+                           stale_max_first=fast)
+        results.append((out, lse))
+    (plain_out, plain_lse), (fast_out, fast_lse) = results
+    assert bool(cupy.array_equal(fast_out, plain_out)), "output differs from the max pass"
+    assert bool(cupy.array_equal(fast_lse, plain_lse)), "LSE differs from the max pass"
+    _assert_close(q8, k8, v8, descales, fast_out, fast_lse, causal=causal)
 
 
 @pytest.mark.gpu
