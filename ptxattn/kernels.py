@@ -2,8 +2,10 @@
 
     python -m ptxattn.kernels --arch sm_90a [--json]
 
-Needs no GPU. Exits non-zero if any variant fails to compile, spills registers, or needs more
-shared memory than one block may have on that architecture.
+Needs no GPU. Exits non-zero if any variant fails to compile, spills registers, needs more
+shared memory than one block may have on that architecture, or has its wgmmas serialized by
+ptxas (which it does, silently but for a log line, when it cannot prove a kernel's
+asynchronous wgmmas safe: the kernel then runs far slower).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from . import runtime
 FAMILY_MODULES = ("ptxattn.portable", "ptxattn.hopper", "ptxattn.fp8", "ptxattn.blockscaled",
                   "ptxattn.quant")
 ARCHS = ("sm_80", "sm_90a", "sm_120a")
+# ptxas's info line (C7510-C7520) when it makes every wgmma of a kernel wait for the previous.
+WGMMA_SERIALIZED = "wgmma.mma_async instructions are serialized"
 
 
 def all_variants(arch: str) -> list[runtime.KernelSpec]:
@@ -33,7 +37,8 @@ def _row(spec: runtime.KernelSpec, arch: str) -> dict:
     try:
         compiled = runtime.compile(spec, arch)
         return {"name": spec.name, "arch": arch, "registers": compiled.reported().registers,
-                "spill_bytes": compiled.spill_bytes, "smem_bytes": compiled.smem_bytes}
+                "spill_bytes": compiled.spill_bytes, "smem_bytes": compiled.smem_bytes,
+                "wgmma_serialized": WGMMA_SERIALIZED in compiled.log}
     except runtime.CompileError as err:
         return {"name": spec.name, "arch": arch, "error": err.log}
     except runtime.PtxattnError as err:  # compiled, but this NVRTC gave no ptxas report
@@ -49,6 +54,8 @@ def _problems(row: dict) -> list[str]:
     limit = runtime.SMEM_LIMIT_BYTES[row["arch"]]
     if row["smem_bytes"] > limit:
         found.append(f"needs {row['smem_bytes']} bytes of shared memory, over {limit}")
+    if row["wgmma_serialized"]:
+        found.append("ptxas serialized its wgmmas (see the ptxas log)")
     return found
 
 

@@ -18,8 +18,10 @@ def test_every_variant_compiles_without_spills_within_smem(arch, capsys):
     assert status == 0, [row for row in rows if "error" in row or row["spill_bytes"]]
     assert rows, f"no variants for {arch}"
     for row in rows:
-        assert set(row) == {"name", "arch", "registers", "spill_bytes", "smem_bytes"}
+        assert set(row) == {"name", "arch", "registers", "spill_bytes", "smem_bytes",
+                            "wgmma_serialized"}
         assert row["spill_bytes"] == 0
+        assert not row["wgmma_serialized"]
         assert row["smem_bytes"] <= runtime.SMEM_LIMIT_BYTES[arch]
     names = [row["name"] for row in rows]
     assert any(n.startswith("fwd_mma_sync") for n in names), "portable kernel missing"
@@ -37,6 +39,19 @@ def test_cli_fails_on_a_spilling_variant(monkeypatch, capsys):
         runtime.KernelSpec("spills", "tma_copy_probe.cu", "tma_copy_probe", archs=(arch,))])
     assert kernels.main(["--arch", "sm_90a", "--jobs", "0"]) == 1
     assert "FAIL spills (sm_90a): spills 128 bytes" in capsys.readouterr().err
+
+
+def test_cli_fails_on_serialized_wgmmas(monkeypatch, capsys):
+    report = runtime.PtxasReport(168, 0, 0, 0, 0)
+    log = ("ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are "
+           "serialized due to non wgmma instructions defining accumulator registers of a wgmma "
+           "between start and end of the pipeline stage in the function 'k'")
+    monkeypatch.setattr(runtime, "compile", lambda spec, arch: runtime.CompiledKernel(
+        spec, arch, b"", report, log))
+    monkeypatch.setattr(kernels, "all_variants", lambda arch: [
+        runtime.KernelSpec("serial", "tma_copy_probe.cu", "tma_copy_probe", archs=(arch,))])
+    assert kernels.main(["--arch", "sm_90a", "--jobs", "0"]) == 1
+    assert "FAIL serial (sm_90a): ptxas serialized its wgmmas" in capsys.readouterr().err
 
 
 def test_cli_fails_over_the_shared_memory_limit(monkeypatch, capsys):
