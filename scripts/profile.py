@@ -75,14 +75,18 @@ def _quantized_once(quantize, attend):
 
 
 def fp8_runners(arch: str) -> dict:
-    """FP8 e4m3 attention (per-block q/k scales, per-head v scales), bf16 output."""
+    """FP8 e4m3 attention, bf16 output: ptxattn-fp8 with per-block q/k scales (per 128 rows;
+    key tiles must then divide 128), ptxattn-fp8-head with per-(batch, head) scales (the
+    kernel's own tile sizes)."""
     from ptxattn import fp8
 
     if arch not in fp8.ARCHS:
         return {}
-    return {"ptxattn-fp8": (fp8.HEAD_DIMS, None, _quantized_once(
-        lambda q, k, v: fp8.quantize_qkv(q, k, v, granularity="block"),
-        lambda qkv, causal: fp8.attention(*qkv[:3], **qkv[3], causal=causal)))}
+    return {name: (fp8.HEAD_DIMS, None, _quantized_once(
+        lambda q, k, v, granularity=granularity: fp8.quantize_qkv(q, k, v,
+                                                                  granularity=granularity),
+        lambda qkv, causal: fp8.attention(*qkv[:3], **qkv[3], causal=causal)))
+        for name, granularity in (("ptxattn-fp8", "block"), ("ptxattn-fp8-head", "head"))}
 
 
 def blockscaled_runners(arch: str, emulated_max_seqlen: int) -> tuple[dict, list[str]]:
