@@ -44,8 +44,9 @@
 // 16; FP8: of 32), STAGES (K/V ring depth), IS_FP8 (1: e4m3 inputs), IS_BF16 (1: bfloat16,
 // 0: float16; the inputs' type, or with FP8 the output's), IS_CAUSAL, CONSUMERS (consumer
 // warpgroups, 2 or 3), STAGED_OUT (1: the output goes through shared memory and a TMA store),
-// SMEM_BYTES (the dynamic shared memory the launcher requests, checked against the layout
-// below).
+// STALE_MAX_FIRST (1: past a tile's masked blocks and its first unmasked one, the softmax first
+// keeps the row maxima and skips its max pass, see Consumer::step), SMEM_BYTES (the dynamic
+// shared memory the launcher requests, checked against the layout below).
 //
 // Global layouts: q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D), read through 4-d tensor maps with
 // coordinates (d, head, row, batch) and a box of one swizzle span of columns (128 bytes, or the
