@@ -197,10 +197,10 @@ def launcher(q, k, v, out, lse, *, causal: bool, softmax_scale: float, descales=
              **overrides) -> Callable[[], None]:
     """Everything forward() does except the launch itself, which the returned callable performs
     (benchmarks time that alone). ``overrides`` (``tiles``: keys per tile and stages,
-    ``consumers``, ``stale_max_first``, ``sections``, ``persistent``, ``grid_blocks``: blocks taking tiles) replace
-    the tuned defaults, for tests and benchmarks. With ``descales`` (the (q, k, v)
-    ``ptxattn.fp8.Descale`` operands) q, k and v are uint8 arrays of e4m3 bytes and the FP8
-    kernel runs. Launches are prepared once per set of arrays, arguments and stream."""
+    ``consumers``, ``stale_max_first``, ``sections``, ``persistent``, ``grid_blocks``: blocks
+    taking tiles) replace the tuned defaults, for tests and benchmarks. With ``descales`` (the
+    (q, k, v) ``ptxattn.fp8.Descale`` operands) q, k and v are uint8 arrays of e4m3 bytes and the
+    FP8 kernel runs. Launches are prepared once per set of arrays, arguments and stream."""
     import cupy
 
     key = (tuple(runtime.array_key(x) for x in (q, k, v, out, lse)), causal, softmax_scale,

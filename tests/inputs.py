@@ -9,3 +9,18 @@ def growing_keys(k, ramp_height: float = 12.0):
     seqlen = k.shape[1]
     ramp = 1 + ramp_height * (1 - cupy.arange(seqlen, dtype=cupy.float32) / seqlen)
     return (k.astype(cupy.float32) * ramp[None, :, None, None]).astype(k.dtype)
+
+
+def grouped_qkv(seqlen_q: int, seqlen_k: int, head_dim: int, keys: str, rng):
+    """bf16 q (2, seqlen_q, 4, head_dim), k and v (2, seqlen_k, 2, head_dim) of standard normal
+    values; keys "growing" passes k through growing_keys()."""
+    import cupy
+    import numpy as np
+
+    def normal(shape):
+        return cupy.asarray(rng.standard_normal(shape, dtype=np.float32)).astype("bfloat16")
+
+    q = normal((2, seqlen_q, 4, head_dim))
+    k = normal((2, seqlen_k, 2, head_dim))
+    v = normal((2, seqlen_k, 2, head_dim))
+    return q, growing_keys(k) if keys == "growing" else k, v

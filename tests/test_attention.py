@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from inputs import growing_keys
+from inputs import grouped_qkv
 
 pytestmark = pytest.mark.gpu
 
@@ -203,11 +203,7 @@ def test_hopper_stale_max_fast_path_matches_the_max_pass(causal, head_dim, consu
 
     hopper = _module("hopper")
     seqlen_q, seqlen_k = seqlens
-    q = _random((2, seqlen_q, 4, head_dim), "bfloat16", rng)
-    k = _random((2, seqlen_k, 2, head_dim), "bfloat16", rng)
-    v = _random((2, seqlen_k, 2, head_dim), "bfloat16", rng)
-    if keys == "growing":
-        k = growing_keys(k)
+    q, k, v = grouped_qkv(seqlen_q, seqlen_k, head_dim, keys, rng)
     results = []
     for fast in (False, True):
         out = cupy.full(q.shape, cupy.nan, dtype=q.dtype)

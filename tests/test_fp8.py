@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import meta_array
-from inputs import growing_keys
+from inputs import grouped_qkv
 from ptxattn import fp8, runtime
 
 
@@ -400,11 +400,7 @@ def test_stale_max_fast_path_matches_the_max_pass(causal, head_dim, tiles, consu
     import cupy
     from ptxattn import hopper
     seqlen_q, seqlen_k = seqlens
-    q = _random((2, seqlen_q, 4, head_dim), "bfloat16", rng)
-    k = _random((2, seqlen_k, 2, head_dim), "bfloat16", rng)
-    v = _random((2, seqlen_k, 2, head_dim), "bfloat16", rng)
-    if keys == "growing":
-        k = growing_keys(k)
+    q, k, v = grouped_qkv(seqlen_q, seqlen_k, head_dim, keys, rng)
     q8, k8, v8, descales = fp8.quantize_qkv(q, k, v, "head")
     operands = tuple(fp8.descale_operand(descales[f"{n}_descale"], 2, heads, seqlen)
                      for n, heads, seqlen in (("q", 4, seqlen_q), ("k", 2, seqlen_k),
