@@ -151,7 +151,7 @@ static_assert(kVtBarrierOffset + (kFp8 ? sizeof(VtBarriers) : 0) + kSwizzleAtomB
 // output tile.
 constexpr uint32_t kEpilogueBarrier = 1;
 // STALE_MAX_FIRST: per consumer warpgroup, the vote on whether a key block keeps the row maxima.
-constexpr uint32_t kVoteBarrier = kEpilogueBarrier + 3;
+constexpr uint32_t kVoteBarrier = kEpilogueBarrier + kConsumers;
 
 // Key blocks a tile of query rows [m0, m0 + kBlockM) attends to: [0, end).
 __device__ __forceinline__ int kv_block_end(int m0, int seqlen_q, int seqlen_k) {
@@ -518,6 +518,7 @@ struct Consumer {
     template <bool kMasked, bool kStaleMax = false>
     __device__ __forceinline__ void step(int n_block, float (&s)[kScoreAccs][kBlockN / 2],
                                          float (&rescale)[1][2]) {
+        static_assert(!(kMasked && kStaleMax), "masked blocks take the max pass");
         const RingCursor prev = ring;
         ++ring.count;
         const float block_scale = block_scale_log2(n_block);
@@ -552,7 +553,6 @@ struct Consumer {
                 wgmma_commit();
                 wgmma_wait<0>();
                 finish_qk(s);
-                if constexpr (kMasked) mask(s[0], n_block);
             }
             rescale_o = softmax.update(reinterpret_cast<ScoreTiles&>(s[0]), block_scale, rescale);
         }

@@ -95,6 +95,20 @@ struct OnlineSoftmax {
         return max == -__int_as_float(0x7f800000) ? 0.0f : max;
     }
 
+    // Overwrites this thread's scores of row h with exp2(c * s - m); returns their sum.
+    template <int kTiles>
+    __device__ __forceinline__ static float exp_row(float (&s)[kTiles][4], int h,
+                                                    float scale_log2, float m) {
+#pragma unroll
+        for (int j = 0; j < kTiles; ++j) {
+#pragma unroll
+            for (int c = 2 * h; c < 2 * h + 2; ++c) {
+                s[j][c] = exp2_approx(fmaf(s[j][c], scale_log2, -m));
+            }
+        }
+        return row_reduce<kTiles>(s, h, Sum{});
+    }
+
     __device__ __forceinline__ void init() {
 #pragma unroll
         for (int r = 0; r < kRowPairs; ++r) {
@@ -137,15 +151,7 @@ struct OnlineSoftmax {
                     rescale[r][h] = exp2_approx(row_max[r][h] - bias(new_max));
                     row_max[r][h] = new_max;
                 }
-                const float m = bias(row_max[r][h]);
-#pragma unroll
-                for (int j = 0; j < kTiles; ++j) {
-#pragma unroll
-                    for (int c = 2 * h; c < 2 * h + 2; ++c) {
-                        s[r][j][c] = exp2_approx(fmaf(s[r][j][c], scale_log2, -m));
-                    }
-                }
-                const float block_sum = row_reduce<kTiles>(s[r], h, Sum{});
+                const float block_sum = exp_row<kTiles>(s[r], h, scale_log2, bias(row_max[r][h]));
                 row_sum[r][h] = move ? fmaf(row_sum[r][h], rescale[r][h], block_sum)
                                      : row_sum[r][h] + block_sum;
             }
@@ -173,14 +179,7 @@ struct OnlineSoftmax {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const float m = row_max[r][h];
-#pragma unroll
-                for (int j = 0; j < kTiles; ++j) {
-#pragma unroll
-                    for (int c = 2 * h; c < 2 * h + 2; ++c) {
-                        s[r][j][c] = exp2_approx(fmaf(s[r][j][c], scale_log2, -m));
-                    }
-                }
-                block_sum[r][h] = row_reduce<kTiles>(s[r], h, Sum{});
+                block_sum[r][h] = exp_row<kTiles>(s[r], h, scale_log2, m);
                 holds &= block_sum[r][h] <= exp2f(kMaxGrowth) &&
                          m != -__int_as_float(0x7f800000);
             }

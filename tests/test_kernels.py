@@ -31,35 +31,32 @@ def test_every_variant_compiles_without_spills_within_smem(arch, capsys):
         assert any(n.startswith("blockscaled") and "native" in n for n in names)
 
 
-def test_cli_fails_on_a_spilling_variant(monkeypatch, capsys):
-    spilling = runtime.PtxasReport(255, 64, 64, 0, 64)
+def _cli_on_one_variant(monkeypatch, spec, report, log="", arch="sm_90a") -> int:
+    """kernels.main on `spec` alone, compiled to the given ptxas report and log."""
     monkeypatch.setattr(runtime, "compile", lambda spec, arch: runtime.CompiledKernel(
-        spec, arch, b"", spilling, ""))
-    monkeypatch.setattr(kernels, "all_variants", lambda arch: [
-        runtime.KernelSpec("spills", "tma_copy_probe.cu", "tma_copy_probe", archs=(arch,))])
-    assert kernels.main(["--arch", "sm_90a", "--jobs", "0"]) == 1
+        spec, arch, b"", report, log))
+    monkeypatch.setattr(kernels, "all_variants", lambda arch: [spec])
+    return kernels.main(["--arch", arch, "--jobs", "0"])
+
+
+def test_cli_fails_on_a_spilling_variant(monkeypatch, capsys):
+    spec = runtime.KernelSpec("spills", "tma_copy_probe.cu", "tma_copy_probe", archs=("sm_90a",))
+    assert _cli_on_one_variant(monkeypatch, spec, runtime.PtxasReport(255, 64, 64, 0, 64)) == 1
     assert "FAIL spills (sm_90a): spills 128 bytes" in capsys.readouterr().err
 
 
 def test_cli_fails_on_serialized_wgmmas(monkeypatch, capsys):
-    report = runtime.PtxasReport(168, 0, 0, 0, 0)
     log = ("ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are "
            "serialized due to non wgmma instructions defining accumulator registers of a wgmma "
            "between start and end of the pipeline stage in the function 'k'")
-    monkeypatch.setattr(runtime, "compile", lambda spec, arch: runtime.CompiledKernel(
-        spec, arch, b"", report, log))
-    monkeypatch.setattr(kernels, "all_variants", lambda arch: [
-        runtime.KernelSpec("serial", "tma_copy_probe.cu", "tma_copy_probe", archs=(arch,))])
-    assert kernels.main(["--arch", "sm_90a", "--jobs", "0"]) == 1
+    spec = runtime.KernelSpec("serial", "tma_copy_probe.cu", "tma_copy_probe", archs=("sm_90a",))
+    assert _cli_on_one_variant(monkeypatch, spec, runtime.PtxasReport(168, 0, 0, 0, 0), log) == 1
     assert "FAIL serial (sm_90a): ptxas serialized its wgmmas" in capsys.readouterr().err
 
 
 def test_cli_fails_over_the_shared_memory_limit(monkeypatch, capsys):
-    report = runtime.PtxasReport(64, 0, 0, 0, 0)
-    monkeypatch.setattr(runtime, "compile", lambda spec, arch: runtime.CompiledKernel(
-        spec, arch, b"", report, ""))
-    monkeypatch.setattr(kernels, "all_variants", lambda arch: [
-        runtime.KernelSpec("huge", "tma_copy_probe.cu", "tma_copy_probe", smem_bytes=100 * 1024,
-                           archs=(arch,))])
-    assert kernels.main(["--arch", "sm_120a", "--jobs", "0"]) == 1
+    spec = runtime.KernelSpec("huge", "tma_copy_probe.cu", "tma_copy_probe",
+                              smem_bytes=100 * 1024, archs=("sm_120a",))
+    assert _cli_on_one_variant(monkeypatch, spec, runtime.PtxasReport(64, 0, 0, 0, 0),
+                               arch="sm_120a") == 1
     assert "over 101376" in capsys.readouterr().err
