@@ -144,14 +144,7 @@ __device__ __forceinline__ LaneAddr v_frag_lane(int lane) { return a_frag_lane(l
 __device__ __forceinline__ void gemm_qk(float (&s)[kMTiles][kSTiles][4], uint32_t q_tile,
                                         uint32_t k_tile, int warp_row,
                                         const LaneAddr& q_lane, const LaneAddr& k_lane) {
-#pragma unroll
-    for (int m = 0; m < kMTiles; ++m) {
-#pragma unroll
-        for (int j = 0; j < kSTiles; ++j) {
-#pragma unroll
-            for (int c = 0; c < 4; ++c) s[m][j][c] = 0.0f;
-        }
-    }
+    zero_fill(s);
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
         uint32_t a[kMTiles][4];
@@ -288,14 +281,7 @@ fwd_mma_sync(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
     const LaneAddr v_lane = v_frag_lane(lane);
 
     float o[kMTiles][kOTiles][4];
-#pragma unroll
-    for (int m = 0; m < kMTiles; ++m) {
-#pragma unroll
-        for (int j = 0; j < kOTiles; ++j) {
-#pragma unroll
-            for (int c = 0; c < 4; ++c) o[m][j][c] = 0.0f;
-        }
-    }
+    zero_fill(o);
     OnlineSoftmax<kMTiles> softmax;
     softmax.init();
 

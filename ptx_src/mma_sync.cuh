@@ -77,6 +77,19 @@ __device__ __forceinline__ void mma_m16n16k16(float (&d0)[4], float (&d1)[4],
     mma_m16n8k16<kBf16>(d1, a, b_hi);
 }
 
+// Zeroes an accumulator of kMTiles x kNTiles C/D fragments (before its first mma).
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void zero_fill(float (&acc)[kMTiles][kNTiles][4]) {
+#pragma unroll
+    for (int m = 0; m < kMTiles; ++m) {
+#pragma unroll
+        for (int j = 0; j < kNTiles; ++j) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[m][j][c] = 0.0f;
+        }
+    }
+}
+
 // Packs two floats into one b32 of 16-bit values, `lo` in the low half (the lower column):
 // cvt.rn.{bf16x2,f16x2}.f32 d, hi, lo.
 template <bool kBf16>

@@ -77,7 +77,7 @@ SCHEDULES_FP8 = {  # from scripts/check_fp8.py --sweep and its throughput table 
                           stale_max_first=True),
     (64, True): Schedule(128, 3, persistent=True, l2_sections=True, consumers=3),
     (128, False): Schedule(192, 2, persistent=True, l2_sections=False, stale_max_first=True),
-    (128, True): Schedule(128, 2, persistent=True, l2_sections=False),
+    (128, True): Schedule(192, 2, persistent=True, l2_sections=False),
     (256, False): Schedule(64, 3, persistent=True, l2_sections=False),
     (256, True): Schedule(64, 3, persistent=False, l2_sections=False),
 }
