@@ -171,60 +171,9 @@ __device__ __forceinline__ void pv_tiles(float (&o)[kOTiles][4], const uint32_t 
     }
 }
 
-// Online softmax of the warp's rows g and g+8 (h = 0, 1) with an exact running max, so that
-// probabilities stay in (0, 1] for their e4m3 requantization (softmax.cuh's OnlineSoftmax lets
-// them grow to 2^8 to skip rescales, which would cost P 8 bits of its range). The max is kept
-// scaled (log2 units, -inf before any key); a row that has only seen masked keys subtracts 0.
-struct RowSoftmax {
-    float max[2];
-    float sum[2];  // this thread's share of the row sum
-
-    __device__ __forceinline__ void init() {
-        max[0] = max[1] = -__int_as_float(0x7f800000);
-        sum[0] = sum[1] = 0.0f;
-    }
-
-    // Overwrites raw scores with exp2(c s - m) and returns per row the factor by which the output
-    // accumulated so far must be multiplied.
-    __device__ __forceinline__ void update(float (&s)[kSTiles][4], float scale_log2,
-                                           float (&rescale)[2]) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float block_max = s[0][2 * h];
-#pragma unroll
-            for (int j = 0; j < kSTiles; ++j) {
-                block_max = fmaxf(block_max, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
-            }
-            const float new_max = fmaxf(max[h], quad_max(block_max) * scale_log2);
-            const float bias = new_max == -__int_as_float(0x7f800000) ? 0.0f : new_max;
-            rescale[h] = exp2_approx(max[h] - bias);
-            max[h] = new_max;
-            float block_sum = 0.0f;
-#pragma unroll
-            for (int j = 0; j < kSTiles; ++j) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    s[j][2 * h + e] = exp2_approx(fmaf(s[j][2 * h + e], scale_log2, -bias));
-                    block_sum += s[j][2 * h + e];
-                }
-            }
-            sum[h] = fmaf(sum[h], rescale[h], block_sum);
-        }
-    }
-
-    // Per row: the factor normalising the output (0 for a row that saw no key) and the natural
-    // log of the row sum of exp(softmax_scale * q.k) (-inf for such a row).
-    __device__ __forceinline__ void finalize(float (&inv_sum)[2], float (&lse)[2]) const {
-        constexpr float kLn2 = 0.693147180559945309f;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const float total = quad_sum(sum[h]);
-            const bool seen = total > 0.0f;
-            inv_sum[h] = seen ? 1.0f / total : 0.0f;
-            lse[h] = seen ? (max[h] + log2f(total)) * kLn2 : -__int_as_float(0x7f800000);
-        }
-    }
-};
+// Online softmax of the warp's rows g and g+8 with an exact running max (softmax.cuh with no
+// growth allowed), so that probabilities stay in (0, 1] for their e4m3 requantization.
+using RowSoftmax = OnlineSoftmax<1, 0>;
 
 // What a thread needs for every softmax step, fixed before the K/V loop.
 struct StepContext {
@@ -304,12 +253,9 @@ __device__ __forceinline__ void softmax_step(const StepContext& c, int tile, uin
         }
     }
 
-    float rescale[2];
-    softmax.update(s, c.scale_log2, rescale);
-#pragma unroll
-    for (int j = 0; j < kOTiles; ++j) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) o[j][i] *= rescale[i / 2];
+    float rescale[1][2];
+    if (softmax.update(reinterpret_cast<float(&)[1][kSTiles][4]>(s), c.scale_log2, rescale)) {
+        scale_rows(reinterpret_cast<float(&)[1][kOTiles][4]>(o), rescale);
     }
 
     // P fragment of chunk n: rows g / g+8 (h), keys 4t.. (S tiles 4n, 4n+1) and 16+4t.. (4n+2,
@@ -471,7 +417,7 @@ fwd_blockscaled(const __grid_constant__ TensorMap q_map, const __grid_constant__
         }
     }
 
-    float inv_sum[2], row_lse[2];
+    float inv_sum[1][2], row_lse[1][2];
     softmax.finalize(inv_sum, row_lse);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -481,10 +427,11 @@ fwd_blockscaled(const __grid_constant__ TensorMap q_map, const __grid_constant__
         uint32_t* dst = reinterpret_cast<uint32_t*>(out + out_row * kHeadDim + 2 * t);
 #pragma unroll
         for (int j = 0; j < kOTiles; ++j) {
-            dst[4 * j] = pack_f32x2<true>(o[j][2 * h] * inv_sum[h], o[j][2 * h + 1] * inv_sum[h]);
+            dst[4 * j] =
+                pack_f32x2<true>(o[j][2 * h] * inv_sum[0][h], o[j][2 * h + 1] * inv_sum[0][h]);
         }
         if (t == 0) {
-            lse[(static_cast<int64_t>(batch) * heads_q + head) * seqlen_q + row] = row_lse[h];
+            lse[(static_cast<int64_t>(batch) * heads_q + head) * seqlen_q + row] = row_lse[0][h];
         }
     }
 }

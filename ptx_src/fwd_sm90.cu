@@ -320,12 +320,13 @@ __device__ __forceinline__ void producer(const TensorMap* q_map, const TensorMap
 // fence.proxy.async, so the consumers' wgmmas (async proxy) see all of Vt and TMA may overwrite
 // V as soon as all reads are done.
 constexpr int kTransposeWarps = 3;
-// 16-bit builds never call it; a legal shape keeps their (unused) instantiation compiling.
-using VTranspose = TransposeE4m3<kFp8 ? kBlockN : 64, kHeadDim, kSlabRowBytes,
-                                 kFp8 ? kVtRowBytes : 64>;
 
+// A template (instantiated with kKeys = BLOCK_N) so that 16-bit builds, which never call it,
+// never instantiate the transposer, whose tile shape they need not satisfy.
+template <int kKeys>
 __device__ __forceinline__ void transpose_v_tiles(uint8_t* smem, Barriers& bars, VtBarriers& vt) {
-    const VTranspose transpose(threadIdx.x / 32 - 1, kTransposeWarps, threadIdx.x % 32);
+    const TransposeE4m3<kKeys, kHeadDim, kSlabRowBytes, kVtRowBytes> transpose(
+        threadIdx.x / 32 - 1, kTransposeWarps, threadIdx.x % 32);
 #pragma unroll 1
     for (RingCursor ring;; ++ring.count) {
         const int stage = ring.stage();
@@ -744,7 +745,7 @@ attn_fwd_sm90(const __grid_constant__ TensorMap q_map, const __grid_constant__ T
             producer(&q_map, &k_map, &v_map, smem, bars, sched, tiles, seqlen_q, seqlen_k,
                      q_per_kv);
         } else if (threadIdx.x >= 32) {
-            if constexpr (kFp8) transpose_v_tiles(smem, bars, vt);
+            if constexpr (kFp8) transpose_v_tiles<kBlockN>(smem, bars, vt);
         }
         return;
     }

@@ -84,7 +84,11 @@ __device__ __forceinline__ float row_reduce(const float (&tiles)[kTiles][4], int
     return v[0];
 }
 
-template <int kRowPairs>
+// kMaxGrowthLog2: how far (log2 units) a row's maximum may climb past the reference it subtracts
+// before the reference moves. 8 leaves most blocks without a rescale of the output; 0 keeps the
+// reference the exact running maximum, so probabilities stay in (0, 1] (fwd_blockscaled.cu
+// requantizes them to e4m3 with a fixed scale).
+template <int kRowPairs, int kMaxGrowthLog2 = 8>
 struct OnlineSoftmax {
     float row_max[kRowPairs][2];  // scaled running max (log2 units), -inf before any key
     float row_sum[kRowPairs][2];  // this thread's share of the running denominator
@@ -130,7 +134,7 @@ struct OnlineSoftmax {
     template <int kTiles>
     __device__ __forceinline__ bool update(float (&s)[kRowPairs][kTiles][4], float scale_log2,
                                            float (&rescale)[kRowPairs][2]) {
-        constexpr float kMaxGrowth = 8.0f;
+        constexpr float kMaxGrowth = kMaxGrowthLog2;
         float block_max[kRowPairs][2];
         bool grows = false;
 #pragma unroll
@@ -172,7 +176,7 @@ struct OnlineSoftmax {
     __device__ __forceinline__ bool exp_with_stale_max(float (&s)[kRowPairs][kTiles][4],
                                                        float scale_log2,
                                                        float (&block_sum)[kRowPairs][2]) const {
-        constexpr float kMaxGrowth = 8.0f;
+        constexpr float kMaxGrowth = kMaxGrowthLog2;
         bool holds = true;
 #pragma unroll
         for (int r = 0; r < kRowPairs; ++r) {
