@@ -69,8 +69,8 @@ fp8_wgmma_probe(const uint8_t* __restrict__ q, const uint8_t* __restrict__ k,
     copy_tile(k_tile, k, kKeys);
     copy_tile(v_tile, v, kKeys);
     __syncthreads();
-    const TransposeE4m3<kKeys, kHeadDim, kRowBytes, kKeys> transpose(threadIdx.x / 32, 4,
-                                                                      threadIdx.x % 32);
+    const TransposeE4m3<kKeys, kHeadDim, kRowBytes, kKeys, 4> transpose(threadIdx.x / 32,
+                                                                         threadIdx.x % 32);
     transpose(smem_addr(v_tile), smem_addr(vt_tile));
     fence_proxy_async();
     __syncthreads();

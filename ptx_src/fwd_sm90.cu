@@ -325,8 +325,8 @@ constexpr int kTransposeWarps = 3;
 // never instantiate the transposer, whose tile shape they need not satisfy.
 template <int kKeys>
 __device__ __forceinline__ void transpose_v_tiles(uint8_t* smem, Barriers& bars, VtBarriers& vt) {
-    const TransposeE4m3<kKeys, kHeadDim, kSlabRowBytes, kVtRowBytes> transpose(
-        threadIdx.x / 32 - 1, kTransposeWarps, threadIdx.x % 32);
+    const TransposeE4m3<kKeys, kHeadDim, kSlabRowBytes, kVtRowBytes, kTransposeWarps> transpose(
+        threadIdx.x / 32 - 1, threadIdx.x % 32);
 #pragma unroll 1
     for (RingCursor ring;; ++ring.count) {
         const int stage = ring.stage();

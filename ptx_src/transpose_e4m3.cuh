@@ -45,14 +45,15 @@ __device__ __forceinline__ uint32_t swizzled_offset(int row, int chunk) {
 // Transposes src [kKeys x kCols] (kCols e4m3 per key, in slabs of kSrcRowBytes-byte rows, slab s
 // holding columns s * kSrcRowBytes .. at src + s * kKeys * kSrcRowBytes) into dst [kCols x kKeys]
 // (regions of kDstRowBytes keys, region r at dst + r * kCols * kDstRowBytes), with the key order
-// described above. The `warps` warps constructing it with warp = 0 .. warps - 1 split the work in
-// jobs of one 16-column chunk x one region (kDstRowBytes / 32 units of 32 keys, fewer in a last,
-// partly used region).
-// Built once per warp and applied to every tile: within a job the swizzle XOR of the source rows
-// is the same for every unit (units are 32 keys, a multiple of the 8- or 4-row swizzle period)
-// and the one of the destination rows is the same for every column chunk, so the addresses are
-// per-lane constants plus compile-time offsets, and a unit costs ldmatrix, 4 prmt and stmatrix.
-template <int kKeys, int kCols, int kSrcRowBytes, int kDstRowBytes>
+// described above. kWarps warps share the work, constructing it with warp = 0 .. kWarps - 1: in
+// every region, warp w takes the 16-column chunks w, w + kWarps, ... (each kDstRowBytes / 32
+// units of 32 keys, fewer in a last, partly used region).
+// Built once per warp and applied to every tile: within a region the swizzle XOR of the source
+// rows is the same for every unit (units are 32 keys, a multiple of the 8- or 4-row swizzle
+// period) and the one of the destination rows is the same for every column chunk, so each of the
+// warp's chunks has a per-lane source and destination offset, computed here, and everything else
+// is a compile-time offset: a unit costs ldmatrix, 4 prmt and stmatrix, a chunk two adds.
+template <int kKeys, int kCols, int kSrcRowBytes, int kDstRowBytes, int kWarps>
 struct TransposeE4m3 {
     static constexpr int kSrcChunks = kSrcRowBytes / 16;
     static constexpr int kDstChunks = kDstRowBytes / 16;
@@ -60,36 +61,41 @@ struct TransposeE4m3 {
     static constexpr int kRegions = (kKeys + kDstRowBytes - 1) / kDstRowBytes;
     static constexpr int kLastRegionUnits = (kKeys - (kRegions - 1) * kDstRowBytes) / 32;
     static constexpr int kColChunks = kCols / 16;
-    static constexpr int kJobs = kColChunks * kRegions;
+    static constexpr int kChunksPerWarp = (kColChunks + kWarps - 1) / kWarps;
     static_assert(kKeys % 32 == 0 && kCols % 16 == 0, "units of 32 keys x 16 columns");
     static_assert(kDstRowBytes == 64 || kDstRowBytes == 128, "64- or 128-byte Vt rows");
 
-    uint32_t src_lane;  // this lane's ldmatrix row in a unit, and its chunk's swizzle XOR
-    uint32_t src_xor;
-    // This lane's stmatrix row, and the swizzle XOR of its 16-byte chunk split into the bit that
-    // the matrix index (i / 2) meets and the bits the unit index meets: unit u of a region
-    // stores at 32 * (u ^ dst_xor_units) past dst_lane.
-    uint32_t dst_lane;
+    // Per chunk of this warp: the offsets of this lane's ldmatrix row in the source and of its
+    // stmatrix row in the destination's first region.
+    uint32_t src_chunk[kChunksPerWarp];
+    uint32_t dst_chunk[kChunksPerWarp];
+    int chunks;  // this warp's chunks: kChunksPerWarp, or one fewer
+    // The swizzle XOR of the lane's destination chunk, in the bits the unit index meets: unit u
+    // of a region stores at 32 * (u ^ dst_xor_units) past the chunk's offset.
     uint32_t dst_xor_units;
     uint32_t select_first;  // prmt selectors: which of the even / odd columns this lane stores first
-    int first_job;
-    int job_stride;
 
-    __device__ __forceinline__ TransposeE4m3(int warp, int warps, int lane)
-        : first_job(warp), job_stride(warps) {
+    __device__ __forceinline__ TransposeE4m3(int warp, int lane)
+        : chunks((kColChunks - warp + kWarps - 1) / kWarps) {
         const int g = lane % 8;  // row of the matrix this lane addresses
         const int i = lane / 8;  // the matrix
         const int src_row = 8 * i + g;
-        src_lane = src_row * kSrcRowBytes;
-        src_xor = (src_row * kSrcRowBytes / 128) % kSrcChunks;
+        const uint32_t src_xor = (src_row * kSrcRowBytes / 128) % kSrcChunks;
         // Bank-conflict-free store order: matrix rows 0-3 take the even Vt row of the pair, 4-7
         // the odd one (rows 2g + s, s = g / 4 for matrices 0, 2 and 1 - s for 1, 3).
         const int dst_row = 2 * g + ((i % 2) ^ (g / 4));
         const int dst_xor = (dst_row * kDstRowBytes / 128) % kDstChunks;
-        dst_lane = dst_row * kDstRowBytes + 16 * ((i / 2) ^ (dst_xor % 2));
         dst_xor_units = dst_xor / 2;
         const bool odd_first = (lane / 4) % 8 >= 4;
         select_first = odd_first ? 0x7531 : 0x6420;
+#pragma unroll
+        for (int j = 0; j < kChunksPerWarp; ++j) {
+            const int chunk = warp + j * kWarps;
+            src_chunk[j] = src_row * kSrcRowBytes + (chunk / kSrcChunks) * (kKeys * kSrcRowBytes) +
+                           16 * ((chunk % kSrcChunks) ^ src_xor);
+            dst_chunk[j] = dst_row * kDstRowBytes + 16 * ((i / 2) ^ (dst_xor % 2)) +
+                           chunk * (16 * kDstRowBytes);
+        }
     }
 
     __device__ __forceinline__ void store(uint32_t dst_job, int unit, const uint32_t (&r)[4]) const {
@@ -101,26 +107,26 @@ struct TransposeE4m3 {
     }
 
     __device__ __forceinline__ void operator()(uint32_t src, uint32_t dst) const {
-#pragma unroll 1
-        for (int job = first_job; job < kJobs; job += job_stride) {
-            const int chunk = job % kColChunks;
-            const int region = job / kColChunks;
-            const int units = region == kRegions - 1 ? kLastRegionUnits : kUnitsPerRegion;
-            const uint32_t src_job = src + src_lane +
-                                     (chunk / kSrcChunks) * (kKeys * kSrcRowBytes) +
-                                     16 * ((chunk % kSrcChunks) ^ src_xor) +
-                                     region * (kDstRowBytes * kSrcRowBytes);
-            const uint32_t dst_job = dst + dst_lane + region * (kCols * kDstRowBytes) +
-                                     chunk * (16 * kDstRowBytes);
-            // Two units in flight: their loads overlap, within the transposing warps' registers.
 #pragma unroll
-            for (int u = 0; u < kUnitsPerRegion; u += 2) {
-                if (u < units) {
-                    uint32_t r[2][4];
-                    ldmatrix_x4_trans(r[0], src_job + u * 32 * kSrcRowBytes);
-                    if (u + 1 < units) ldmatrix_x4_trans(r[1], src_job + (u + 1) * 32 * kSrcRowBytes);
-                    store(dst_job, u, r[0]);
-                    if (u + 1 < units) store(dst_job, u + 1, r[1]);
+        for (int region = 0; region < kRegions; ++region) {
+            const int units = region == kRegions - 1 ? kLastRegionUnits : kUnitsPerRegion;
+#pragma unroll
+            for (int j = 0; j < kChunksPerWarp; ++j) {
+                if (j < chunks) {
+                    const uint32_t src_job =
+                        src + src_chunk[j] + region * (kDstRowBytes * kSrcRowBytes);
+                    const uint32_t dst_job = dst + dst_chunk[j] + region * (kCols * kDstRowBytes);
+                    // Two units in flight: their loads overlap, within the warps' registers.
+#pragma unroll
+                    for (int u = 0; u < units; u += 2) {
+                        uint32_t r[2][4];
+                        ldmatrix_x4_trans(r[0], src_job + u * 32 * kSrcRowBytes);
+                        if (u + 1 < units) {
+                            ldmatrix_x4_trans(r[1], src_job + (u + 1) * 32 * kSrcRowBytes);
+                        }
+                        store(dst_job, u, r[0]);
+                        if (u + 1 < units) store(dst_job, u + 1, r[1]);
+                    }
                 }
             }
         }
