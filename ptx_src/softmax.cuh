@@ -4,7 +4,7 @@
 // thread owns rows g and g+8 (g = lane / 4, t = lane % 4); tile j covers 8 columns, and its four
 // values are (row g: columns 8j+2t, 8j+2t+1) then (row g+8: the same columns). This is the
 // mma.sync m16n8 C/D layout repeated over M (kRowPairs) and N (kTiles), and also the accumulator
-// of one warp of a wgmma m64nNk16 (kRowPairs = 1, kTiles = N / 8), so both kernel families share
+// of one warp of a wgmma m64nNk16 (kRowPairs = 1, kTiles = N / 8), so every kernel shares
 // this file. The four threads of a quad own one row together: a row max is completed with two
 // xor-shuffles (ex2 and shfl.sync.bfly PTX); row sums stay per thread until finalize(), because
 // the rescale factors are already uniform across the quad.
