@@ -120,7 +120,8 @@ struct Barriers {
     // the v_full barrier of the next ring position, which carries no tile: the V transposers
     // stop at that position (they follow the V ring alone, see transpose_v_tiles). Comparing
     // positions, not testing a flag, keeps a transposer still short of the last tile from
-    // stopping early when the flag is already set.
+    // stopping early when the flag is already set. A transposer reads it while the producer may
+    // write it, so both access it atomically (no data race, and racecheck stays quiet).
     int v_end;
 };
 
@@ -309,7 +310,7 @@ __device__ __forceinline__ void producer(const TensorMap* q_map, const TensorMap
     }
     if constexpr (kFp8) {
         bars.v_empty[v_ring.stage()].wait(v_ring.phase() ^ 1);
-        bars.v_end = v_ring.count;
+        atomicExch(&bars.v_end, static_cast<int>(v_ring.count));
         bars.v_full[v_ring.stage()].arrive();
     }
 }
@@ -331,7 +332,10 @@ __device__ __forceinline__ void transpose_v_tiles(uint8_t* smem, Barriers& bars,
     for (RingCursor ring;; ++ring.count) {
         const int stage = ring.stage();
         bars.v_full[stage].wait(ring.phase());
-        if (*static_cast<volatile int*>(&bars.v_end) == ring.count) return;
+        // An atomic read: the producer may write v_end meanwhile (see Barriers::v_end).
+        int v_end = 0;
+        if (threadIdx.x % 32 == 0) v_end = atomicAdd(&bars.v_end, 0);
+        if (__shfl_sync(0xffffffffu, v_end, 0) == ring.count) return;
         vt.empty[stage].wait(ring.phase() ^ 1);
         transpose(smem_addr(smem + kVOffset + stage * kKVBytes),
                   smem_addr(smem + kVtOffset + stage * kVtBytes));
