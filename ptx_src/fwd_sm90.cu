@@ -432,7 +432,12 @@ struct Consumer {
 
     float o[kHeadDim / 2];
     uint32_t p[kPRegs];  // P of the block whose P V is pending, as A fragments
-    OnlineSoftmax<1> softmax;
+    // FP8 keeps the exact running max. With a stale one (softmax.cuh lets a row's max grow by 2^8
+    // before its reference moves), a row's dominant probability is 2^d for a fractional d, which
+    // e4m3 rounds by up to 6%, while the row sum adds the unrounded value: a row that one key
+    // dominates came out up to 6% off (3x the naive FP8 error; docs/hopper-tuning.md, session 9).
+    // With the exact max it is 1, which e4m3 holds exactly.
+    OnlineSoftmax<1, kFp8 ? 0 : 8> softmax;
     RingCursor ring;
     int q_loads = 0;
 

@@ -461,12 +461,10 @@ def reference(q, k, v, *, q_descale, k_descale, v_descale, causal: bool = False,
               precision: str = "float32", query_chunk: int = 1024):
     """FP32 attention of the dequantized inputs, what :func:`attention` approximates.
 
-    ``precision="fp8"`` is the same math with the probabilities rounded to e4m3 before P V, as
-    the kernel does: the naive FP8 yardstick for tolerances. The kernel rounds exp(s - m) for a
-    running reference m that trails the row's maximum (softmax.cuh), so its largest
-    probability is not exactly 1 and carries a rounding error too; the yardstick models that by
-    rounding each row's probabilities times a fixed factor in [1, 2) (spread by row index).
-    Returns float32 output (and LSE, natural log, (batch, heads, seqlen_q)).
+    ``precision="fp8"`` is the same math with the probabilities exp(s - max) rounded to e4m3
+    before P V, as the kernel does (it keeps the exact running max for FP8): the naive FP8
+    yardstick for tolerances. Returns float32 output (and LSE, natural log, (batch, heads,
+    seqlen_q)).
     """
     import cupy
 
@@ -497,9 +495,7 @@ def reference(q, k, v, *, q_descale, k_descale, v_descale, causal: bool = False,
         safe_max = cupy.where(cupy.isfinite(row_max), row_max, 0.0)
         probs = cupy.exp(scores - safe_max)
         row_sum = probs.sum(axis=-1, keepdims=True)
-        factor = cupy.exp2((cupy.arange(start, stop, dtype=cupy.float32) * 0.618034) % 1)
-        factor = factor[:, None]
-        numerator = cupy.matmul(round_to_e4m3(probs * factor) / factor, vh)
+        numerator = cupy.matmul(round_to_e4m3(probs), vh)
         out[:, :, start:stop] = numerator / cupy.where(row_sum > 0, row_sum, 1.0)
         lse[:, :, start:stop] = (cupy.log(row_sum) + safe_max)[..., 0]
     out = out.transpose(0, 2, 1, 3)

@@ -387,6 +387,38 @@ def test_scalar_descales_strided_inputs_and_output(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_rows_dominated_by_a_key_seen_after_the_max(head_dim):
+    """Each row's largest score comes in a key block visited after the one that set its running
+    max, ahead of it by 3 to 6 in log2 units, a different fraction per row. A kernel that keeps
+    the stale max there rounds the dominant probability 2^d to e4m3 (up to 6%) while its row sum
+    takes the unrounded value: such rows come out several times the naive FP8 error off (this
+    test failed so on the stale-max kernel)."""
+    import cupy
+    import numpy as np
+    seqlen_q, seqlen_k = 64, 512
+    scale_log2 = head_dim ** -0.5 * np.log2(np.e)
+    q = np.zeros((1, seqlen_q, 1, head_dim), np.float32)
+    k = np.zeros((1, seqlen_k, 1, head_dim), np.float32)
+    q[0, :, 0, 0] = 1.0
+    q[0, :, 0, 1] = 0.5 + 0.5 * np.arange(seqlen_q) / seqlen_q
+    # Key blocks go from the last to the first. Every key scores -20 (log2 units) but key 300,
+    # at 2, which moves the max, and key 50, 3 to 6 (row dependent) above it, under the 2^8 a
+    # stale max tolerates. Key 50 dominates every row, so the naive errors (in the weight of
+    # key 300) stay small; the scores stay small enough for bf16 to carry them well.
+    k[0, :, 0, 0] = -20 / scale_log2
+    k[0, 300, 0, 0] = 2 / scale_log2
+    k[0, 50, 0, 0] = 2 / scale_log2
+    k[0, 50, 0, 1] = 6 / scale_log2
+    v = np.random.default_rng(0).standard_normal((1, seqlen_k, 1, head_dim)).astype(np.float32)
+    q8, k8, v8, descales = fp8.quantize_qkv(
+        *(cupy.asarray(x).astype("bfloat16") for x in (q, k, v)), granularity="head")
+    out = cupy.full(q8.shape, cupy.nan, dtype="bfloat16")
+    _, lse = fp8.attention(q8, k8, v8, **descales, return_lse=True, out=out)
+    _assert_close(q8, k8, v8, descales, out, lse, causal=False)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim, tiles, consumers",
                          [(64, (128, 3), 3), (128, (192, 2), 2), (256, (64, 3), 2)])
@@ -395,8 +427,9 @@ def test_scalar_descales_strided_inputs_and_output(rng):
 @pytest.mark.parametrize("keys", ["normal", "growing"])
 def test_stale_max_fast_path_matches_the_max_pass(causal, head_dim, tiles, consumers, seqlens,
                                                   keys, rng):
-    """The softmax's fast path (row maxima kept while no probability exceeds 2^8) and its slow
-    path (Q K^T again, then the max pass) give bitwise the results of the max pass alone."""
+    """The softmax's fast path (row maxima kept while no probability exceeds the softmax's
+    tolerance: 1 in FP8 builds, which keep the exact max) and its slow path (Q K^T again, then the
+    max pass) give bitwise the results of the max pass alone."""
     import cupy
     from ptxattn import hopper
     seqlen_q, seqlen_k = seqlens
