@@ -86,8 +86,9 @@ __device__ __forceinline__ float row_reduce(const float (&tiles)[kTiles][4], int
 
 // kMaxGrowthLog2: how far (log2 units) a row's maximum may climb past the reference it subtracts
 // before the reference moves. 8 leaves most blocks without a rescale of the output; 0 keeps the
-// reference the exact running maximum, so probabilities stay in (0, 1] (fwd_blockscaled.cu
-// requantizes them to e4m3 with a fixed scale).
+// reference the exact running maximum, so probabilities stay in (0, 1] and a row's largest is
+// exactly 1: the kernels that round P to e4m3 (fwd_sm90.cu's FP8 build, fwd_blockscaled.cu) use
+// that, since e4m3 would round a largest probability 2^d by up to 6%.
 template <int kRowPairs, int kMaxGrowthLog2 = 8>
 struct OnlineSoftmax {
     float row_max[kRowPairs][2];  // scaled running max (log2 units), -inf before any key
