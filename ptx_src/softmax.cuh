@@ -91,6 +91,8 @@ __device__ __forceinline__ float row_reduce(const float (&tiles)[kTiles][4], int
 // that, since e4m3 would round a largest probability 2^d by up to 6%.
 template <int kRowPairs, int kMaxGrowthLog2 = 8>
 struct OnlineSoftmax {
+    static constexpr float kMaxGrowth = kMaxGrowthLog2;
+
     float row_max[kRowPairs][2];  // scaled running max (log2 units), -inf before any key
     float row_sum[kRowPairs][2];  // this thread's share of the running denominator
 
@@ -135,7 +137,6 @@ struct OnlineSoftmax {
     template <int kTiles>
     __device__ __forceinline__ bool update(float (&s)[kRowPairs][kTiles][4], float scale_log2,
                                            float (&rescale)[kRowPairs][2]) {
-        constexpr float kMaxGrowth = kMaxGrowthLog2;
         float block_max[kRowPairs][2];
         bool grows = false;
 #pragma unroll
@@ -177,7 +178,6 @@ struct OnlineSoftmax {
     __device__ __forceinline__ bool exp_with_stale_max(float (&s)[kRowPairs][kTiles][4],
                                                        float scale_log2,
                                                        float (&block_sum)[kRowPairs][2]) const {
-        constexpr float kMaxGrowth = kMaxGrowthLog2;
         bool holds = true;
 #pragma unroll
         for (int r = 0; r < kRowPairs; ++r) {
