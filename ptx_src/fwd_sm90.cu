@@ -45,7 +45,8 @@
 // 0: float16; the inputs' type, or with FP8 the output's), IS_CAUSAL, CONSUMERS (consumer
 // warpgroups, 2 or 3), STAGED_OUT (1: the output goes through shared memory and a TMA store),
 // STALE_MAX_FIRST (1: past a tile's masked blocks and its first unmasked one, the softmax first
-// keeps the row maxima and skips its max pass, see Consumer::step), SMEM_BYTES (the dynamic
+// keeps the row maxima and skips its max pass, see Consumer::step), Q_IN_REGISTERS (1, FP8:
+// Q K^T takes Q from registers, see Consumer::load_q), SMEM_BYTES (the dynamic
 // shared memory the launcher requests, checked against the layout below).
 //
 // Global layouts: q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D), read through 4-d tensor maps with
@@ -75,6 +76,8 @@ constexpr bool kFp8 = IS_FP8 != 0;
 constexpr bool kBf16 = IS_BF16 != 0;
 constexpr bool kCausal = IS_CAUSAL != 0;
 constexpr bool kStaleMaxFirst = STALE_MAX_FIRST != 0;
+constexpr bool kQInRegisters = Q_IN_REGISTERS != 0;
+static_assert(!kQInRegisters || kFp8, "Q in registers: FP8 builds only (its A fragment layout)");
 
 constexpr int kConsumers = CONSUMERS;  // consumer warpgroups
 constexpr int kRowsPerConsumer = 64;  // one wgmma M
@@ -367,10 +370,11 @@ constexpr int kPRegs = kFp8 ? kBlockN / 8 : kBlockN / 4;
 
 // Launched at 65536 / kThreads registers per thread (rounded down to 8: 168 with two consumer
 // warpgroups, 128 with three); the producer keeps 24, or with FP8, where three of its warps
-// transpose V, 56, or 40 when the consumers' S, O and P fragments alone take 200 registers or
-// more. The consumers share what the producer gives up.
+// transpose V, 56, or 40 when the consumers' S, O, P (and Q) fragments alone take 200 registers
+// or more. The consumers share what the producer gives up.
 constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
-constexpr int kFragmentRegs = kScoreAccs * kBlockN / 2 + kHeadDim / 2 + kPRegs;
+constexpr int kQRegs = kQInRegisters ? kHeadDim / 8 : 0;  // FP8: 64 rows x head_dim bytes
+constexpr int kFragmentRegs = kScoreAccs * kBlockN / 2 + kHeadDim / 2 + kPRegs + kQRegs;
 constexpr int kProducerRegs = !kFp8 ? 24 : kFragmentRegs >= 200 ? 40 : 56;
 constexpr int kConsumerRegs = ((1 + kConsumers) * kLaunchRegs - kProducerRegs) / kConsumers / 8 * 8;
 
@@ -431,6 +435,7 @@ struct Consumer {
     float v_descale = 1.0f;
 
     float o[kHeadDim / 2];
+    uint32_t q[kQInRegisters ? kQRegs : 1];  // Q_IN_REGISTERS: this tile's Q as A fragments
     uint32_t p[kPRegs];  // P of the block whose P V is pending, as A fragments
     // FP8 keeps the exact running max. With a stale one (softmax.cuh lets a row's max grow by 2^8
     // before its reference moves), a row's dominant probability is 2^d for a fractional d, which
@@ -452,6 +457,31 @@ struct Consumer {
     // S = Q K^T over head_dim in k-steps of 32 bytes (16 bf16/fp16 or 32 e4m3 values): four
     // per 128-byte slab, two in FP8 head_dim 64's 64-byte rows. Slab j goes into s[j] when
     // there are several accumulators; finish_qk sums them.
+    // Q_IN_REGISTERS: this warpgroup's Q tile from shared memory into the A fragments of the
+    // e4m3 wgmma (wgmma_fp8.cuh), once per tile, so that Q K^T reads only K from shared
+    // memory: shared-memory bandwidth is about as busy as the tensor cores in the FP8 kernel
+    // (Q, K, V, Vt and the transposer's traffic), and measured, this gains 1-3% at head_dim 128
+    // (docs/hopper-tuning.md). ldmatrix.x4 (16-bit elements, so 4 bytes a lane) of the 8-row x
+    // 16-byte matrices (rows 0-7, chunk c), (rows 8-15, c), (0-7, c+1), (8-15, c+1) of the
+    // warp's 16 rows gives a0..a3 of the k-step whose 32 bytes are chunks c, c+1. Q is then
+    // free, and the producer may load the next tile's.
+    __device__ __forceinline__ void load_q() {
+        constexpr int kStepsPerSlab = kSlabRowBytes / 32;
+        const int row = wg * kRowsPerConsumer + ((threadIdx.x % 128) / 32) * 16 +
+                        8 * ((lane / 8) % 2) + lane % 8;
+#pragma unroll
+        for (int kk = 0; kk < kQRegs / 4; ++kk) {
+            const int chunk = (kk % kStepsPerSlab) * 2 + lane / 16;
+            uint32_t r[4];
+            ldmatrix_x4(r, smem_addr(smem) + (kk / kStepsPerSlab) * kQSlabBytes +
+                               swizzled_offset<kSlabRowBytes>(row, chunk));
+#pragma unroll
+            for (int i = 0; i < 4; ++i) q[4 * kk + i] = r[i];
+        }
+        __syncwarp();
+        release(bars.q_empty);
+    }
+
     __device__ __forceinline__ void issue_qk(float (&s)[kScoreAccs][kBlockN / 2],
                                             int stage) const {
         constexpr int kStepsPerSlab = kSlabRowBytes / 32;
@@ -464,8 +494,16 @@ struct Consumer {
             const uint32_t step = (kk % kStepsPerSlab) * 32;
             const int acc = kScoreAccs > 1 ? slab : 0;
             const bool accumulate = kScoreAccs > 1 ? step > 0 : kk > 0;
-            mma_ss<kBlockN>(s[acc], wgmma_desc_advance(q_desc, slab * kQSlabBytes + step),
-                            wgmma_desc_advance(k_desc, slab * kKVSlabBytes + step), accumulate);
+            if constexpr (kQInRegisters) {
+                WgmmaE4m3<kBlockN>::rs(s[acc], q[4 * kk], q[4 * kk + 1], q[4 * kk + 2],
+                                       q[4 * kk + 3],
+                                       wgmma_desc_advance(k_desc, slab * kKVSlabBytes + step),
+                                       accumulate);
+            } else {
+                mma_ss<kBlockN>(s[acc], wgmma_desc_advance(q_desc, slab * kQSlabBytes + step),
+                                wgmma_desc_advance(k_desc, slab * kKVSlabBytes + step),
+                                accumulate);
+            }
         }
     }
 
@@ -581,6 +619,7 @@ struct Consumer {
         const float first_scale = block_scale_log2(n_end - 1);
         bars.q_full.wait(q_loads & 1);
         ++q_loads;
+        if constexpr (kQInRegisters) load_q();
         bars.k_full[ring.stage()].wait(ring.phase());
         wgmma_fence();
         issue_qk(s, ring.stage());
@@ -606,8 +645,9 @@ struct Consumer {
 #pragma unroll 1
             for (; n_block >= 0; --n_block) step<false>(n_block, s, rescale);
         }
-        // Every Q K^T of this tile has completed: the producer may load the next tile's Q.
-        release(bars.q_empty);
+        // Every Q K^T of this tile has completed: the producer may load the next tile's Q (with
+        // Q in registers, load_q freed it already).
+        if constexpr (!kQInRegisters) release(bars.q_empty);
 
         pv_full(ring.stage()).wait(ring.phase());
         wgmma_fence_operand(o);

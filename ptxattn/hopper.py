@@ -53,6 +53,10 @@ class Schedule:
       max pass for a block where a max grew by more than 2^8; the results are the same bits.
       Off for FP8, whose kernel keeps the exact running max (fwd_sm90.cu, Consumer::softmax), so
       the fast path would seldom hold.
+    q_in_registers: FP8 only: each consumer warpgroup loads its Q tile into registers once per
+      tile and Q K^T reads only K from shared memory, whose bandwidth the FP8 kernel keeps about
+      as busy as the tensor cores. Costs head_dim / 8 registers per consumer thread: at head_dim
+      64 (three consumers, 128 registers each) it lost 4%, at 256 it would spill.
     """
     block_n: int
     stages: int
@@ -60,6 +64,7 @@ class Schedule:
     l2_sections: bool
     consumers: int = 2
     stale_max_first: bool = False
+    q_in_registers: bool = False
 
 
 SCHEDULES = {
@@ -77,8 +82,8 @@ SCHEDULES = {
 SCHEDULES_FP8 = {  # from scripts/check_fp8.py --sweep and its throughput table on an H100
     (64, False): Schedule(128, 3, persistent=True, l2_sections=False, consumers=3),
     (64, True): Schedule(128, 3, persistent=True, l2_sections=True, consumers=3),
-    (128, False): Schedule(192, 2, persistent=True, l2_sections=False),
-    (128, True): Schedule(192, 2, persistent=True, l2_sections=False),
+    (128, False): Schedule(192, 2, persistent=True, l2_sections=False, q_in_registers=True),
+    (128, True): Schedule(192, 2, persistent=True, l2_sections=False, q_in_registers=True),
     (256, False): Schedule(64, 3, persistent=True, l2_sections=False),
     (256, True): Schedule(64, 3, persistent=False, l2_sections=False),
 }
@@ -109,7 +114,8 @@ def _smem_bytes(head_dim: int, block_n: int, stages: int, fp8: bool = False,
 
 def spec(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | None = None,
          out_dtype: str = "bfloat16", consumers: int | None = None,
-         stale_max_first: bool | None = None) -> runtime.KernelSpec:
+         stale_max_first: bool | None = None,
+         q_in_registers: bool | None = None) -> runtime.KernelSpec:
     """The kernel variant for inputs of ``dtype`` (bfloat16, float16 or float8_e4m3fn; FP8
     writes ``out_dtype``, 16-bit inputs their own type)."""
     fp8 = dtype == FP8
@@ -118,6 +124,8 @@ def spec(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | None 
     consumers = consumers or schedule.consumers
     if stale_max_first is None:
         stale_max_first = schedule.stale_max_first
+    if q_in_registers is None:
+        q_in_registers = schedule.q_in_registers
     out = out_dtype if fp8 else dtype
     # The output goes through shared memory and a TMA store where there is room for it.
     staged_out = (_smem_bytes(head_dim, block_n, stages, fp8, True, consumers) <= SMEM_LIMIT)
@@ -125,12 +133,14 @@ def spec(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | None 
     return runtime.KernelSpec(
         name=(f"fwd_sm90_{'e4m3_' + out if fp8 else dtype}_d{head_dim}_n{block_n}_s{stages}"
               f"{'_c3' if consumers == 3 else ''}{'_smf' if stale_max_first else ''}"
+              f"{'_qr' if q_in_registers else ''}"
               f"{'_causal' if causal else ''}"),
         source="fwd_sm90.cu",
         entry="attn_fwd_sm90",
         defines={"HEAD_DIM": head_dim, "BLOCK_N": block_n, "STAGES": stages,
                  "IS_FP8": int(fp8), "IS_BF16": DTYPES[out], "IS_CAUSAL": int(causal),
                  "CONSUMERS": consumers, "STALE_MAX_FIRST": int(stale_max_first),
+                 "Q_IN_REGISTERS": int(q_in_registers),
                  "STAGED_OUT": int(staged_out), "SMEM_BYTES": smem},
         smem_bytes=smem,
         archs=ARCHS,
@@ -198,8 +208,8 @@ def launcher(q, k, v, out, lse, *, causal: bool, softmax_scale: float, descales=
              **overrides) -> Callable[[], None]:
     """Everything forward() does except the launch itself, which the returned callable performs
     (benchmarks time that alone). ``overrides`` (``tiles``: keys per tile and stages,
-    ``consumers``, ``stale_max_first``, ``sections``, ``persistent``, ``grid_blocks``: blocks
-    taking tiles) replace the tuned defaults, for tests and benchmarks. With ``descales`` (the
+    ``consumers``, ``stale_max_first``, ``q_in_registers``, ``sections``, ``persistent``,
+    ``grid_blocks``: blocks taking tiles) replace the tuned defaults, for tests and benchmarks. With ``descales`` (the
     (q, k, v) ``ptxattn.fp8.Descale`` operands) q, k and v are uint8 arrays of e4m3 bytes and the
     FP8 kernel runs. Launches are prepared once per set of arrays, arguments and stream."""
     import cupy
@@ -217,8 +227,8 @@ def launcher(q, k, v, out, lse, *, causal: bool, softmax_scale: float, descales=
 def _prepare(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
              tiles: tuple[int, int] | None = None, sections: int | None = None,
              persistent: bool | None = None, grid_blocks: int | None = None, descales=None,
-             consumers: int | None = None,
-             stale_max_first: bool | None = None) -> runtime.PreparedLaunch:
+             consumers: int | None = None, stale_max_first: bool | None = None,
+             q_in_registers: bool | None = None) -> runtime.PreparedLaunch:
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     fp8 = descales is not None
@@ -230,7 +240,7 @@ def _prepare(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
                              f"got {tiles[0]}")
     kernel_spec = spec(FP8 if fp8 else str(q.dtype), head_dim, causal, tiles,
                        out_dtype=str(out.dtype), consumers=consumers,
-                       stale_max_first=stale_max_first)
+                       stale_max_first=stale_max_first, q_in_registers=q_in_registers)
     block_n = kernel_spec.defines["BLOCK_N"]
     block_m = ROWS_PER_CONSUMER * kernel_spec.defines["CONSUMERS"]
     kernel = runtime.load(kernel_spec)

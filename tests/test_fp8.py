@@ -453,6 +453,36 @@ def test_stale_max_fast_path_matches_the_max_pass(causal, head_dim, tiles, consu
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("seqlens", [(17, 17), (300, 457), (1000, 1000)],
+                         ids=lambda p: f"{p[0]}x{p[1]}")
+def test_q_in_registers_matches_q_in_shared_memory(causal, head_dim, seqlens, rng):
+    """Q K^T with Q's A fragments loaded into registers (ldmatrix from the swizzled Q tile; FP8
+    head_dim 128 is scheduled so) gives bitwise what the wgmma reading Q from shared memory
+    gives, over 128-byte Q rows and 64-byte ones (head_dim 64, not scheduled so)."""
+    import cupy
+    from ptxattn import hopper
+    seqlen_q, seqlen_k = seqlens
+    q, k, v = grouped_qkv(seqlen_q, seqlen_k, head_dim, "normal", rng)
+    q8, k8, v8, descales = fp8.quantize_qkv(q, k, v, "head")
+    operands = tuple(fp8.descale_operand(descales[f"{n}_descale"], 2, heads, seqlen)
+                     for n, heads, seqlen in (("q", 4, seqlen_q), ("k", 2, seqlen_k),
+                                              ("v", 2, seqlen_k)))
+    results = []
+    for in_registers in (False, True):
+        out = cupy.full(q8.shape, cupy.nan, dtype="bfloat16")
+        lse = cupy.full((2, 4, seqlen_q), cupy.nan, dtype=cupy.float32)
+        hopper.forward_fp8(q8.bytes, k8.bytes, v8.bytes, out, lse, operands, causal=causal,
+                           softmax_scale=head_dim ** -0.5, q_in_registers=in_registers)
+        results.append((out, lse))
+    (smem_out, smem_lse), (reg_out, reg_lse) = results
+    assert bool(cupy.array_equal(reg_out, smem_out)), "output differs with Q in registers"
+    assert bool(cupy.array_equal(reg_lse, smem_lse)), "LSE differs with Q in registers"
+    _assert_close(q8, k8, v8, descales, reg_out, reg_lse, causal=causal)
+
+
+@pytest.mark.gpu
 def test_causal_rows_that_see_no_key(rng):
     import cupy
     q8, k8, v8, descales = _quantized((1, 200, 2, 64), (1, 50, 2, 64), rng)
