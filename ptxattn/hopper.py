@@ -209,13 +209,12 @@ def launcher(q, k, v, out, lse, *, causal: bool, softmax_scale: float, descales=
     """Everything forward() does except the launch itself, which the returned callable performs
     (benchmarks time that alone). ``overrides`` (``tiles``: keys per tile and stages,
     ``consumers``, ``stale_max_first``, ``q_in_registers``, ``sections``, ``persistent``,
-    ``grid_blocks``: blocks taking tiles) replace the tuned defaults, for tests and benchmarks. With ``descales`` (the
-    (q, k, v) ``ptxattn.fp8.Descale`` operands) q, k and v are uint8 arrays of e4m3 bytes and the
-    FP8 kernel runs. Launches are prepared once per set of arrays, arguments and stream."""
-    import cupy
-
-    key = (tuple(runtime.array_key(x) for x in (q, k, v, out, lse)), causal, softmax_scale,
-           tuple(sorted(overrides.items())), q.device.id, cupy.cuda.get_current_stream().ptr)
+    ``grid_blocks``: blocks taking tiles) replace the tuned defaults, for tests and benchmarks.
+    With ``descales`` (the (q, k, v) ``ptxattn.fp8.Descale`` operands) q, k and v are uint8
+    arrays of e4m3 bytes and the FP8 kernel runs. Launches are prepared once per set of arrays,
+    arguments and stream."""
+    key = runtime.launch_key((q, k, v, out, lse), causal, softmax_scale,
+                             tuple(sorted(overrides.items())))
     if descales is not None:
         key += tuple((runtime.array_key(d.array), d.stride_b, d.stride_h, d.stride_block)
                      for d in descales)

@@ -101,10 +101,7 @@ _launches = runtime.LaunchCache()
 def run(q, k, v, out, lse, *, causal: bool, softmax_scale: float, tile: Tile) -> None:
     """forward() with an explicit tile (benchmarks try tiles outside the table). Launches are
     prepared once per set of arrays, arguments and stream."""
-    import cupy
-
-    key = (tuple(runtime.array_key(x) for x in (q, k, v, out, lse)), causal, softmax_scale, tile,
-           q.device.id, cupy.cuda.get_current_stream().ptr)
+    key = runtime.launch_key((q, k, v, out, lse), causal, softmax_scale, tile)
     _launches.get(key, lambda: _prepare(q, k, v, out, lse, causal=causal,
                                         softmax_scale=softmax_scale, tile=tile))()
 

@@ -528,6 +528,14 @@ def array_key(x) -> tuple:
     return (x.data.ptr, x.shape, x.strides, x.dtype.char)
 
 
+def launch_key(arrays: Sequence, *args) -> tuple:
+    """A LaunchCache key for a launch over ``arrays`` (CuPy arrays on one device) with the
+    hashable ``args``: the arrays' array_key, the args, the device and CuPy's current stream."""
+    import cupy
+    return (tuple(array_key(x) for x in arrays), args, arrays[0].device.id,
+            cupy.cuda.get_current_stream().ptr)
+
+
 class LaunchCache:
     """Prepared launches under keys the caller builds (from array_key, scalars and the current
     stream), least recently used dropped first: a repeated call with the same arrays skips
