@@ -105,12 +105,11 @@ def test_ptxas_report_parse_picks_the_entry():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,box", [("bfloat16", (1, 64, 1, 64)), ("uint8", (1, 32, 1, 128))])
-def test_tma_moves_a_tile_bit_for_bit(dtype, box):
+def test_tma_moves_a_tile_bit_for_bit(dtype, box, rng):
     import cupy
 
     if runtime.device_arch() not in PROBE.archs:
         pytest.skip("TMA needs sm_90 or newer")
-    rng = np.random.default_rng()
     shape = (2, 100, 3, box[3] * 2)
     nbytes = int(np.prod(shape)) * cupy.dtype(dtype).itemsize
     src = cupy.asarray(rng.integers(0, 256, size=nbytes, dtype=np.uint8))
