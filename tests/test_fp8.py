@@ -418,6 +418,31 @@ def test_rows_dominated_by_a_key_seen_after_the_max(head_dim):
     _assert_close(q8, k8, v8, descales, out, lse, causal=False)
 
 
+def _same_bits_either_way(q, k, v, *, causal, head_dim, option, **overrides):
+    """FP8 attention of bf16 q, k, v quantized with head scales, run by hopper.forward_fp8 with
+    the override `option` off and on: the outputs and LSEs must agree bit for bit, and meet the
+    FP8 bounds."""
+    import cupy
+    from ptxattn import hopper
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    q8, k8, v8, descales = fp8.quantize_qkv(q, k, v, "head")
+    operands = tuple(fp8.descale_operand(descales[f"{n}_descale"], q.shape[0], heads, seqlen)
+                     for n, heads, seqlen in (("q", q.shape[2], seqlen_q),
+                                              ("k", k.shape[2], seqlen_k),
+                                              ("v", k.shape[2], seqlen_k)))
+    results = []
+    for on in (False, True):
+        out = cupy.full(q8.shape, cupy.nan, dtype="bfloat16")
+        lse = cupy.full((q.shape[0], q.shape[2], seqlen_q), cupy.nan, dtype=cupy.float32)
+        hopper.forward_fp8(q8.bytes, k8.bytes, v8.bytes, out, lse, operands, causal=causal,
+                           softmax_scale=head_dim ** -0.5, **{option: on}, **overrides)
+        results.append((out, lse))
+    (off_out, off_lse), (on_out, on_lse) = results
+    assert bool(cupy.array_equal(on_out, off_out)), f"{option} changes the output"
+    assert bool(cupy.array_equal(on_lse, off_lse)), f"{option} changes the LSE"
+    _assert_close(q8, k8, v8, descales, on_out, on_lse, causal=causal)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim, tiles, consumers",
@@ -430,26 +455,9 @@ def test_stale_max_fast_path_matches_the_max_pass(causal, head_dim, tiles, consu
     """The softmax's fast path (row maxima kept while no probability exceeds the softmax's
     tolerance: 1 in FP8 builds, which keep the exact max) and its slow path (Q K^T again, then the
     max pass) give bitwise the results of the max pass alone."""
-    import cupy
-    from ptxattn import hopper
-    seqlen_q, seqlen_k = seqlens
-    q, k, v = grouped_qkv(seqlen_q, seqlen_k, head_dim, keys, rng)
-    q8, k8, v8, descales = fp8.quantize_qkv(q, k, v, "head")
-    operands = tuple(fp8.descale_operand(descales[f"{n}_descale"], 2, heads, seqlen)
-                     for n, heads, seqlen in (("q", 4, seqlen_q), ("k", 2, seqlen_k),
-                                              ("v", 2, seqlen_k)))
-    results = []
-    for fast in (False, True):
-        out = cupy.full(q8.shape, cupy.nan, dtype="bfloat16")
-        lse = cupy.full((2, 4, seqlen_q), cupy.nan, dtype=cupy.float32)
-        hopper.forward_fp8(q8.bytes, k8.bytes, v8.bytes, out, lse, operands, causal=causal,
-                           softmax_scale=head_dim ** -0.5, tiles=tiles, consumers=consumers,
-                           stale_max_first=fast)
-        results.append((out, lse))
-    (plain_out, plain_lse), (fast_out, fast_lse) = results
-    assert bool(cupy.array_equal(fast_out, plain_out)), "output differs from the max pass"
-    assert bool(cupy.array_equal(fast_lse, plain_lse)), "LSE differs from the max pass"
-    _assert_close(q8, k8, v8, descales, fast_out, fast_lse, causal=causal)
+    q, k, v = grouped_qkv(*seqlens, head_dim, keys, rng)
+    _same_bits_either_way(q, k, v, causal=causal, head_dim=head_dim, option="stale_max_first",
+                          tiles=tiles, consumers=consumers)
 
 
 @pytest.mark.gpu
@@ -461,25 +469,8 @@ def test_q_in_registers_matches_q_in_shared_memory(causal, head_dim, seqlens, rn
     """Q K^T with Q's A fragments loaded into registers (ldmatrix from the swizzled Q tile; FP8
     head_dim 128 is scheduled so) gives bitwise what the wgmma reading Q from shared memory
     gives, over 128-byte Q rows and 64-byte ones (head_dim 64, not scheduled so)."""
-    import cupy
-    from ptxattn import hopper
-    seqlen_q, seqlen_k = seqlens
-    q, k, v = grouped_qkv(seqlen_q, seqlen_k, head_dim, "normal", rng)
-    q8, k8, v8, descales = fp8.quantize_qkv(q, k, v, "head")
-    operands = tuple(fp8.descale_operand(descales[f"{n}_descale"], 2, heads, seqlen)
-                     for n, heads, seqlen in (("q", 4, seqlen_q), ("k", 2, seqlen_k),
-                                              ("v", 2, seqlen_k)))
-    results = []
-    for in_registers in (False, True):
-        out = cupy.full(q8.shape, cupy.nan, dtype="bfloat16")
-        lse = cupy.full((2, 4, seqlen_q), cupy.nan, dtype=cupy.float32)
-        hopper.forward_fp8(q8.bytes, k8.bytes, v8.bytes, out, lse, operands, causal=causal,
-                           softmax_scale=head_dim ** -0.5, q_in_registers=in_registers)
-        results.append((out, lse))
-    (smem_out, smem_lse), (reg_out, reg_lse) = results
-    assert bool(cupy.array_equal(reg_out, smem_out)), "output differs with Q in registers"
-    assert bool(cupy.array_equal(reg_lse, smem_lse)), "LSE differs with Q in registers"
-    _assert_close(q8, k8, v8, descales, reg_out, reg_lse, causal=causal)
+    q, k, v = grouped_qkv(*seqlens, head_dim, "normal", rng)
+    _same_bits_either_way(q, k, v, causal=causal, head_dim=head_dim, option="q_in_registers")
 
 
 @pytest.mark.gpu
