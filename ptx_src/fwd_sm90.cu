@@ -454,13 +454,10 @@ struct Consumer {
         if (lane == 0) bar.arrive();
     }
 
-    // S = Q K^T over head_dim in k-steps of 32 bytes (16 bf16/fp16 or 32 e4m3 values): four
-    // per 128-byte slab, two in FP8 head_dim 64's 64-byte rows. Slab j goes into s[j] when
-    // there are several accumulators; finish_qk sums them.
     // Q_IN_REGISTERS: this warpgroup's Q tile from shared memory into the A fragments of the
     // e4m3 wgmma (wgmma_fp8.cuh), once per tile, so that Q K^T reads only K from shared
     // memory: shared-memory bandwidth is about as busy as the tensor cores in the FP8 kernel
-    // (Q, K, V, Vt and the transposer's traffic), and measured, this gains 1-3% at head_dim 128
+    // (Q, K, V, Vt and the transposer's traffic); measured at head_dim 128, this gains 0.2-2.6%
     // (docs/hopper-tuning.md). ldmatrix.x4 (16-bit elements, so 4 bytes a lane) of the 8-row x
     // 16-byte matrices (rows 0-7, chunk c), (rows 8-15, c), (0-7, c+1), (8-15, c+1) of the
     // warp's 16 rows gives a0..a3 of the k-step whose 32 bytes are chunks c, c+1. Q is then
@@ -482,6 +479,10 @@ struct Consumer {
         release(bars.q_empty);
     }
 
+    // S = Q K^T over head_dim in k-steps of 32 bytes (16 bf16/fp16 or 32 e4m3 values): four
+    // per 128-byte slab, two in FP8 head_dim 64's 64-byte rows. Slab j goes into s[j] when
+    // there are several accumulators; finish_qk sums them. Q comes from shared memory or
+    // (Q_IN_REGISTERS) from the fragments load_q took.
     __device__ __forceinline__ void issue_qk(float (&s)[kScoreAccs][kBlockN / 2],
                                             int stage) const {
         constexpr int kStepsPerSlab = kSlabRowBytes / 32;
