@@ -464,8 +464,7 @@ struct Consumer {
     // free, and the producer may load the next tile's.
     __device__ __forceinline__ void load_q() {
         constexpr int kStepsPerSlab = kSlabRowBytes / 32;
-        const int row = wg * kRowsPerConsumer + ((threadIdx.x % 128) / 32) * 16 +
-                        8 * ((lane / 8) % 2) + lane % 8;
+        const int row = wg * kRowsPerConsumer + ((threadIdx.x % 128) / 32) * 16 + x4_row(lane);
 #pragma unroll
         for (int kk = 0; kk < kQRegs / 4; ++kk) {
             const int chunk = (kk % kStepsPerSlab) * 2 + lane / 16;
@@ -682,14 +681,13 @@ struct Consumer {
             uint8_t* staging = smem + kOutOffset + wg * kOutBytes;
             if (issuer) tma_store_wait_read<0>();
             named_barrier_sync(kEpilogueBarrier + wg, 128);
-            // Lane (j = lane / 8, r = lane % 8) addresses row r of matrix j: rows 0-7 or 8-15 of
-            // the warp's 16 (j % 2), 16-byte column chunk i or i + 1 (j / 2).
-            const int row = 16 * ((threadIdx.x % 128) / 32) + 8 * ((lane / 8) % 2) + lane % 8;
+            // Column chunk i and i + 1 of the warp's 16 rows (x4_row); 8 chunks a 64-column slab.
+            const int row = 16 * ((threadIdx.x % 128) / 32) + x4_row(lane);
 #pragma unroll
             for (int i = 0; i < kHeadDim / 8; i += 2) {
                 const int chunk = i + lane / 16;
-                const uint32_t addr = smem_addr(staging + (chunk / 8) * kOutSlabBytes + row * 128 +
-                                                16 * ((chunk % 8) ^ (row % 8)));
+                const uint32_t addr = smem_addr(staging + (chunk / 8) * kOutSlabBytes +
+                                                swizzled_offset<128>(row, chunk % 8));
                 stmatrix_x4(addr, pack_f32x2<kBf16>(o[4 * i] * factor[0], o[4 * i + 1] * factor[0]),
                             pack_f32x2<kBf16>(o[4 * i + 2] * factor[1], o[4 * i + 3] * factor[1]),
                             pack_f32x2<kBf16>(o[4 * i + 4] * factor[0], o[4 * i + 5] * factor[0]),

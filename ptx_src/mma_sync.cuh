@@ -37,6 +37,14 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t
                  ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
 }
 
+// For an x4 ldmatrix / stmatrix over a warp's 16-row tile whose matrices are (rows 0-7, chunk
+// c), (rows 8-15, c), (rows 0-7, c + 1), (rows 8-15, c + 1): the row (0-15) this lane
+// addresses; its chunk is c + lane / 16. Registers 0-3 are then the A fragment (or accumulator
+// tile pair) layout above.
+__device__ __forceinline__ int x4_row(int lane) {
+    return 8 * ((lane / 8) % 2) + lane % 8;
+}
+
 __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
                  : "=r"(r[0]), "=r"(r[1]) : "r"(addr));

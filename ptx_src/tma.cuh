@@ -16,6 +16,15 @@ struct alignas(64) TensorMap {
     unsigned char opaque[128];
 };
 
+// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of kRowBytes-byte rows as TMA
+// writes (and reads) it with the swizzle span equal to the row (64 or 128 bytes): chunk c of row
+// r lives at chunk c ^ ((r * kRowBytes / 128) % (kRowBytes / 16)) of the row.
+template <int kRowBytes>
+__device__ __forceinline__ uint32_t swizzled_offset(int row, int chunk) {
+    constexpr int kChunks = kRowBytes / 16;
+    return row * kRowBytes + 16 * (chunk ^ ((row * kRowBytes / 128) % kChunks));
+}
+
 // prefetch.tensormap: brings the descriptor into the cache before the first copy needs it.
 __device__ __forceinline__ void tma_prefetch(const TensorMap* map) {
     asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");

@@ -25,6 +25,7 @@
 #include "common.cuh"
 #include "e4m3.cuh"
 #include "mma_sync.cuh"
+#include "tma.cuh"
 
 namespace ptxattn {
 
@@ -33,13 +34,6 @@ __device__ __forceinline__ uint32_t byte_permute(uint32_t a, uint32_t b, uint32_
     uint32_t d;
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
     return d;
-}
-
-// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of kRowBytes-byte swizzled rows.
-template <int kRowBytes>
-__device__ __forceinline__ uint32_t swizzled_offset(int row, int chunk) {
-    constexpr int kChunks = kRowBytes / 16;
-    return row * kRowBytes + 16 * (chunk ^ ((row * kRowBytes / 128) % kChunks));
 }
 
 // Transposes src [kKeys x kCols] (kCols e4m3 per key, in slabs of kSrcRowBytes-byte rows, slab s

@@ -78,7 +78,7 @@ SCHEDULES = {
 }
 
 # FP8: block_n is 64 or a multiple of 32 from 128 (V is transposed into regions of 128 keys).
-# Shared memory: (128 + 2 * stages * block_n) * head_dim bytes for Q, K, V plus the Vt ring.
+# Shared memory: (block_m + 2 * stages * block_n) * head_dim bytes for Q, K, V plus the Vt ring.
 SCHEDULES_FP8 = {  # from scripts/check_fp8.py --sweep and its throughput table on an H100
     (64, False): Schedule(128, 3, persistent=True, l2_sections=False, consumers=3),
     (64, True): Schedule(128, 3, persistent=True, l2_sections=True, consumers=3),
