@@ -5,9 +5,10 @@
 //   warpgroup 0  producer: gives most of its registers away (setmaxnreg) and one thread issues
 //                TMA loads: each tile's Q, then K and V tiles of kBlockN keys through a
 //                kStages-deep ring of shared-memory buffers guarded by full/empty mbarriers.
-//   warpgroups 1 ..  consumers: each owns 64 query rows. S = Q K^T is a wgmma with both operands
-//                in shared memory; P = softmax(S) stays in registers and O += P V is a wgmma with
-//                A from registers and V read transposed (MN-major) from shared memory.
+//   warpgroups 1 ..  consumers: each owns 64 query rows. S = Q K^T is a wgmma with K in shared
+//                memory and Q there too, or (Q_IN_REGISTERS) in registers; P = softmax(S) stays
+//                in registers and O += P V is a wgmma with A from registers and V from shared
+//                memory (16-bit: read transposed, MN-major; FP8: the transposed copy Vt).
 // Schedule (FlashAttention-3): within a warpgroup the GEMMs of key block j+1 (Q K^T) and of
 // block j (P V) are issued together and the softmax of block j+1 runs while P V is in flight
 // (softmax.cuh only asks for O to be rescaled when a row max grew enough to matter);
