@@ -32,7 +32,7 @@ import numbers
 import warnings
 from dataclasses import dataclass
 
-from . import runtime
+from . import params, runtime
 from .quant import padded_seqlen
 
 FORMATS = ("mxfp8", "nvfp4")
@@ -61,10 +61,11 @@ def smem_bytes(fmt: str, head_dim: int) -> int:
 
 def kernel_spec(fmt: str, head_dim: int, emulate: bool) -> runtime.KernelSpec:
     build = "emulated" if emulate else "native"
+    nvfp4 = str(fmt == "nvfp4").lower()
     return runtime.KernelSpec(
-        f"blockscaled_{fmt}_d{head_dim}_{build}", _SOURCE, "fwd_blockscaled",
-        defines={"HEAD_DIM": head_dim, "IS_NVFP4": int(fmt == "nvfp4"),
-                 "PTXATTN_EMULATE_BLOCK_SCALE": int(emulate)},
+        f"blockscaled_{fmt}_d{head_dim}_{build}", _SOURCE,
+        f"ptxattn::attn_fwd_blockscaled<{head_dim}, {nvfp4}>",
+        defines={"PTXATTN_EMULATE_BLOCK_SCALE": int(emulate)},
         smem_bytes=smem_bytes(fmt, head_dim),
         archs=(_EMULATION_ARCH,) if emulate else (_NATIVE_ARCH,))
 
@@ -229,7 +230,6 @@ def blockscaled_attention(q, k, v, q_scale, k_scale, v_scale, *,
     (B, Hq, Sq), the natural log of each row's sum of exp(softmax_scale * q.k).
     """
     import cupy
-    import numpy as np
 
     from .api import require_cupy
 
@@ -253,9 +253,15 @@ def blockscaled_attention(q, k, v, q_scale, k_scale, v_scale, *,
         k_map = runtime.tensor_map(k, (1, BLOCK_N, 1, row), swizzle=row)
         # Keys past Sk are zero-filled by the TMA, whatever the padding holds.
         v_map = runtime.tensor_map(v[..., :p.seqlen_k], (1, 1, p.head_dim, BLOCK_N), swizzle=128)
-        runtime.launch(kernel, (-(-p.seqlen_q // BLOCK_M), p.heads_q, p.batch), (THREADS,), [
-            q_map, k_map, v_map, q_scale, k_scale, v_scale,
-            _device_scale(q_tensor_scale), _device_scale(k_tensor_scale), out, lse,
-            np.int32(p.seqlen_q), np.int32(p.seqlen_k), np.int32(p.heads_q), np.int32(p.heads_kv),
-            np.int32(p.padded_seqlen_k // 32), np.float32(p.softmax_scale), np.int32(causal)])
+        num_m_blocks = -(-p.seqlen_q // BLOCK_M)
+        args = params.FwdParams(
+            q_map=q_map, k_map=k_map, v_map=v_map, out=out, lse=lse, batch=p.batch,
+            seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, heads_q=p.heads_q, heads_kv=p.heads_kv,
+            q_per_kv=p.heads_q // p.heads_kv, scale_log2=p.softmax_scale * math.log2(math.e),
+            causal=int(causal), num_m_blocks=num_m_blocks, section_heads=1, q_scale=q_scale,
+            k_scale=k_scale, v_scale=v_scale, q_tensor_scale=_device_scale(q_tensor_scale),
+            k_tensor_scale=_device_scale(k_tensor_scale), v_scale_row=p.padded_seqlen_k // 32)
+        (args.out_stride_b, args.out_stride_s, args.out_stride_h) = params.strides(out)
+        (args.lse_stride_b, args.lse_stride_h) = params.strides(lse, 2)
+        runtime.launch(kernel, (num_m_blocks * p.heads_q * p.batch,), (THREADS,), [args])
     return out, lse

@@ -19,9 +19,7 @@ import functools
 import math
 from typing import Callable
 
-import numpy as np
-
-from . import runtime
+from . import params, runtime
 
 ARCHS = ("sm_90a",)
 HEAD_DIMS = (64, 128, 256)
@@ -112,10 +110,41 @@ def _smem_bytes(head_dim: int, block_n: int, stages: int, fp8: bool = False,
     return tiles + out + barriers + 1024  # + alignment of the base to the 1024-byte swizzle atom
 
 
-def spec(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | None = None,
-         out_dtype: str = "bfloat16", consumers: int | None = None,
-         stale_max_first: bool | None = None,
-         q_in_registers: bool | None = None) -> runtime.KernelSpec:
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """The template arguments of one ``attn_fwd_sm90<Sm90Config<...>>`` instantiation
+    (ptx_src/mainloop_sm90.cuh documents each)."""
+    head_dim: int
+    block_n: int
+    stages: int
+    fp8: bool
+    bf16: bool
+    causal: bool
+    consumers: int
+    staged_out: bool
+    stale_max_first: bool
+    q_in_registers: bool
+    smem_bytes: int
+
+    @property
+    def block_m(self) -> int:
+        return ROWS_PER_CONSUMER * self.consumers
+
+    @property
+    def threads(self) -> int:
+        return 128 * (1 + self.consumers)  # producer + consumer warpgroups
+
+    def template_args(self) -> str:
+        flags = (self.fp8, self.bf16, self.causal)
+        later = (self.staged_out, self.stale_max_first, self.q_in_registers)
+        return ", ".join([str(self.head_dim), str(self.block_n), str(self.stages)] +
+                         [str(f).lower() for f in flags] + [str(self.consumers)] +
+                         [str(f).lower() for f in later] + [str(self.smem_bytes)])
+
+
+def variant(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | None = None,
+            out_dtype: str = "bfloat16", consumers: int | None = None,
+            stale_max_first: bool | None = None, q_in_registers: bool | None = None) -> Variant:
     """The kernel variant for inputs of ``dtype`` (bfloat16, float16 or float8_e4m3fn; FP8
     writes ``out_dtype``, 16-bit inputs their own type)."""
     fp8 = dtype == FP8
@@ -130,21 +159,28 @@ def spec(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | None 
     # The output goes through shared memory and a TMA store where there is room for it.
     staged_out = (_smem_bytes(head_dim, block_n, stages, fp8, True, consumers) <= SMEM_LIMIT)
     smem = _smem_bytes(head_dim, block_n, stages, fp8, staged_out, consumers)
+    return Variant(head_dim, block_n, stages, fp8, bool(DTYPES[out]), causal, consumers,
+                   staged_out, stale_max_first, q_in_registers, smem)
+
+
+def spec_of(v: Variant, out_dtype: str) -> runtime.KernelSpec:
     return runtime.KernelSpec(
-        name=(f"fwd_sm90_{'e4m3_' + out if fp8 else dtype}_d{head_dim}_n{block_n}_s{stages}"
-              f"{'_c3' if consumers == 3 else ''}{'_smf' if stale_max_first else ''}"
-              f"{'_qr' if q_in_registers else ''}"
-              f"{'_causal' if causal else ''}"),
+        name=(f"fwd_sm90_{'e4m3_' + out_dtype if v.fp8 else out_dtype}_d{v.head_dim}"
+              f"_n{v.block_n}_s{v.stages}{'_c3' if v.consumers == 3 else ''}"
+              f"{'_smf' if v.stale_max_first else ''}{'_qr' if v.q_in_registers else ''}"
+              f"{'_causal' if v.causal else ''}"),
         source="fwd_sm90.cu",
-        entry="attn_fwd_sm90",
-        defines={"HEAD_DIM": head_dim, "BLOCK_N": block_n, "STAGES": stages,
-                 "IS_FP8": int(fp8), "IS_BF16": DTYPES[out], "IS_CAUSAL": int(causal),
-                 "CONSUMERS": consumers, "STALE_MAX_FIRST": int(stale_max_first),
-                 "Q_IN_REGISTERS": int(q_in_registers),
-                 "STAGED_OUT": int(staged_out), "SMEM_BYTES": smem},
-        smem_bytes=smem,
+        entry=f"ptxattn::attn_fwd_sm90<ptxattn::Sm90Config<{v.template_args()}>>",
+        smem_bytes=v.smem_bytes,
         archs=ARCHS,
     )
+
+
+def spec(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | None = None,
+         out_dtype: str = "bfloat16", **choices) -> runtime.KernelSpec:
+    """The KernelSpec of variant(...)."""
+    v = variant(dtype, head_dim, causal, tiles, out_dtype, **choices)
+    return spec_of(v, out_dtype if v.fp8 else dtype)
 
 
 def variants() -> list[runtime.KernelSpec]:
@@ -189,18 +225,6 @@ def _tile_counter(device_id: int):
     return counter
 
 
-def _no_descales() -> list:
-    return [np.uint64(0)] + [np.int64(0)] * 3 + [np.uint64(0)] + [np.int64(0)] * 3 + [
-        np.uint64(0)] + [np.int64(0)] * 2
-
-
-def _descale_args(descales) -> list:
-    (q_d, k_d, v_d) = descales
-    return [q_d.array, np.int64(q_d.stride_b), np.int64(q_d.stride_h), np.int64(q_d.stride_block),
-            k_d.array, np.int64(k_d.stride_b), np.int64(k_d.stride_h), np.int64(k_d.stride_block),
-            v_d.array, np.int64(v_d.stride_b), np.int64(v_d.stride_h)]
-
-
 _launches = runtime.LaunchCache()
 
 
@@ -237,20 +261,14 @@ def _prepare(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
         elif 128 % tiles[0]:
             raise ValueError(f"k descales that vary per 128 keys need keys per tile dividing 128, "
                              f"got {tiles[0]}")
-    kernel_spec = spec(FP8 if fp8 else str(q.dtype), head_dim, causal, tiles,
-                       out_dtype=str(out.dtype), consumers=consumers,
-                       stale_max_first=stale_max_first, q_in_registers=q_in_registers)
-    block_n = kernel_spec.defines["BLOCK_N"]
-    block_m = ROWS_PER_CONSUMER * kernel_spec.defines["CONSUMERS"]
-    kernel = runtime.load(kernel_spec)
+    v_info = variant(FP8 if fp8 else str(q.dtype), head_dim, causal, tiles,
+                     out_dtype=str(out.dtype), consumers=consumers,
+                     stale_max_first=stale_max_first, q_in_registers=q_in_registers)
+    kernel = runtime.load(spec_of(v_info, str(out.dtype)))
     box_cols = min(head_dim, 128) if fp8 else BOX_COLS
     swizzle = box_cols * q.itemsize
-    q_map = runtime.tensor_map(q, (1, block_m, 1, box_cols), swizzle=swizzle)
-    k_map = runtime.tensor_map(k, (1, block_n, 1, box_cols), swizzle=swizzle)
-    v_map = runtime.tensor_map(v, (1, block_n, 1, box_cols), swizzle=swizzle)
-    out_map = runtime.tensor_map(out, (1, ROWS_PER_CONSUMER, 1, BOX_COLS),
-                                 swizzle=BOX_COLS * out.itemsize)
-    num_tiles = batch * heads_q * math.ceil(seqlen_q / block_m)
+    num_m_blocks = math.ceil(seqlen_q / v_info.block_m)
+    num_tiles = batch * heads_q * num_m_blocks
     schedule = (SCHEDULES_FP8 if fp8 else SCHEDULES)[head_dim, causal]
     if sections is None:
         sections = (section_heads(batch, heads_q, heads_kv, seqlen_k, head_dim, q.itemsize)
@@ -262,15 +280,29 @@ def _prepare(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
         blocks = min(num_tiles, _sm_count(q.device.id))
     if grid_blocks is not None:
         blocks = min(num_tiles, grid_blocks)
-    stride_b, stride_s, stride_h, _ = (s // out.itemsize for s in out.strides)
-    counter = _tile_counter(q.device.id) if persistent and causal else np.uint64(0)
-    args = [q_map, k_map, v_map, out_map, out, np.int64(stride_b), np.int64(stride_s),
-            np.int64(stride_h), lse, np.int32(seqlen_q), np.int32(seqlen_k), np.int32(batch),
-            np.int32(heads_q), np.int32(heads_q // heads_kv), np.int32(sections), counter,
-            np.float32(softmax_scale * math.log2(math.e))]
-    args += _descale_args(descales) if fp8 else _no_descales()
-    threads = 128 * (1 + kernel_spec.defines["CONSUMERS"])  # producer + consumer warpgroups
-    return runtime.PreparedLaunch(kernel, grid=(blocks, 1, 1), block=(threads, 1, 1), args=args)
+    p = params.FwdParams(
+        q_map=runtime.tensor_map(q, (1, v_info.block_m, 1, box_cols), swizzle=swizzle),
+        k_map=runtime.tensor_map(k, (1, v_info.block_n, 1, box_cols), swizzle=swizzle),
+        v_map=runtime.tensor_map(v, (1, v_info.block_n, 1, box_cols), swizzle=swizzle),
+        out_map=runtime.tensor_map(out, (1, ROWS_PER_CONSUMER, 1, BOX_COLS),
+                                   swizzle=BOX_COLS * out.itemsize),
+        q=q, k=k, v=v, out=out, lse=lse, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        heads_q=heads_q, heads_kv=heads_kv, q_per_kv=heads_q // heads_kv,
+        scale_log2=softmax_scale * math.log2(math.e), causal=int(causal),
+        num_m_blocks=num_m_blocks, section_heads=sections,
+        tile_counter=_tile_counter(q.device.id) if persistent and causal else 0)
+    (p.out_stride_b, p.out_stride_s, p.out_stride_h) = params.strides(out)
+    (p.lse_stride_b, p.lse_stride_h) = params.strides(lse, 2)
+    if fp8:
+        q_d, k_d, v_d = descales
+        p.q_descale, p.k_descale, p.v_descale = q_d.array, k_d.array, v_d.array
+        (p.q_descale_stride_b, p.q_descale_stride_h, p.q_descale_stride_block) = (
+            q_d.stride_b, q_d.stride_h, q_d.stride_block)
+        (p.k_descale_stride_b, p.k_descale_stride_h, p.k_descale_stride_block) = (
+            k_d.stride_b, k_d.stride_h, k_d.stride_block)
+        (p.v_descale_stride_b, p.v_descale_stride_h) = (v_d.stride_b, v_d.stride_h)
+    return runtime.PreparedLaunch(kernel, grid=(blocks, 1, 1), block=(v_info.threads, 1, 1),
+                                  args=[p])
 
 
 def forward(q, k, v, out, lse, *, causal: bool, softmax_scale: float, **overrides) -> None:

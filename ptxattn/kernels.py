@@ -16,7 +16,7 @@ import json
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
-from . import runtime
+from . import archs, runtime
 
 # Every module that ships kernels; each has variants() -> list[KernelSpec].
 FAMILY_MODULES = ("ptxattn.portable", "ptxattn.hopper", "ptxattn.fp8", "ptxattn.blockscaled",
@@ -51,7 +51,7 @@ def _problems(row: dict) -> list[str]:
     found = []
     if row["spill_bytes"]:
         found.append(f"spills {row['spill_bytes']} bytes")
-    limit = runtime.SMEM_LIMIT_BYTES[row["arch"]]
+    limit = archs.SMEM_LIMIT_BYTES[row["arch"]]
     if row["smem_bytes"] > limit:
         found.append(f"needs {row['smem_bytes']} bytes of shared memory, over {limit}")
     if row["wgmma_serialized"]:

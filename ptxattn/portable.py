@@ -12,16 +12,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import numpy as np
+from . import archs, params, runtime
 
-from . import runtime
-
-# The kernel needs only sm_80 features; sm_86/sm_89 have the small shared memory of sm_120a.
-ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_120a")
+# The kernel needs only sm_80 features, so it runs on every architecture ptxattn knows.
+ARCHS = archs.running("portable")
 HEAD_DIMS = (64, 128, 256)
 DTYPES = {"bfloat16": 1, "float16": 0}
 SOURCE = "fwd_mma_sync.cu"
-ENTRY = "fwd_mma_sync"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +38,8 @@ class Tile:
         return f"m{self.block_m}_n{self.block_n}_w{self.warps}_s{self.stages}_b{self.min_blocks}"
 
 
-_SMALL_SMEM = ("sm_86", "sm_89", "sm_120a")  # 99 KB of shared memory per block
+# Where a block may have the 196 KB that head_dim 256's widest tile takes.
+_LARGE_SMEM = tuple(a for a in ARCHS if archs.get(a).smem_per_block >= 196 * 1024)
 
 # (head_dim, causal) -> [(archs, tile)], chosen with scripts/check_portable.py on the H100 (bf16,
 # batch * seqlen = 8192-16384, seqlen 2048). A warp owning 32 rows halves K/V shared-memory
@@ -54,8 +52,8 @@ TILES: dict[tuple[int, bool], list[tuple[tuple[str, ...], Tile]]] = {
     (64, True): [(ARCHS, Tile(128, 64, 4, 2, 2))],
     (128, False): [(ARCHS, Tile(128, 32, 4, 3, 2))],
     (128, True): [(ARCHS, Tile(128, 32, 4, 3, 2))],
-    (256, False): [(("sm_90a",), Tile(128, 64, 8, 2, 1)),
-                   (("sm_80",) + _SMALL_SMEM, Tile(64, 32, 4, 2, 2))],
+    (256, False): [(_LARGE_SMEM, Tile(128, 64, 8, 2, 1)),
+                   (tuple(a for a in ARCHS if a not in _LARGE_SMEM), Tile(64, 32, 4, 2, 2))],
     (256, True): [(ARCHS, Tile(64, 32, 4, 2, 2))],
 }
 
@@ -69,13 +67,12 @@ def tile_for(head_dim: int, causal: bool, arch: str) -> Tile:
 
 def spec(dtype: str, head_dim: int, causal: bool, tile: Tile,
          archs: tuple[str, ...] = ARCHS) -> runtime.KernelSpec:
+    config = (f"{head_dim}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.stages}, "
+              f"{str(bool(DTYPES[dtype])).lower()}, {str(causal).lower()}, {tile.min_blocks}")
     return runtime.KernelSpec(
         name=f"fwd_mma_sync_{dtype}_d{head_dim}_{tile.label()}{'_causal' if causal else ''}",
         source=SOURCE,
-        entry=ENTRY,
-        defines={"HEAD_DIM": head_dim, "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n,
-                 "NUM_WARPS": tile.warps, "STAGES": tile.stages, "IS_BF16": DTYPES[dtype],
-                 "IS_CAUSAL": int(causal), "MIN_BLOCKS_PER_SM": tile.min_blocks},
+        entry=f"ptxattn::attn_fwd_mma_sync<ptxattn::MmaSyncConfig<{config}>>",
         smem_bytes=tile.smem_bytes(head_dim),
         archs=archs,
     )
@@ -85,10 +82,6 @@ def variants() -> list[runtime.KernelSpec]:
     return [spec(dtype, head_dim, causal, tile, archs)
             for dtype in DTYPES for (head_dim, causal), tiles in TILES.items()
             for archs, tile in tiles]
-
-
-def _element_strides(x) -> list[np.int64]:
-    return [np.int64(s // x.itemsize) for s in x.strides[:3]]
 
 
 # The kernel forms a thread's offset within a load pass, (row < 32) * seq_stride, in 32 bits.
@@ -117,15 +110,18 @@ def _prepare(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
     arch = runtime.device_arch()
     kernel = runtime.load(spec(str(q.dtype), head_dim, causal, tile, (arch,)))
     num_m_blocks = math.ceil(seqlen_q / tile.block_m)
-    return runtime.PreparedLaunch(
-        kernel,
-        grid=(num_m_blocks * batch * heads_q,),
-        block=(32 * tile.warps,),
-        args=[q, k, v, out, lse, *_element_strides(q), *_element_strides(k),
-              *_element_strides(v), *_element_strides(out), np.int32(seqlen_q),
-              np.int32(seqlen_k), np.int32(heads_q), np.int32(heads_q // heads_kv),
-              np.int32(num_m_blocks), np.float32(softmax_scale * math.log2(math.e))],
-    )
+    p = params.FwdParams(
+        q=q, k=k, v=v, out=out, lse=lse, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        heads_q=heads_q, heads_kv=heads_kv, q_per_kv=heads_q // heads_kv,
+        scale_log2=softmax_scale * math.log2(math.e), causal=int(causal),
+        num_m_blocks=num_m_blocks, section_heads=1)
+    (p.q_stride_b, p.q_stride_s, p.q_stride_h) = params.strides(q)
+    (p.k_stride_b, p.k_stride_s, p.k_stride_h) = params.strides(k)
+    (p.v_stride_b, p.v_stride_s, p.v_stride_h) = params.strides(v)
+    (p.out_stride_b, p.out_stride_s, p.out_stride_h) = params.strides(out)
+    (p.lse_stride_b, p.lse_stride_h) = params.strides(lse, 2)
+    return runtime.PreparedLaunch(kernel, grid=(num_m_blocks * batch * heads_q,),
+                                  block=(32 * tile.warps,), args=[p])
 
 
 def forward(q, k, v, out, lse, *, causal: bool, softmax_scale: float) -> None:

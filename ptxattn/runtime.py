@@ -1,7 +1,9 @@
 """Run-time compilation, caching, loading and launching of CUDA kernels from ``ptx_src/``.
 
 Nothing here knows about attention. A kernel variant is described by a :class:`KernelSpec`
-(source file, entry point, ``-D`` defines, dynamic shared memory); :func:`compile` turns it into
+(source file, entry point, ``-D`` defines, dynamic shared memory); the entry point may be a
+template instantiation such as ``ns::kernel<128, true>``, which NVRTC instantiates from the
+source through a name expression, so a variant needs no generated source. :func:`compile` turns it into
 a CUBIN for an architecture with NVRTC (no GPU needed), :func:`load` puts it on the current CuPy
 device, and :func:`launch` runs it on CuPy's current stream through ``cuLaunchKernelEx``.
 
@@ -36,16 +38,7 @@ def _source_dir() -> Path:
 
 SOURCE_DIR = _source_dir()
 
-# Largest dynamic + static shared memory one block may use, per compile target.
-SMEM_LIMIT_BYTES = {
-    "sm_80": 163 * 1024,
-    "sm_86": 99 * 1024,
-    "sm_89": 99 * 1024,
-    "sm_90a": 227 * 1024,
-    "sm_120a": 99 * 1024,
-}
-
-_CACHE_MAGIC = b"PTXATTN-CUBIN-1\n"
+_CACHE_MAGIC = b"PTXATTN-CUBIN-2\n"
 
 
 class PtxattnError(RuntimeError):
@@ -68,7 +61,11 @@ class CudaError(PtxattnError):
 
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
-    """One compile-time variant of a kernel: everything that determines its binary."""
+    """One compile-time variant of a kernel: everything that determines its binary.
+
+    ``entry`` is the kernel's name, or a name expression instantiating a ``__global__``
+    function template (``ns::kernel<Config<128, 2>>``): NVRTC instantiates it and reports the
+    lowered (mangled) symbol, which is what is loaded."""
 
     name: str
     source: str
@@ -80,6 +77,10 @@ class KernelSpec:
     def __hash__(self) -> int:
         return hash((self.name, self.source, self.entry, tuple(sorted(self.defines.items())),
                      self.smem_bytes, self.archs))
+
+    @property
+    def is_template(self) -> bool:
+        return "<" in self.entry
 
     def options(self, arch: str) -> list[str]:
         opts = [f"--gpu-architecture={arch}", "-std=c++17", "--ptxas-options=-v",
@@ -130,6 +131,7 @@ class CompiledKernel:
     cubin: bytes
     report: PtxasReport | None
     log: str
+    symbol: str = ""  # the entry's lowered name in the cubin (spec.entry when not a template)
 
     @property
     def spill_bytes(self) -> int:
@@ -201,8 +203,9 @@ def cache_key(spec: KernelSpec, arch: str) -> str:
     return f"{spec.entry}-{arch}-{digest.hexdigest()[:32]}"
 
 
-def _read_cache_entry(path: Path) -> tuple[bytes, str] | None:
-    """(cubin, log) from a cache file, or None if it is missing, truncated or corrupt."""
+def _read_cache_entry(path: Path) -> tuple[bytes, str, str] | None:
+    """(cubin, log, symbol) from a cache file, or None if it is missing, truncated or
+    corrupt."""
     try:
         blob = path.read_bytes()
     except OSError:
@@ -218,15 +221,15 @@ def _read_cache_entry(path: Path) -> tuple[bytes, str] | None:
         if len(payload) != header["size"] or hashlib.sha256(payload).hexdigest() != header["sha256"]:
             return None
         log_len = header["log_size"]
-        return payload[log_len:], payload[:log_len].decode()
+        return payload[log_len:], payload[:log_len].decode(), header["symbol"]
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         return None
 
 
-def _write_cache_entry(path: Path, cubin: bytes, log: str) -> None:
+def _write_cache_entry(path: Path, cubin: bytes, log: str, symbol: str) -> None:
     log_bytes = log.encode()
     payload = log_bytes + cubin
-    header = json.dumps({"size": len(payload), "log_size": len(log_bytes),
+    header = json.dumps({"size": len(payload), "log_size": len(log_bytes), "symbol": symbol,
                          "sha256": hashlib.sha256(payload).hexdigest()}).encode()
     path.parent.mkdir(parents=True, exist_ok=True)
     # Publish atomically so a concurrent reader sees either nothing or a whole entry.
@@ -240,12 +243,15 @@ def _write_cache_entry(path: Path, cubin: bytes, log: str) -> None:
         raise
 
 
-def _nvrtc_compile(spec: KernelSpec, arch: str) -> tuple[bytes, str]:
+def _nvrtc_compile(spec: KernelSpec, arch: str) -> tuple[bytes, str, str]:
     nvrtc = _nvrtc()
     text = (SOURCE_DIR / spec.source).read_text()
     err, prog = nvrtc.nvrtcCreateProgram(text.encode(), spec.source.encode(), 0, [], [])
     _check_nvrtc(err, "nvrtcCreateProgram")
     try:
+        if spec.is_template:
+            (err,) = nvrtc.nvrtcAddNameExpression(prog, spec.entry.encode())
+            _check_nvrtc(err, f"nvrtcAddNameExpression({spec.entry})")
         opts = [o.encode() for o in spec.options(arch)]
         (result,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         err, size = nvrtc.nvrtcGetProgramLogSize(prog)
@@ -260,7 +266,31 @@ def _nvrtc_compile(spec: KernelSpec, arch: str) -> tuple[bytes, str]:
         cubin = b" " * size
         (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
         _check_nvrtc(err, "nvrtcGetCUBIN")
-        return bytes(cubin), log_text
+        symbol = spec.entry
+        if spec.is_template:
+            err, lowered = nvrtc.nvrtcGetLoweredName(prog, spec.entry.encode())
+            _check_nvrtc(err, f"nvrtcGetLoweredName({spec.entry})")
+            symbol = lowered.decode()
+        return bytes(cubin), log_text, symbol
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def check_source(text: str, name: str, arch: str) -> None:
+    """Compiles CUDA source text against ptx_src's headers for ``arch`` (no GPU needed), raising
+    CompileError with NVRTC's log if it does not compile: for static checks, such as a layout
+    that host code mirrors."""
+    nvrtc = _nvrtc()
+    err, prog = nvrtc.nvrtcCreateProgram(text.encode(), name.encode(), 0, [], [])
+    _check_nvrtc(err, "nvrtcCreateProgram")
+    try:
+        opts = [o.encode() for o in (f"--gpu-architecture={arch}", "-std=c++17", f"-I{SOURCE_DIR}")]
+        (result,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        if int(result) != 0:
+            err, size = nvrtc.nvrtcGetProgramLogSize(prog)
+            log = b" " * size
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise CompileError(name, arch, log.rstrip(b"\0 ").decode(errors="replace"))
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
@@ -282,8 +312,8 @@ def compile(spec: KernelSpec, arch: str) -> CompiledKernel:  # noqa: A001 - the 
     if entry is None:
         entry = _nvrtc_compile(spec, arch)
         _write_cache_entry(path, *entry)
-    cubin, log = entry
-    compiled = CompiledKernel(spec, arch, cubin, PtxasReport.parse(log, spec.entry), log)
+    cubin, log, symbol = entry
+    compiled = CompiledKernel(spec, arch, cubin, PtxasReport.parse(log, symbol), log, symbol)
     with _lock:
         _compiled[(spec, arch)] = compiled
     return compiled
@@ -310,14 +340,6 @@ def _check(result, what: str):
     return values[0] if len(values) == 1 else tuple(values)
 
 
-def arch_for_capability(major: int, minor: int) -> str:
-    if (major, minor) == (9, 0):
-        return "sm_90a"
-    if (major, minor) == (12, 0):
-        return "sm_120a"
-    return f"sm_{major}{minor}"
-
-
 def device_arch(device_id: int | None = None) -> str:
     """The compile target of a CuPy device (default: the current one)."""
     import cupy
@@ -327,6 +349,8 @@ def device_arch(device_id: int | None = None) -> str:
 @functools.lru_cache(maxsize=None)
 def _arch_of_device(device_id: int) -> str:
     import cupy
+    from .archs import arch_for_capability  # the architecture facts live in one module
+
     major, minor = (int(c) for c in cupy.cuda.Device(device_id).compute_capability)
     return arch_for_capability(major, minor)
 
@@ -371,7 +395,7 @@ def load(spec: KernelSpec) -> LoadedKernel:
     _ensure_context()
     driver = _driver()
     module = _check(driver.cuModuleLoadData(compiled.cubin), f"cuModuleLoadData({spec.name})")
-    function = _check(driver.cuModuleGetFunction(module, spec.entry.encode()),
+    function = _check(driver.cuModuleGetFunction(module, compiled.symbol.encode()),
                       f"cuModuleGetFunction({spec.entry})")
     if spec.smem_bytes > 48 * 1024:
         attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -484,8 +508,11 @@ def _argument(value) -> ctypes._SimpleCData | ctypes.Array:
         return (ctypes.c_ubyte * 128).from_buffer_copy(value._buffer)
     if isinstance(value, np.generic):
         return (ctypes.c_ubyte * value.nbytes).from_buffer_copy(value.tobytes())
+    if isinstance(value, ctypes.Structure):  # a params struct, passed by value (copied)
+        return (ctypes.c_ubyte * ctypes.sizeof(value)).from_buffer_copy(value)
     raise TypeError(f"kernel argument of type {type(value).__name__} is not supported: pass a "
-                    "cupy.ndarray, a TensorMap or a NumPy scalar such as np.int32(...)")
+                    "cupy.ndarray, a TensorMap, a ctypes.Structure or a NumPy scalar such as "
+                    "np.int32(...)")
 
 
 class PreparedLaunch:

@@ -15,9 +15,11 @@ def time_ms(fn, warmup: int = 3, repeats: int = 15, launches: int = 10) -> float
 def time_ms_interleaved(fns: dict, warmup: int = 3, repeats: int = 15,
                         launches: int = 10) -> dict:
     """time_ms of each function of ``fns`` (name -> callable), sampled in turns: round r times
-    every function once. A GPU's clock follows its temperature and power draw, which the previous
-    work set, so timing one function after the other would hand each the state its predecessor
-    left; taking turns gives all of them the same mix."""
+    every function once, odd rounds in reverse order. A GPU's clock follows its temperature and
+    power draw, which the previous work set, so timing one function after the other would hand
+    each the state its predecessor left; taking turns gives all of them the same mix, and
+    reversing the turns keeps one function from always following the same neighbour (on a
+    power-capped H100 a fixed order cost the function after a heavy kernel up to 10%)."""
     import cupy
 
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
@@ -25,8 +27,9 @@ def time_ms_interleaved(fns: dict, warmup: int = 3, repeats: int = 15,
         for _ in range(warmup):
             fn()
     times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    order = list(fns.items())
+    for round_index in range(repeats):
+        for name, fn in (order if round_index % 2 == 0 else order[::-1]):
             start.record()
             for _ in range(launches):
                 fn()

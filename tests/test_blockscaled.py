@@ -26,8 +26,9 @@ from ptxattn import blockscaled, quant, runtime
 
 def test_variants_cover_native_and_emulated_builds():
     kernels = [s for s in blockscaled.variants() if s.source == "fwd_blockscaled.cu"]
-    assert {(s.defines["IS_NVFP4"], s.defines["HEAD_DIM"], s.archs) for s in kernels} == {
-        (f, d, a) for f in (0, 1) for d in (64, 128) for a in (("sm_120a",), ("sm_90a",))}
+    assert {(s.entry, s.archs) for s in kernels} == {
+        (f"ptxattn::attn_fwd_blockscaled<{d}, {nvfp4}>", a) for nvfp4 in ("false", "true")
+        for d in (64, 128) for a in (("sm_120a",), ("sm_90a",))}
     for s in kernels:
         assert s.defines["PTXATTN_EMULATE_BLOCK_SCALE"] == (s.archs == ("sm_90a",))
         assert s.smem_bytes <= 99 * 1024

@@ -1,0 +1,86 @@
+// Block info: which key blocks a tile of query rows visits, and which of them need a mask.
+//
+// A tile holds query rows [m0, m0 + kBlockM) of one sequence; key blocks hold kBlockN keys.
+// The tile visits key blocks [n_min, n_max): the blocks outside hold no key any of its rows
+// sees (mask.cuh), so they are skipped, never loaded. Inside, a block needs the mask when some
+// row of the tile may not see some key of it:
+//   right side: blocks from n_right_masked up (the seqlen_k tail, the causal diagonal or the
+//               window's right edge; the block's last key past the first row's last);
+//   left side:  blocks below n_left_unmasked (the window's left edge).
+// Kernels visit key blocks from the last to the first, so the right-masked blocks come first,
+// then the unmasked ones, then (only with a left window) the left-masked ones.
+//
+// Per-sequence lengths: a BlockInfo is made per tile from that sequence's lengths, so a varlen
+// tile scheduler passes each sequence's (seqlen_q, seqlen_k); seqlens_of reads them from
+// cumulative offsets when the call has them.
+#pragma once
+#include "common.cuh"
+#include "mask.cuh"
+
+namespace ptxattn {
+
+__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// The lengths of sequence `batch` and where its rows start: fixed for every sequence, or from
+// cumulative offsets (int32, batch + 1 entries) when given.
+struct SeqLens {
+    int seqlen_q;
+    int seqlen_k;
+    int offset_q;  // first row of the sequence in the packed q / out (0 without offsets)
+    int offset_k;
+
+    __device__ __forceinline__ static SeqLens of(int batch, int seqlen_q, int seqlen_k,
+                                                 const int* cu_seqlens_q,
+                                                 const int* cu_seqlens_k) {
+        SeqLens lens{seqlen_q, seqlen_k, 0, 0};
+        if (cu_seqlens_q != nullptr) {
+            lens.offset_q = cu_seqlens_q[batch];
+            lens.seqlen_q = cu_seqlens_q[batch + 1] - lens.offset_q;
+        }
+        if (cu_seqlens_k != nullptr) {
+            lens.offset_k = cu_seqlens_k[batch];
+            lens.seqlen_k = cu_seqlens_k[batch + 1] - lens.offset_k;
+        }
+        return lens;
+    }
+};
+
+template <int kBlockM, int kBlockN>
+struct BlockInfo {
+    SeqMask mask;
+    int seqlen_q;
+
+    __device__ __forceinline__ BlockInfo(int seqlen_q_, int seqlen_k, bool causal,
+                                         int window_left = -1, int window_right = -1)
+        : mask(SeqMask::make(seqlen_q_, seqlen_k, causal, window_left, window_right)),
+          seqlen_q(seqlen_q_) {}
+
+    // The tile's last real row (rows past seqlen_q are padding whose results are dropped).
+    __device__ __forceinline__ int last_row(int m_block) const {
+        return min((m_block + 1) * kBlockM, seqlen_q) - 1;
+    }
+
+    // One past the last key block the tile visits (0: it visits none).
+    __device__ __forceinline__ int n_max(int m_block) const {
+        const int keys = mask.key_end(last_row(m_block));
+        return keys <= 0 ? 0 : ceil_div(keys, kBlockN);
+    }
+
+    // The first key block the tile visits.
+    __device__ __forceinline__ int n_min(int m_block) const {
+        return mask.window_left < 0 ? 0 : mask.key_begin(m_block * kBlockM) / kBlockN;
+    }
+
+    // Blocks from this one up need the right-side mask.
+    __device__ __forceinline__ int n_right_masked(int m_block) const {
+        const int keys = mask.key_end(m_block * kBlockM);
+        return keys <= 0 ? 0 : min(mask.seqlen_k / kBlockN, keys / kBlockN);
+    }
+
+    // Blocks below this one need the left-side mask (none without a left window).
+    __device__ __forceinline__ int n_left_unmasked(int m_block) const {
+        return mask.window_left < 0 ? 0 : ceil_div(mask.key_begin(last_row(m_block)), kBlockN);
+    }
+};
+
+}  // namespace ptxattn

@@ -1,0 +1,77 @@
+// The arguments of every attention forward kernel: one struct, passed by value as
+// `const __grid_constant__ FwdParams` and filled once on the host by ptxattn/params.py, which
+// mirrors this layout field for field (tests/test_params.py compiles a check of every offset).
+//
+// Each family reads the fields it needs: the Hopper and block-scaled kernels load through the
+// tensor maps, the portable kernel through the pointers and strides. Strides are in elements,
+// 64-bit, per (batch, seqlen, head); head_dim has unit stride. The mask is described by
+// `causal` and the window (mask.cuh); `cu_seqlens_*` are the hooks for per-sequence lengths
+// (block_info.cuh), null for fixed-length batches.
+#pragma once
+#include "common.cuh"
+#include "tma.cuh"
+
+namespace ptxattn {
+
+struct alignas(64) FwdParams {
+    // TMA descriptors (sm_90+ kernels): 4-d maps over (batch, seqlen, heads, head_dim), or the
+    // layouts ptxattn/hopper.py and ptxattn/blockscaled.py document.
+    TensorMap q_map;
+    TensorMap k_map;
+    TensorMap v_map;
+    TensorMap out_map;
+
+    const void* q;
+    const void* k;
+    const void* v;
+    void* out;
+    float* lse;  // float32, [batch * lse_stride_b + head * lse_stride_h + row]
+
+    int64_t q_stride_b, q_stride_s, q_stride_h;
+    int64_t k_stride_b, k_stride_s, k_stride_h;
+    int64_t v_stride_b, v_stride_s, v_stride_h;
+    int64_t out_stride_b, out_stride_s, out_stride_h;
+    int64_t lse_stride_b, lse_stride_h;
+
+    int batch;
+    int seqlen_q;
+    int seqlen_k;
+    int heads_q;
+    int heads_kv;
+    int q_per_kv;  // heads_q / heads_kv (GQA/MQA)
+    float scale_log2;  // softmax_scale * log2(e)
+
+    // Mask: bottom-right aligned causal; window sizes, -1 = unbounded (mask.cuh).
+    int causal;
+    int window_left;
+    int window_right;
+
+    // Per-sequence lengths (varlen), null for a fixed-length batch.
+    const int* cu_seqlens_q;
+    const int* cu_seqlens_k;
+
+    // Tile schedule (tile_scheduler.cuh).
+    int num_m_blocks;
+    int section_heads;
+    int* tile_counter;  // dynamic persistent order: two zeroed ints, or null
+
+    // FP8 descales, float32 at [b * stride_b + h * stride_h + block * stride_block]: h the q head
+    // for q's, the kv head for k's and v's; stride 0 where a scale does not vary.
+    const float* q_descale;
+    int64_t q_descale_stride_b, q_descale_stride_h, q_descale_stride_block;
+    const float* k_descale;
+    int64_t k_descale_stride_b, k_descale_stride_h, k_descale_stride_block;
+    const float* v_descale;
+    int64_t v_descale_stride_b, v_descale_stride_h;
+
+    // Block-scaled formats (fwd_blockscaled.cu): per-row / per-key-chunk scale bytes and the
+    // NVFP4 per-tensor scales (1 for MXFP8).
+    const uint8_t* q_scale;
+    const uint8_t* k_scale;
+    const uint8_t* v_scale;
+    const float* q_tensor_scale;
+    const float* k_tensor_scale;
+    int v_scale_row;  // V scale bytes per head_dim row: padded seqlen_k / 32
+};
+
+}  // namespace ptxattn

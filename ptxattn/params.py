@@ -1,0 +1,97 @@
+"""The host mirror of ``ptx_src/params.cuh``'s ``FwdParams``: the one argument of every attention
+forward kernel.
+
+Field order, names and C types match the device struct; :func:`layout_check_source` turns this
+layout into static_asserts that NVRTC checks against the header (tests/test_params.py), so the two
+cannot drift apart unnoticed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+_TENSOR_MAP = ctypes.c_ubyte * 128
+_ALIGN = 64  # alignas(64): CUtensorMap's alignment
+
+# (name, ctypes type), in the device struct's order. Pointers travel as 64-bit addresses.
+_FIELDS = [
+    ("q_map", _TENSOR_MAP), ("k_map", _TENSOR_MAP), ("v_map", _TENSOR_MAP),
+    ("out_map", _TENSOR_MAP),
+    ("q", ctypes.c_uint64), ("k", ctypes.c_uint64), ("v", ctypes.c_uint64),
+    ("out", ctypes.c_uint64), ("lse", ctypes.c_uint64),
+    ("q_stride_b", ctypes.c_int64), ("q_stride_s", ctypes.c_int64), ("q_stride_h", ctypes.c_int64),
+    ("k_stride_b", ctypes.c_int64), ("k_stride_s", ctypes.c_int64), ("k_stride_h", ctypes.c_int64),
+    ("v_stride_b", ctypes.c_int64), ("v_stride_s", ctypes.c_int64), ("v_stride_h", ctypes.c_int64),
+    ("out_stride_b", ctypes.c_int64), ("out_stride_s", ctypes.c_int64),
+    ("out_stride_h", ctypes.c_int64),
+    ("lse_stride_b", ctypes.c_int64), ("lse_stride_h", ctypes.c_int64),
+    ("batch", ctypes.c_int32), ("seqlen_q", ctypes.c_int32), ("seqlen_k", ctypes.c_int32),
+    ("heads_q", ctypes.c_int32), ("heads_kv", ctypes.c_int32), ("q_per_kv", ctypes.c_int32),
+    ("scale_log2", ctypes.c_float),
+    ("causal", ctypes.c_int32), ("window_left", ctypes.c_int32), ("window_right", ctypes.c_int32),
+    ("cu_seqlens_q", ctypes.c_uint64), ("cu_seqlens_k", ctypes.c_uint64),
+    ("num_m_blocks", ctypes.c_int32), ("section_heads", ctypes.c_int32),
+    ("tile_counter", ctypes.c_uint64),
+    ("q_descale", ctypes.c_uint64), ("q_descale_stride_b", ctypes.c_int64),
+    ("q_descale_stride_h", ctypes.c_int64), ("q_descale_stride_block", ctypes.c_int64),
+    ("k_descale", ctypes.c_uint64), ("k_descale_stride_b", ctypes.c_int64),
+    ("k_descale_stride_h", ctypes.c_int64), ("k_descale_stride_block", ctypes.c_int64),
+    ("v_descale", ctypes.c_uint64), ("v_descale_stride_b", ctypes.c_int64),
+    ("v_descale_stride_h", ctypes.c_int64),
+    ("q_scale", ctypes.c_uint64), ("k_scale", ctypes.c_uint64), ("v_scale", ctypes.c_uint64),
+    ("q_tensor_scale", ctypes.c_uint64), ("k_tensor_scale", ctypes.c_uint64),
+    ("v_scale_row", ctypes.c_int32),
+]
+
+
+def _padded_fields() -> list:
+    """_FIELDS with the tail padding that alignas(64) gives the device struct (ctypes cannot
+    express the alignment; every tensor map sits at a multiple of 64 from the start)."""
+
+    class Unpadded(ctypes.Structure):
+        _fields_ = _FIELDS
+
+    size = ctypes.sizeof(Unpadded)
+    pad = math.ceil(size / _ALIGN) * _ALIGN - size
+    return _FIELDS + ([("_tail_padding", ctypes.c_ubyte * pad)] if pad else [])
+
+
+class FwdParams(ctypes.Structure):
+    """``FwdParams`` by value. Pointer fields take CuPy arrays (their device address) or 0,
+    tensor-map fields take ``runtime.TensorMap``s; the rest are plain numbers. Unset fields are
+    zero, except the window, which defaults to unbounded (-1)."""
+
+    _fields_ = _padded_fields()
+
+    def __init__(self, **fields):
+        super().__init__(window_left=-1, window_right=-1)
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+    def __setattr__(self, name, value):
+        kind = dict(_FIELDS).get(name)
+        if kind is _TENSOR_MAP:
+            value = _TENSOR_MAP.from_buffer_copy(value._buffer)
+        elif kind is ctypes.c_uint64 and hasattr(value, "data"):
+            value = value.data.ptr
+        elif kind is None and not name.startswith("_"):
+            raise AttributeError(f"FwdParams has no field {name!r}")
+        super().__setattr__(name, value)
+
+
+def strides(x, dims: int = 3) -> list[int]:
+    """The element strides of an array's first ``dims`` dimensions."""
+    return [s // x.itemsize for s in x.strides[:dims]]
+
+
+def layout_check_source() -> str:
+    """CUDA source asserting that params.cuh's FwdParams has this module's layout."""
+    lines = ['#include "params.cuh"', "using ptxattn::FwdParams;",
+             f"static_assert(sizeof(FwdParams) == {ctypes.sizeof(FwdParams)}, "
+             f'"sizeof(FwdParams) differs from ptxattn/params.py");']
+    for name, _ in _FIELDS:
+        offset = getattr(FwdParams, name).offset
+        lines.append(f"static_assert(__builtin_offsetof(FwdParams, {name}) == {offset}, "
+                     f'"FwdParams::{name} is not at offset {offset} as in ptxattn/params.py");')
+    return "\n".join(lines) + "\n"
