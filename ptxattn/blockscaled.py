@@ -30,10 +30,9 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from dataclasses import dataclass
 
-from . import params, runtime
-from .quant import padded_seqlen
+from . import dispatch, params, runtime
+from .problem import AttentionProblem, require_cupy
 
 FORMATS = ("mxfp8", "nvfp4")
 HEAD_DIMS = (64, 128)
@@ -44,7 +43,7 @@ THREADS = 256
 
 _SOURCE = "fwd_blockscaled.cu"
 _PROBE_SOURCE = "block_scale_mma_probe.cu"
-_NATIVE_ARCH = "sm_120a"
+_NATIVE_ARCHS = ("sm_120a", "sm_121a")  # consumer Blackwell: block-scaled mma.sync
 _EMULATION_ARCH = "sm_90a"
 
 
@@ -67,7 +66,7 @@ def kernel_spec(fmt: str, head_dim: int, emulate: bool) -> runtime.KernelSpec:
         f"ptxattn::attn_fwd_blockscaled<{head_dim}, {nvfp4}>",
         defines={"PTXATTN_EMULATE_BLOCK_SCALE": int(emulate)},
         smem_bytes=smem_bytes(fmt, head_dim),
-        archs=(_EMULATION_ARCH,) if emulate else (_NATIVE_ARCH,))
+        archs=(_EMULATION_ARCH,) if emulate else _NATIVE_ARCHS)
 
 
 def probe_spec(fmt: str, emulate: bool) -> runtime.KernelSpec:
@@ -76,7 +75,7 @@ def probe_spec(fmt: str, emulate: bool) -> runtime.KernelSpec:
     return runtime.KernelSpec(
         f"block_scale_probe_{fmt}_{build}", _PROBE_SOURCE, f"block_scale_probe_{fmt}",
         defines={"PTXATTN_EMULATE_BLOCK_SCALE": int(emulate)},
-        archs=(_EMULATION_ARCH,) if emulate else (_NATIVE_ARCH,))
+        archs=(_EMULATION_ARCH,) if emulate else _NATIVE_ARCHS)
 
 
 def variants() -> list[runtime.KernelSpec]:
@@ -88,124 +87,14 @@ def variants() -> list[runtime.KernelSpec]:
 
 
 def build_for_arch(arch: str) -> str:
-    """'native' on sm_120a, 'emulated' on sm_90a; other GPUs cannot run block-scaled attention."""
-    if arch == _NATIVE_ARCH:
+    """'native' on sm_120a/sm_121a, 'emulated' on sm_90a; other GPUs cannot run block-scaled
+    attention."""
+    if arch in _NATIVE_ARCHS:
         return "native"
     if arch == _EMULATION_ARCH:
         return "emulated"
-    raise RuntimeError(f"block-scaled attention runs on sm_120a (native) or sm_90a (emulated), "
+    raise RuntimeError(f"block-scaled attention runs on sm_120a/sm_121a (native) or sm_90a (emulated), "
                        f"not on this {arch} GPU")
-
-
-@dataclass(frozen=True)
-class Problem:
-    """The sizes blockscaled_attention derived and checked from its arguments."""
-
-    format: str
-    batch: int
-    seqlen_q: int
-    seqlen_k: int
-    heads_q: int
-    heads_kv: int
-    head_dim: int
-    padded_seqlen_k: int
-    softmax_scale: float
-
-
-def _check_array(name: str, x, shape: tuple, what: str) -> None:
-    if str(x.dtype) != "uint8":
-        raise TypeError(f"{name} must be uint8 ({what}), got dtype {x.dtype}")
-    if tuple(x.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape} ({what}), got {tuple(x.shape)}")
-    step = x.itemsize
-    for n, stride in zip(reversed(x.shape), reversed(x.strides)):
-        if n > 1 and stride != step:
-            raise ValueError(f"{name} must be C-contiguous, got strides {x.strides} for shape "
-                             f"{tuple(x.shape)}")
-        step *= n
-
-
-def _check_tensor_scale(name: str, value, fmt: str):
-    if fmt == "mxfp8":
-        if value is not None:
-            raise ValueError(f"{name} is an NVFP4 argument; MXFP8 has no per-tensor scale")
-        return
-    if value is None:
-        raise ValueError(f"format='nvfp4' needs {name}, the per-tensor FP32 scale")
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be finite and positive, got {value!r}")
-        return
-    if getattr(value, "size", None) != 1 or str(getattr(value, "dtype", "")) != "float32":
-        raise TypeError(f"{name} must be a positive float or a 1-element float32 array, got "
-                        f"{type(value).__name__} {getattr(value, 'dtype', '')} "
-                        f"{getattr(value, 'shape', '')}")
-
-
-def validate(q, k, v, q_scale, k_scale, v_scale, *, format: str,  # noqa: A002
-             q_tensor_scale=None, k_tensor_scale=None, softmax_scale=None, out=None) -> Problem:
-    """Checks shapes, dtypes, layouts and scales from array metadata only (no GPU needed)."""
-    if format not in FORMATS:
-        raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
-    nvfp4 = format == "nvfp4"
-    for name, x in (("q", q), ("k", k), ("v", v), ("q_scale", q_scale), ("k_scale", k_scale),
-                    ("v_scale", v_scale)):
-        if getattr(x, "ndim", None) != 4:
-            raise ValueError(f"{name} must be a 4-d array, got {type(x).__name__} of shape "
-                             f"{getattr(x, 'shape', None)}")
-    batch, seqlen_q, heads_q, q_row = q.shape
-    seqlen_k, heads_kv = k.shape[1], k.shape[2]
-    head_dim = 2 * q_row if nvfp4 else q_row
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim} (q's last axis is "
-                         f"{q_row}{' packed e2m1 pairs' if nvfp4 else ''})")
-    if min(batch, seqlen_q, heads_q, seqlen_k, heads_kv) < 1:
-        raise ValueError(f"empty problem: q {tuple(q.shape)}, k {tuple(k.shape)}")
-    if heads_q % heads_kv:
-        raise ValueError(f"q's heads ({heads_q}) must be a multiple of k's heads ({heads_kv})")
-    padded = padded_seqlen(seqlen_k)
-    row = _row_bytes(format, head_dim)
-    per_scale = 16 if nvfp4 else 32
-    data_kind = "e2m1 pairs" if nvfp4 else "e4m3"
-    scale_kind = "UE4M3" if nvfp4 else "UE8M0"
-    _check_array("q", q, (batch, seqlen_q, heads_q, row), f"{data_kind}, (B, Sq, Hq, "
-                 f"{'D/2' if nvfp4 else 'D'})")
-    _check_array("k", k, (batch, seqlen_k, heads_kv, row), f"{data_kind}, (B, Sk, Hkv, "
-                 f"{'D/2' if nvfp4 else 'D'}) like q")
-    _check_array("v", v, (batch, heads_kv, head_dim, padded),
-                 "MXFP8 e4m3 V transposed: (B, Hkv, D, Sk rounded up to 128)")
-    _check_array("q_scale", q_scale, (batch, seqlen_q, heads_q, head_dim // per_scale),
-                 f"{scale_kind}, one per {per_scale} of head_dim")
-    _check_array("k_scale", k_scale, (batch, seqlen_k, heads_kv, head_dim // per_scale),
-                 f"{scale_kind}, one per {per_scale} of head_dim")
-    _check_array("v_scale", v_scale, (batch, heads_kv, head_dim, padded // 32),
-                 "UE8M0, one per 32 keys of each head_dim column")
-    _check_tensor_scale("q_tensor_scale", q_tensor_scale, format)
-    _check_tensor_scale("k_tensor_scale", k_tensor_scale, format)
-    for name, x in (("q", q), ("k", k), ("v", v), ("q_scale", q_scale), ("k_scale", k_scale),
-                    ("v_scale", v_scale)):
-        if x.data.ptr % 16:
-            raise ValueError(f"{name} must start at a 16-byte aligned address")
-    devices = {x.device.id for x in (q, k, v, q_scale, k_scale, v_scale)}
-    if len(devices) != 1:
-        raise ValueError(f"all operands must be on one device, got devices {sorted(devices)}")
-    if out is not None:
-        if str(out.dtype) != "bfloat16" or tuple(out.shape) != (batch, seqlen_q, heads_q, head_dim):
-            raise ValueError(f"out must be bfloat16 of shape "
-                             f"{(batch, seqlen_q, heads_q, head_dim)}, got {out.dtype} "
-                             f"{tuple(out.shape)}")
-        if not out.flags.c_contiguous:
-            raise ValueError("out must be C-contiguous")
-    if batch > 65535 or heads_q > 65535:
-        raise ValueError(f"batch ({batch}) and heads ({heads_q}) must be at most 65535")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(head_dim)
-    elif (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
-          or not math.isfinite(softmax_scale) or softmax_scale <= 0):
-        raise ValueError(f"softmax_scale must be a finite positive number or None, "
-                         f"got {softmax_scale!r}")
-    return Problem(format, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, padded,
-                   float(softmax_scale))
 
 
 def _device_scale(value):
@@ -231,13 +120,13 @@ def blockscaled_attention(q, k, v, q_scale, k_scale, v_scale, *,
     """
     import cupy
 
-    from .api import require_cupy
-
     require_cupy(q=q, k=k, v=v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    p = validate(q, k, v, q_scale, k_scale, v_scale, format=format, q_tensor_scale=q_tensor_scale,
-                 k_tensor_scale=k_tensor_scale, softmax_scale=softmax_scale, out=out)
+    p = AttentionProblem.from_blockscaled(
+        q, k, v, q_scale, k_scale, v_scale, format=format, q_tensor_scale=q_tensor_scale,
+        k_tensor_scale=k_tensor_scale, causal=causal, softmax_scale=softmax_scale, out=out)
+    # Refuses a GPU or head_dim that no block-scaled build runs, before anything is allocated;
+    # the launch below picks the native or emulation build itself.
+    dispatch.select(runtime.device_arch(p.device), p.format, p.head_dim, features=p.features)
     with cupy.cuda.Device(q.device.id):
         build = build_for_arch(runtime.device_arch())
         if build == "emulated":

@@ -1,4 +1,4 @@
-"""FP8 (e4m3) attention on Hopper: the data carrier, quantizers, descales, checks and a reference.
+"""FP8 (e4m3) attention on Hopper: the data carrier, quantizers, descales and a reference.
 
 Carrier. CuPy 14 does not support FP8 dtypes: ``cupy.empty(..., dtype=float8_e4m3fn)`` and
 ``cupy.asarray`` of an ml_dtypes float8 array raise "Unsupported dtype" (only ``.view`` slips
@@ -32,22 +32,18 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 from typing import NamedTuple
 
-import ml_dtypes
 import numpy as np
 
-from . import runtime
-from .api import check_layout, check_qkv_shapes
+from . import dispatch, runtime
+from .problem import (E4M3, SCALE_BLOCK_ROWS, AttentionProblem, check_e4m3, check_rows,
+                      descale_shapes, require_cupy)
 
-E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E4M3_MAX = 448.0
-SCALE_BLOCK_ROWS = 128  # rows (of one batch and head) that share a "block" scale
 GRANULARITIES = ("tensor", "head", "block")
 HEAD_DIMS = (64, 128, 256)
-ARCHS = ("sm_90a",)  # the FP8 attention kernel; the quantizers also run on sm_89 and sm_120a
-OUT_DTYPES = ("bfloat16", "float16")
+ARCHS = dispatch.archs_for("e4m3")  # the FP8 attention kernel's; the quantizers run on more
 INPUT_DTYPES = {"bfloat16": 1, "float16": 0}
 
 _QUANTIZER_ARCHS = ("sm_89", "sm_90a", "sm_120a")
@@ -109,7 +105,8 @@ E4M3Array.dtype = E4M3
 
 
 def as_e4m3(name: str, x) -> E4M3Array:
-    """``x`` as an E4M3Array, or a TypeError naming the argument."""
+    """``x`` as an E4M3Array, or a TypeError naming the argument (its layout is checked by
+    AttentionProblem.from_fp8)."""
     if isinstance(x, E4M3Array):
         return x
     import cupy
@@ -163,94 +160,6 @@ def hadamard_rotation(head_dim: int, seed: int | None = None) -> HadamardRotatio
 
 
 # ---------------------------------------------------------------------------------------------
-# Argument checks (array metadata only: no GPU needed)
-
-
-def check_e4m3(name: str, x) -> None:
-    """Refuses anything but a 4-d float8_e4m3fn array the kernel can read by TMA."""
-    dtype = np.dtype(x.dtype)
-    if dtype != E4M3:
-        if dtype in (np.dtype(np.uint8), np.dtype(np.int8)):
-            hint = ("raw bytes are ambiguous (e4m3, e5m2 or integers); if they hold e4m3 values "
-                    f"pass ptxattn.fp8.E4M3Array({name})")
-        elif dtype.name in INPUT_DTYPES or dtype == np.float32:
-            hint = ("quantize it first (ptxattn.fp8.quantize / quantize_qkv), or call "
-                    "ptxattn.attention for 16-bit inputs")
-        else:
-            hint = "only e4m3 (float8_e4m3fn) is supported"
-        raise TypeError(f"{name} must have dtype float8_e4m3fn (FP8 e4m3), got {dtype}: {hint}")
-    check_layout(name, x)
-
-
-def descale_shapes(batch: int, heads: int, seqlen: int, allow_block: bool) -> dict:
-    shapes = {(): "tensor", (1,): "tensor", (batch, heads): "head"}
-    if allow_block:
-        shapes[(batch, heads, -(-seqlen // SCALE_BLOCK_ROWS))] = "block"
-    return shapes
-
-
-def check_descale(name: str, d, batch: int, heads: int, seqlen: int, allow_block: bool) -> str:
-    """The granularity of descale ``d`` (a positive number or a float32 array), or an error."""
-    if d is None:
-        raise TypeError(f"{name} is required: the float32 factor that turns the e4m3 values "
-                        "back into real ones (per tensor, or per (batch, head)); quantize() "
-                        "returns it")
-    if isinstance(d, numbers.Real) and not isinstance(d, bool):
-        if not (math.isfinite(d) and d > 0):
-            raise ValueError(f"{name} must be finite and positive, got {d!r}")
-        return "tensor"
-    if not hasattr(d, "shape") or not hasattr(d, "dtype") or isinstance(d, np.ndarray):
-        raise TypeError(f"{name} must be a positive number or a float32 cupy.ndarray, got "
-                        f"{type(d).__module__}.{type(d).__name__}")
-    if np.dtype(d.dtype) != np.float32:
-        raise TypeError(f"{name} must have dtype float32, got {d.dtype}")
-    shapes = descale_shapes(batch, heads, seqlen, allow_block)
-    if tuple(d.shape) not in shapes:
-        raise ValueError(f"{name} must have one of the shapes {sorted(shapes, key=len)} "
-                         f"({', '.join(dict.fromkeys(shapes.values()))}), got {tuple(d.shape)}")
-    return shapes[tuple(d.shape)]
-
-
-def validate(q, k, v, q_descale, k_descale, v_descale, out, out_dtype, softmax_scale):
-    """Checks everything the FP8 kernel assumes of its arguments' metadata; returns
-    (softmax_scale, out_dtype name). Reads no array data, so it needs no GPU."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        check_e4m3(name, x)
-    check_qkv_shapes(q, k, v)
-    batch, seqlen_q, heads_q, head_dim = q.shape
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {HEAD_DIMS} for FP8, got {head_dim}")
-    seqlen_k, heads_kv = k.shape[1], k.shape[2]
-    check_descale("q_descale", q_descale, batch, heads_q, seqlen_q, allow_block=True)
-    check_descale("k_descale", k_descale, batch, heads_kv, seqlen_k, allow_block=True)
-    check_descale("v_descale", v_descale, batch, heads_kv, seqlen_k, allow_block=False)
-    for name, d in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
-        if hasattr(d, "device") and d.device.id != q.device.id:
-            raise ValueError(f"{name} must be on q's device {q.device.id}, got {d.device.id}")
-    if out is not None:
-        if np.dtype(out.dtype).name not in OUT_DTYPES:
-            raise TypeError(f"out must have dtype bfloat16 or float16, got {out.dtype}")
-        if out_dtype is not None and np.dtype(out.dtype).name != np.dtype(out_dtype).name:
-            raise ValueError(f"out has dtype {out.dtype} but out_dtype is {out_dtype}")
-        out_dtype = out.dtype
-        check_layout("out", out)
-        if out.shape != q.shape:
-            raise ValueError(f"out must have q's shape {q.shape}, got {out.shape}")
-        if out.device.id != q.device.id:
-            raise ValueError(f"out must be on q's device {q.device.id}, got {out.device.id}")
-    out_name = np.dtype(out_dtype if out_dtype is not None else "bfloat16").name
-    if out_name not in OUT_DTYPES:
-        raise ValueError(f"out_dtype must be bfloat16 or float16, got {out_dtype}")
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(head_dim), out_name
-    if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
-            or not math.isfinite(softmax_scale) or softmax_scale <= 0):
-        raise ValueError(f"softmax_scale must be a finite positive number or None, "
-                         f"got {softmax_scale!r}")
-    return float(softmax_scale), out_name
-
-
-# ---------------------------------------------------------------------------------------------
 # Descales as the kernels read them
 
 
@@ -298,11 +207,10 @@ def descale_rows(d, batch: int, seqlen: int, heads: int):
 
 
 def _check_quantizer_input(x) -> None:
-    from .api import require_cupy
     require_cupy(x=x)
     if np.dtype(x.dtype).name not in INPUT_DTYPES:
         raise TypeError(f"x must have dtype bfloat16 or float16, got {x.dtype}")
-    check_layout("x", x)
+    check_rows("x", x)
     if x.shape[3] not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {x.shape[3]}")
     if x.size >= 2 ** 31 * x.shape[3]:
@@ -412,31 +320,22 @@ def attention(q, k, v, *, q_descale, k_descale, v_descale, causal: bool = False,
     """
     import cupy
 
-    from .api import require_cupy
-    from .runtime import device_arch
-
     q, k, v = as_e4m3("q", q), as_e4m3("k", k), as_e4m3("v", v)
     require_cupy(out=out)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    scale, out_name = validate(q, k, v, q_descale, k_descale, v_descale, out, out_dtype,
-                               softmax_scale)
-    batch, seqlen_q, heads_q, _ = q.shape
-    seqlen_k, heads_kv = k.shape[1], k.shape[2]
-    with cupy.cuda.Device(q.device.id):
-        arch = device_arch()
-        if arch not in ARCHS:
-            raise ValueError(f"FP8 attention runs on {ARCHS}, not on this {arch} GPU")
-        from . import hopper
-
-        descales = (descale_operand(q_descale, batch, heads_q, seqlen_q),
-                    descale_operand(k_descale, batch, heads_kv, seqlen_k),
-                    descale_operand(v_descale, batch, heads_kv, seqlen_k))
+    p = AttentionProblem.from_fp8(q, k, v, q_descale=q_descale, k_descale=k_descale,
+                                  v_descale=v_descale, causal=causal, softmax_scale=softmax_scale,
+                                  out_dtype=out_dtype, out=out)
+    route = dispatch.select(runtime.device_arch(p.device), p.format, p.head_dim,
+                            features=p.features)
+    with cupy.cuda.Device(p.device):
+        descales = (descale_operand(q_descale, p.batch, p.heads_q, p.seqlen_q),
+                    descale_operand(k_descale, p.batch, p.heads_kv, p.seqlen_k),
+                    descale_operand(v_descale, p.batch, p.heads_kv, p.seqlen_k))
         if out is None:
-            out = cupy.empty(q.shape, dtype=out_name)
-        lse = cupy.empty((batch, heads_q, seqlen_q), dtype=cupy.float32)
-        hopper.forward_fp8(q.bytes, k.bytes, v.bytes, out, lse, descales, causal=causal,
-                           softmax_scale=scale)
+            out = cupy.empty(p.out_shape, dtype=p.out_dtype)
+        lse = cupy.empty(p.lse_shape, dtype=cupy.float32)
+        route.module().forward_fp8(q.bytes, k.bytes, v.bytes, out, lse, descales,
+                                   causal=p.causal, softmax_scale=p.softmax_scale)
     return (out, lse) if return_lse else out
 
 

@@ -21,7 +21,6 @@ from . import archs, runtime
 # Every module that ships kernels; each has variants() -> list[KernelSpec].
 FAMILY_MODULES = ("ptxattn.portable", "ptxattn.hopper", "ptxattn.fp8", "ptxattn.blockscaled",
                   "ptxattn.quant")
-ARCHS = ("sm_80", "sm_90a", "sm_120a")
 # ptxas's info line (C7510-C7520) when it makes every wgmma of a kernel wait for the previous.
 WGMMA_SERIALIZED = "wgmma.mma_async instructions are serialized"
 
@@ -62,7 +61,7 @@ def _problems(row: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ptxattn.kernels", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", required=True, choices=ARCHS)
+    parser.add_argument("--arch", required=True, choices=list(archs.ARCHS))
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     parser.add_argument("--jobs", type=int, default=2,
                         help="parallel NVRTC compiles (0: compile in this process)")

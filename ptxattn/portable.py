@@ -1,7 +1,7 @@
 """Launcher of the portable forward kernel, ``ptx_src/fwd_mma_sync.cu`` (mma.sync, sm_80+).
 
 The kernel takes raw pointers and element strides, so any (batch, seqlen, heads) strides work
-as long as rows are 16-byte aligned (api.validate checks that). Tiles are compile-time: one
+as long as rows are 16-byte aligned (ptxattn/problem.py checks that). Tiles are compile-time: one
 :class:`Tile` per (head dim, causal) and shared-memory class, chosen by measurement on the H100
 (see TILES). The 1-D grid runs the query blocks of one (batch, head) next to each other so that
 they share K/V in L2.

@@ -25,7 +25,8 @@ import tempfile
 import cupy
 import numpy as np
 
-from ptxattn import api, hopper, reference, runtime
+from ptxattn import hopper, reference, runtime
+from ptxattn.problem import AttentionProblem
 from ptxattn.timing import time_ms
 
 SEQLEN_PAIRS = [(1, 1), (17, 17), (127, 127), (1000, 1000), (4097, 4097), (17, 1000),
@@ -43,7 +44,8 @@ def problem(batch, seqlen, heads, head_dim, rng):
 
 
 def check(q, k, v, *, causal, softmax_scale=None, out=None, **launch) -> tuple[bool, str]:
-    scale = api.validate(q, k, v, out, softmax_scale)
+    checked = AttentionProblem.from_16bit(q, k, v, out=out, softmax_scale=softmax_scale)
+    scale = checked.softmax_scale
     if out is None:
         out = cupy.full(q.shape, cupy.nan, dtype=q.dtype)
     lse = cupy.full((q.shape[0], q.shape[2], q.shape[1]), cupy.nan, dtype=cupy.float32)

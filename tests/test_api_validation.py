@@ -10,6 +10,7 @@ import pytest
 import ptxattn
 from meta_array import MetaArray
 from ptxattn import api
+from ptxattn.problem import AttentionProblem
 
 
 def qkv(batch=2, seqlen_q=16, seqlen_k=16, heads_q=4, heads_kv=4, dim=64):
@@ -19,8 +20,12 @@ def qkv(batch=2, seqlen_q=16, seqlen_k=16, heads_q=4, heads_kv=4, dim=64):
 
 def test_valid_arguments_pass_and_default_scale():
     q, k, v = qkv(heads_q=8, heads_kv=2)
-    assert api.validate(q, k, v, None, None) == pytest.approx(1 / 8)
-    assert api.validate(q, k, v, MetaArray(q.shape), 0.5) == 0.5
+    problem = AttentionProblem.from_16bit(q, k, v)
+    assert problem.softmax_scale == pytest.approx(1 / 8)
+    assert (problem.format, problem.out_dtype, problem.gqa_ratio) == ("bfloat16", "bfloat16", 4)
+    assert problem.out_shape == q.shape and problem.lse_shape == (2, 8, 16)
+    out = MetaArray(q.shape, ptr=1 << 30)
+    assert AttentionProblem.from_16bit(q, k, v, out=out, softmax_scale=0.5).softmax_scale == 0.5
 
 
 def test_numpy_arrays_are_a_type_error():
@@ -82,7 +87,7 @@ def test_bad_arguments_name_the_argument(case, error, match):
     elif case.startswith("scale"):
         scale = {"scale_negative": -1.0, "scale_nan": float("nan"), "scale_string": "0.1"}[case]
     with pytest.raises(error, match=match):
-        api.validate(q, k, v, out, scale)
+        AttentionProblem.from_16bit(q, k, v, out=out, softmax_scale=scale)
 
 
 def test_unknown_backend_is_named():

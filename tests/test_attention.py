@@ -141,11 +141,11 @@ def test_causal_rows_that_see_no_key(backend, rng):
 
 
 def test_default_backend_follows_the_gpu():
-    import ptxattn.api as api
+    from ptxattn import dispatch
     from ptxattn.runtime import device_arch
 
     expected = "hopper" if device_arch() == "sm_90a" else "portable"
-    assert api.default_backend(device_arch()) == expected
+    assert dispatch.select(device_arch(), "bfloat16", 128).backend == expected
 
 
 def test_reference_matches_a_float64_softmax(rng):

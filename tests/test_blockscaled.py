@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from ptxattn import blockscaled, quant, runtime
+from ptxattn.problem import AttentionProblem
 
 # ---------------------------------------------------------------------------------------------
 # Compilation and argument checks (no GPU)
@@ -28,7 +29,7 @@ def test_variants_cover_native_and_emulated_builds():
     kernels = [s for s in blockscaled.variants() if s.source == "fwd_blockscaled.cu"]
     assert {(s.entry, s.archs) for s in kernels} == {
         (f"ptxattn::attn_fwd_blockscaled<{d}, {nvfp4}>", a) for nvfp4 in ("false", "true")
-        for d in (64, 128) for a in (("sm_120a",), ("sm_90a",))}
+        for d in (64, 128) for a in (("sm_120a", "sm_121a"), ("sm_90a",))}
     for s in kernels:
         assert s.defines["PTXATTN_EMULATE_BLOCK_SCALE"] == (s.archs == ("sm_90a",))
         assert s.smem_bytes <= 99 * 1024
@@ -36,8 +37,9 @@ def test_variants_cover_native_and_emulated_builds():
 
 def test_build_for_arch():
     assert blockscaled.build_for_arch("sm_120a") == "native"
+    assert blockscaled.build_for_arch("sm_121a") == "native"
     assert blockscaled.build_for_arch("sm_90a") == "emulated"
-    with pytest.raises(RuntimeError, match="sm_120a .native. or sm_90a"):
+    with pytest.raises(RuntimeError, match="sm_120a/sm_121a .native. or sm_90a"):
         blockscaled.build_for_arch("sm_80")
 
 
@@ -78,10 +80,10 @@ def _operands(fmt="mxfp8", batch=2, sq=100, sk=300, hq=4, hkv=2, d=128):
 
 
 def test_valid_operands_pass():
-    p = blockscaled.validate(**_operands(), format="mxfp8")
+    p = AttentionProblem.from_blockscaled(**_operands(), format="mxfp8")
     assert (p.head_dim, p.padded_seqlen_k, p.softmax_scale) == (128, 384, 1 / math.sqrt(128))
-    p = blockscaled.validate(**_operands("nvfp4", d=64), format="nvfp4", q_tensor_scale=0.5,
-                             k_tensor_scale=Meta((1,), "float32"))
+    p = AttentionProblem.from_blockscaled(**_operands("nvfp4", d=64), format="nvfp4",
+                                          q_tensor_scale=0.5, k_tensor_scale=Meta((1,), "float32"))
     assert (p.head_dim, p.heads_kv) == (64, 2)
 
 
@@ -98,25 +100,26 @@ def test_valid_operands_pass():
 def test_bad_operands_are_clear_errors(change, error, message):
     args = {**_operands(), **change}
     with pytest.raises(error, match=message):
-        blockscaled.validate(**args, format="mxfp8")
+        AttentionProblem.from_blockscaled(**args, format="mxfp8")
 
 
 def test_tensor_scales_belong_to_nvfp4_only():
     with pytest.raises(ValueError, match="MXFP8 has no per-tensor scale"):
-        blockscaled.validate(**_operands(), format="mxfp8", q_tensor_scale=1.0)
+        AttentionProblem.from_blockscaled(**_operands(), format="mxfp8", q_tensor_scale=1.0)
     with pytest.raises(ValueError, match="needs k_tensor_scale"):
-        blockscaled.validate(**_operands("nvfp4"), format="nvfp4", q_tensor_scale=1.0)
+        AttentionProblem.from_blockscaled(**_operands("nvfp4"), format="nvfp4",
+                                          q_tensor_scale=1.0)
     with pytest.raises(TypeError, match="1-element float32"):
-        blockscaled.validate(**_operands("nvfp4"), format="nvfp4", q_tensor_scale=1.0,
-                             k_tensor_scale=Meta((2,), "float32"))
+        AttentionProblem.from_blockscaled(**_operands("nvfp4"), format="nvfp4",
+                                          q_tensor_scale=1.0, k_tensor_scale=Meta((2,), "float32"))
     with pytest.raises(ValueError, match="format must be one of"):
-        blockscaled.validate(**_operands(), format="mxfp4")
+        AttentionProblem.from_blockscaled(**_operands(), format="mxfp4")
 
 
 def test_mxfp8_shaped_operands_are_refused_as_nvfp4():
     with pytest.raises(ValueError, match="head_dim must be one of"):
-        blockscaled.validate(**_operands("mxfp8"), format="nvfp4", q_tensor_scale=1.0,
-                             k_tensor_scale=1.0)
+        AttentionProblem.from_blockscaled(**_operands("mxfp8"), format="nvfp4",
+                                          q_tensor_scale=1.0, k_tensor_scale=1.0)
 
 
 # ---------------------------------------------------------------------------------------------

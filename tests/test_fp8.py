@@ -25,6 +25,7 @@ import pytest
 import meta_array
 from inputs import grouped_qkv
 from ptxattn import fp8, runtime
+from ptxattn.problem import AttentionProblem
 
 
 def MetaArray(shape, dtype=fp8.E4M3, **kwargs):
@@ -39,7 +40,11 @@ def _qkv(batch=2, seqlen_q=300, seqlen_k=200, heads_q=8, heads_kv=2, dim=128, dt
 
 def _validate(q, k, v, q_descale=1.0, k_descale=1.0, v_descale=1.0, out=None, out_dtype=None,
               softmax_scale=None):
-    return fp8.validate(q, k, v, q_descale, k_descale, v_descale, out, out_dtype, softmax_scale)
+    """(softmax scale, output dtype) of the checked problem."""
+    problem = AttentionProblem.from_fp8(q, k, v, q_descale=q_descale, k_descale=k_descale,
+                                        v_descale=v_descale, out=out, out_dtype=out_dtype,
+                                        softmax_scale=softmax_scale)
+    return problem.softmax_scale, problem.out_dtype
 
 
 # ---------------------------------------------------------------------------------------------
@@ -55,7 +60,8 @@ def test_valid_arguments_and_every_descale_granularity():
     for qd, kd, vd in [(scalar, scalar, scalar), (per_head_q, per_head_kv, per_head_kv),
                        (per_block_q, per_block_k, per_head_kv), (0.5, per_block_k, 2.0)]:
         assert _validate(q, k, v, qd, kd, vd, out_dtype="float16")[1] == "float16"
-    assert _validate(q, k, v, out=MetaArray(q.shape, ml_dtypes.bfloat16))[1] == "bfloat16"
+    out = MetaArray(q.shape, ml_dtypes.bfloat16, ptr=1 << 30)
+    assert _validate(q, k, v, out=out)[1] == "bfloat16"
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])

@@ -1,0 +1,125 @@
+"""Which kernel family runs an attention call: one table over (arch, input format, head_dim,
+features), read by every entry point.
+
+A :class:`Route` says that inputs of some formats and head dims run through one kernel family's
+launcher module on the architectures archs.py lists for that family. :func:`select` takes the
+first route of TABLE that fits a call, so the order of TABLE is the order of preference: on
+sm_90a 16-bit inputs go to the Hopper kernel unless the portable one is asked for by name.
+
+Needs no GPU: the caller passes the arch (``runtime.device_arch(device_id)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+from . import archs
+
+# What an attention call may need beyond plain attention over whole sequences: "causal"
+# masking, "gqa" (fewer k/v heads than q heads). Every route handles both today; a later kernel
+# that does not (a varlen or backward one, say) lists fewer and select() passes it over.
+FEATURES = frozenset({"causal", "gqa"})
+SIXTEEN_BIT = ("bfloat16", "float16")
+BLOCK_SCALED = ("mxfp8", "nvfp4")
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    backend: str                  # the name a caller picks it by, attention(backend=...)
+    family: str                   # the kernel family: archs.py's name, ptxattn.<family> launches
+    formats: tuple[str, ...]      # input formats: float16, bfloat16, e4m3, mxfp8, nvfp4
+    head_dims: tuple[int, ...]
+    emulated: bool = False        # the family's emulation build (archs.Arch.emulated_families)
+    features: frozenset[str] = FEATURES
+
+    @property
+    def module_name(self) -> str:
+        return f"ptxattn.{self.family}"
+
+    @property
+    def archs(self) -> tuple[str, ...]:
+        return archs.running(self.family, emulated=self.emulated)
+
+    def module(self):
+        """The launcher module (imported on first use: the launchers need NVRTC bindings)."""
+        return importlib.import_module(self.module_name)
+
+    def describe(self) -> str:
+        build = ", emulated" if self.emulated else ""
+        return (f"backend {self.backend!r} ({self.module_name}{build}) on "
+                f"{', '.join(self.archs)} with head_dim {', '.join(map(str, self.head_dims))}")
+
+
+TABLE: tuple[Route, ...] = (
+    Route("hopper", "hopper", SIXTEEN_BIT, (64, 128, 256)),
+    Route("portable", "portable", SIXTEEN_BIT, (64, 128, 256)),
+    Route("hopper", "hopper", ("e4m3",), (64, 128, 256)),
+    Route("blockscaled", "blockscaled", BLOCK_SCALED, (64, 128)),
+    Route("blockscaled-emulated", "blockscaled", BLOCK_SCALED, (64, 128), emulated=True),
+)
+
+FORMATS = tuple(dict.fromkeys(fmt for route in TABLE for fmt in route.formats))
+
+# The backends ptxattn.attention (16-bit inputs) can be asked for by name: their launcher modules.
+BACKENDS = {route.backend: route.module_name for route in TABLE if "bfloat16" in route.formats}
+
+
+def backend_module(name: str):
+    """The launcher module of a 16-bit backend named in BACKENDS."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(BACKENDS)} or None, got {name!r}")
+    return importlib.import_module(BACKENDS[name])
+
+
+def routes_for(input_format: str) -> list[Route]:
+    routes = [route for route in TABLE if input_format in route.formats]
+    if not routes:
+        raise ValueError(f"input format must be one of {list(FORMATS)}, got {input_format!r}")
+    return routes
+
+
+def head_dims(input_format: str) -> tuple[int, ...]:
+    """Every head_dim some GPU runs for inputs of this format (the metadata check before any
+    GPU is known)."""
+    return tuple(sorted({d for route in routes_for(input_format) for d in route.head_dims}))
+
+
+def archs_for(input_format: str) -> tuple[str, ...]:
+    """The architectures that run inputs of this format at all."""
+    return tuple(dict.fromkeys(arch for route in routes_for(input_format)
+                               for arch in route.archs))
+
+
+def select(arch: str, input_format: str, head_dim: int, *, features=frozenset(),
+           backend: str | None = None) -> Route:
+    """The route for an attention call on an ``arch`` GPU: the first of TABLE that takes
+    ``input_format`` and ``head_dim`` there and handles every one of ``features`` (a subset of
+    FEATURES), restricted to routes named ``backend`` if given. Raises ValueError naming the
+    arch and what the routes for that format support when none fits."""
+    archs.get(arch)
+    routes = routes_for(input_format)
+    if backend is not None:
+        names = sorted({route.backend for route in routes})
+        routes = [route for route in routes if route.backend == backend]
+        if not routes:
+            raise ValueError(f"backend must be one of {names} or None for {input_format} "
+                             f"inputs, got {backend!r}")
+    supported = "; ".join(route.describe() for route in routes)
+    routes = [route for route in routes if arch in route.archs]
+    if not routes:
+        raise ValueError(f"{input_format} attention does not run on this {arch} GPU; it runs "
+                         f"as {supported}")
+    fitting = [route for route in routes if head_dim in route.head_dims]
+    if not fitting:
+        dims = sorted({d for route in routes for d in route.head_dims})
+        raise ValueError(f"head_dim must be one of {dims} for {input_format} inputs on {arch}, "
+                         f"got {head_dim} ({supported})")
+    for route in fitting:
+        if set(features) <= route.features:
+            return route
+    raise ValueError(f"{input_format} attention with {', '.join(sorted(features))} at head_dim "
+                     f"{head_dim} does not run on {arch}: "
+                     + "; ".join(f"{route.describe()} handles "
+                                 f"{', '.join(sorted(route.features)) or 'none of them'}"
+                                 for route in fitting))

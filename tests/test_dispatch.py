@@ -1,0 +1,170 @@
+"""The architecture facts (archs.py) and the dispatch table (dispatch.py), without a GPU."""
+
+import importlib
+
+import pytest
+
+from ptxattn import archs, dispatch
+
+
+# ---------------------------------------------------------------------------------------------
+# Architectures
+
+
+@pytest.mark.parametrize("capability, arch", [
+    ((8, 0), "sm_80"), ((8, 6), "sm_86"), ((8, 9), "sm_89"), ((9, 0), "sm_90a"),
+    ((10, 0), "sm_100a"), ((10, 3), "sm_103a"), ((12, 0), "sm_120a"), ((12, 1), "sm_121a"),
+])
+def test_each_capability_has_its_compile_target(capability, arch):
+    assert archs.arch_for_capability(*capability) == arch
+    assert archs.get(arch).capability == capability
+
+
+@pytest.mark.parametrize("capability", [(7, 5), (7, 0), (6, 1)])
+def test_gpus_below_sm80_are_refused(capability):
+    with pytest.raises(archs.UnsupportedGpuError, match=r"compute capability 8.0 \(sm_80, "
+                                                        r"Ampere\) or newer"):
+        archs.arch_for_capability(*capability)
+
+
+@pytest.mark.parametrize("capability", [(8, 7), (11, 0), (13, 0)])
+def test_unknown_gpus_are_refused_with_the_known_ones(capability):
+    with pytest.raises(archs.UnsupportedGpuError, match=r"no kernels for compute capability "
+                                                        r".*sm_90a \(9.0\)"):
+        archs.arch_for_capability(*capability)
+
+
+def test_unknown_arch_names_are_refused():
+    with pytest.raises(ValueError, match=r"arch must be one of \['sm_80', .*got 'sm_75'"):
+        archs.get("sm_75")
+
+
+def test_shared_memory_per_block():
+    kb = 1024
+    assert archs.SMEM_LIMIT_BYTES == {
+        "sm_80": 163 * kb, "sm_86": 99 * kb, "sm_89": 99 * kb, "sm_90a": 227 * kb,
+        "sm_100a": 227 * kb, "sm_103a": 227 * kb, "sm_120a": 99 * kb, "sm_121a": 99 * kb}
+
+
+def test_where_each_family_runs():
+    assert archs.running("portable") == tuple(archs.ARCHS)
+    assert archs.running("hopper") == ("sm_90a",)
+    assert archs.running("blockscaled") == ("sm_120a", "sm_121a")
+    assert archs.running("blockscaled", emulated=True) == ("sm_90a",)
+    assert archs.running("portable", emulated=True) == ()
+
+
+# ---------------------------------------------------------------------------------------------
+# The table
+
+
+def _chosen(arch, input_format, head_dim=128, **kwargs):
+    route = dispatch.select(arch, input_format, head_dim, **kwargs)
+    return route.module_name, route.backend
+
+
+@pytest.mark.parametrize("input_format", ["bfloat16", "float16"])
+def test_16_bit_inputs_run_hopper_on_sm90a_and_portable_elsewhere(input_format):
+    for arch in archs.ARCHS:
+        expected = "hopper" if arch == "sm_90a" else "portable"
+        assert _chosen(arch, input_format) == (f"ptxattn.{expected}", expected)
+        assert _chosen(arch, input_format, backend="portable") == ("ptxattn.portable",
+                                                                    "portable")
+
+
+def test_hopper_asked_for_on_another_gpu_names_the_arch_and_where_it_runs():
+    with pytest.raises(ValueError, match=r"bfloat16 attention does not run on this sm_80 GPU; "
+                                         r"it runs as backend 'hopper' \(ptxattn.hopper\) on "
+                                         r"sm_90a with head_dim 64, 128, 256"):
+        dispatch.select("sm_80", "bfloat16", 128, backend="hopper")
+
+
+def test_fp8_runs_on_hopper_only():
+    assert _chosen("sm_90a", "e4m3") == ("ptxattn.hopper", "hopper")
+    for arch in set(archs.ARCHS) - {"sm_90a"}:
+        with pytest.raises(ValueError, match=rf"e4m3 attention does not run on this {arch} "
+                                             rf"GPU; it runs as backend 'hopper' "
+                                             rf"\(ptxattn.hopper\) on sm_90a"):
+            dispatch.select(arch, "e4m3", 128)
+
+
+@pytest.mark.parametrize("input_format", ["mxfp8", "nvfp4"])
+def test_block_scaled_inputs_run_natively_on_sm120_and_emulated_on_sm90a(input_format):
+    for arch in ("sm_120a", "sm_121a"):
+        route = dispatch.select(arch, input_format, 64)
+        assert (route.module_name, route.emulated) == ("ptxattn.blockscaled", False)
+    route = dispatch.select("sm_90a", input_format, 64)
+    assert (route.module_name, route.backend, route.emulated) == (
+        "ptxattn.blockscaled", "blockscaled-emulated", True)
+    with pytest.raises(ValueError, match=rf"{input_format} attention does not run on this "
+                                         rf"sm_100a GPU; .*sm_120a, sm_121a.*; .*emulated\) on "
+                                         rf"sm_90a"):
+        dispatch.select("sm_100a", input_format, 64)
+
+
+@pytest.mark.parametrize("arch, input_format, head_dim, supported", [
+    ("sm_120a", "mxfp8", 256, r"\[64, 128\]"),
+    ("sm_90a", "nvfp4", 256, r"\[64, 128\]"),
+    ("sm_90a", "bfloat16", 96, r"\[64, 128, 256\]"),
+    ("sm_86", "float16", 32, r"\[64, 128, 256\]"),
+    ("sm_90a", "e4m3", 512, r"\[64, 128, 256\]"),
+])
+def test_unsupported_head_dims_name_the_arch_and_what_runs(arch, input_format, head_dim,
+                                                           supported):
+    with pytest.raises(ValueError, match=rf"head_dim must be one of {supported} for "
+                                         rf"{input_format} inputs on {arch}, got {head_dim}"):
+        dispatch.select(arch, input_format, head_dim)
+
+
+def test_unknown_backends_formats_and_archs_are_named():
+    with pytest.raises(ValueError, match=r"backend must be one of \['hopper', 'portable'\] or "
+                                         r"None for bfloat16 inputs, got 'cudnn'"):
+        dispatch.select("sm_90a", "bfloat16", 128, backend="cudnn")
+    with pytest.raises(ValueError, match=r"backend must be one of \['hopper', 'portable'\]"):
+        dispatch.backend_module("cudnn")
+    with pytest.raises(ValueError, match=r"input format must be one of \['bfloat16', "
+                                         r"'float16', 'e4m3', 'mxfp8', 'nvfp4'\], got 'e5m2'"):
+        dispatch.select("sm_90a", "e5m2", 128)
+    with pytest.raises(ValueError, match=r"arch must be one of .* got 'sm_75'"):
+        dispatch.select("sm_75", "bfloat16", 128)
+
+
+def test_a_route_lacking_a_feature_is_passed_over(monkeypatch):
+    """A kernel without GQA (say) listed first is skipped for GQA calls, and the error names
+    the feature when no route has it."""
+    no_gqa = dispatch.Route("hopper", "hopper", dispatch.SIXTEEN_BIT, (64, 128, 256),
+                            features=frozenset({"causal"}))
+    monkeypatch.setattr(dispatch, "TABLE", (no_gqa, *dispatch.TABLE[1:]))
+    assert dispatch.select("sm_90a", "bfloat16", 128, features={"causal"}).backend == "hopper"
+    assert dispatch.select("sm_90a", "bfloat16", 128, features={"gqa"}).backend == "portable"
+    with pytest.raises(ValueError, match=r"bfloat16 attention with causal, gqa at head_dim 128 "
+                                         r"does not run on sm_90a: backend 'hopper' .* handles "
+                                         r"causal$"):
+        dispatch.select("sm_90a", "bfloat16", 128, features={"causal", "gqa"},
+                        backend="hopper")
+
+
+def test_what_the_other_modules_read_from_the_table():
+    assert dispatch.BACKENDS == {"hopper": "ptxattn.hopper", "portable": "ptxattn.portable"}
+    assert dispatch.head_dims("nvfp4") == (64, 128)
+    assert dispatch.archs_for("e4m3") == ("sm_90a",)
+    assert set(dispatch.archs_for("mxfp8")) == {"sm_90a", "sm_120a", "sm_121a"}
+
+
+# ---------------------------------------------------------------------------------------------
+# The table against the kernels the launcher modules build
+
+
+@pytest.mark.parametrize("route, arch", [
+    pytest.param(route, arch, id=f"{route.backend}-{route.formats[0]}-{arch}")
+    for route in dispatch.TABLE for arch in route.archs])
+def test_every_route_has_kernels_built_for_its_archs_and_head_dims(route, arch):
+    module = route.module()
+    assert route.head_dims == module.HEAD_DIMS
+    if route.formats == ("e4m3",):
+        assert route.head_dims == importlib.import_module("ptxattn.fp8").HEAD_DIMS
+    builds = [spec for spec in module.variants() if arch in spec.archs]
+    if route.family == "blockscaled":  # one module, native and emulation builds
+        builds = [spec for spec in builds if spec.name.endswith(
+            "emulated" if route.emulated else "native")]
+    assert builds, f"{route.module_name} builds nothing for {arch}"
