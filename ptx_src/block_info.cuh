@@ -10,9 +10,9 @@
 // Kernels visit key blocks from the last to the first, so the right-masked blocks come first,
 // then the unmasked ones, then (only with a left window) the left-masked ones.
 //
-// Per-sequence lengths: a BlockInfo is made per tile from that sequence's lengths, so a varlen
-// tile scheduler passes each sequence's (seqlen_q, seqlen_k); seqlens_of reads them from
-// cumulative offsets when the call has them.
+// Per-sequence lengths: a BlockInfo holds one sequence's lengths (fixed-length kernels make one
+// per block), so a varlen kernel makes one per tile from that sequence's (seqlen_q, seqlen_k),
+// which SeqLens::of reads from cumulative offsets when the call has them.
 #pragma once
 #include "common.cuh"
 #include "mask.cuh"

@@ -1,6 +1,6 @@
 // Epilogue: the normalised output and the log-sum-exp of each row, written to global memory.
 //
-// Two paths for the output, both from the mma.sync / wgmma accumulator layout (a thread holds
+// Three paths for the output, all from the mma.sync / wgmma accumulator layout (a thread holds
 // rows r and r + 8, columns 8 i + 2 t and + 1 of every 8-column tile, t = lane % 4):
 //   direct:       each thread stores its column pairs of a row straight from registers; rows past
 //                 seqlen_q are skipped, so it handles partial tiles with any strides;

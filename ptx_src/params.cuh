@@ -5,8 +5,9 @@
 // Each family reads the fields it needs: the Hopper and block-scaled kernels load through the
 // tensor maps, the portable kernel through the pointers and strides. Strides are in elements,
 // 64-bit, per (batch, seqlen, head); head_dim has unit stride. The mask is described by
-// `causal` and the window (mask.cuh); `cu_seqlens_*` are the hooks for per-sequence lengths
-// (block_info.cuh), null for fixed-length batches.
+// `causal` and the window (mask.cuh): the block-scaled kernel reads `causal`, the others take it
+// as a template parameter; the window and `cu_seqlens_*` (per-sequence lengths, block_info.cuh;
+// null for fixed-length batches) are hooks that no kernel reads yet.
 #pragma once
 #include "common.cuh"
 #include "tma.cuh"

@@ -9,7 +9,8 @@
 //
 // A scheduler gives each thread block a sequence of tile indices, ending with one at or past
 // num_tiles(). Its interface is what a kernel's warps call:
-//   first() / next()  the producer (or, with no producer, every thread): the block's tiles;
+//   next()            the producer (or, with no producer, every thread): the block's next tile,
+//                     its first on the first call;
 //   receive()         every other warp: the same sequence, as the producer took it.
 // GridTiles: one block per tile (tile = blockIdx.x). PersistentTiles: fewer blocks than tiles,
 // each going through them in a static stride or, given a counter, dynamically: each next tile

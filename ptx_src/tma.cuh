@@ -2,8 +2,9 @@
 //
 // Wraps cp.async.bulk.tensor.{2,3,4}d loads that complete on an mbarrier (complete_tx::bytes)
 // and 4-d stores committed as bulk groups. The tensor map (CUtensorMap, 128 bytes) is built on
-// the host by ptxattn.runtime.tensor_map and passed as a `const __grid_constant__ CUtensorMap`
-// kernel parameter, so its address here is a generic address of kernel-parameter space.
+// the host by ptxattn.runtime.tensor_map and passed by value in a `const __grid_constant__`
+// kernel parameter (the attention kernels' FwdParams), so its address here is a generic address
+// of kernel-parameter space.
 // Coordinates are element indices, innermost dimension first; boxes that hang over the tensor's
 // edge are filled with zeros on load and clipped on store, which is how tails are handled.
 #pragma once

@@ -12,7 +12,7 @@
 // So within every 32 keys, Vt's byte p = 16h + 4t + j holds key
 //     key_of(p) = 16h + 8 * (j / 2) + 2t + j % 2,
 // a permutation that P's A fragment must follow: it is exactly the order in which a thread
-// already holds S (columns 2t, 2t+1 of the 8-column tiles 2h' and 2h'+1, see fwd_sm90.cu), so P
+// already holds S (columns 2t, 2t+1 of the 8-column tiles 2h' and 2h'+1, see mainloop_sm90.cuh), so P
 // converts to the A fragment in registers with no shuffle. The permutation stays inside the
 // k-step of 32 keys, where the product does not care about order as long as A and B agree.
 //

@@ -18,9 +18,10 @@
 // Shared-memory operands are described by a 64-bit matrix descriptor (PTX ISA 9.7.15.5.1.2):
 //   bits  0-13 start address >> 4      bits 16-29 leading-dimension byte offset (LBO) >> 4
 //   bits 32-45 stride-dimension byte offset (SBO) >> 4     bits 62-63 swizzle (1 = 128-byte)
-// Only the 128-byte swizzle is used here: rows of 128 bytes (64 16-bit values), 16-byte chunks
-// XOR-permuted by (row % 8), atoms of 8 rows = 1024 bytes that must be 1024-byte aligned. That is
-// exactly what a TMA load with CU_TENSOR_MAP_SWIZZLE_128B and a 64-element inner box writes.
+// The 128-byte swizzle (FP8 head_dim 64 also takes the 64-byte one, below): rows of 128 bytes
+// (64 16-bit values), 16-byte chunks XOR-permuted by (row % 8), atoms of 8 rows = 1024 bytes
+// that must be 1024-byte aligned. That is exactly what a TMA load with
+// CU_TENSOR_MAP_SWIZZLE_128B and a 64-element inner box writes.
 //   K-major operand (rows indexed by M or N, 64 K-values per row): SBO = 1024 (next 8 rows),
 //     LBO unused. A k-step of 16 within the 64-wide atom advances the start address by 32 bytes;
 //     the hardware applies the swizzle to the absolute address, so this is exact.

@@ -49,7 +49,7 @@ class Schedule:
     stale_max_first: after the first unmasked key block of a tile, the softmax first tries
       keeping the row maxima (no max pass; softmax.cuh), falling back to Q K^T again and the
       max pass for a block where a max grew by more than 2^8; the results are the same bits.
-      Off for FP8, whose kernel keeps the exact running max (fwd_sm90.cu, Consumer::softmax), so
+      Off for FP8, whose kernel keeps the exact running max (mainloop_sm90.cuh, Consumer::softmax), so
       the fast path would seldom hold.
     q_in_registers: FP8 only: each consumer warpgroup loads its Q tile into registers once per
       tile and Q K^T reads only K from shared memory, whose bandwidth the FP8 kernel keeps about
@@ -199,7 +199,8 @@ def _fp8_key_block_scaled_tiles(head_dim: int, causal: bool) -> tuple[int, int] 
 
 def section_heads(batch: int, heads_q: int, heads_kv: int, seqlen_k: int, head_dim: int,
                   itemsize: int) -> int:
-    """How many (batch, head) pairs the kernel schedules together (see fwd_sm90.cu)."""
+    """How many (batch, head) pairs the kernel schedules together (TileOrder in
+    ptx_src/tile_scheduler.cuh)."""
     kv_bytes_per_q_head = 2 * seqlen_k * head_dim * itemsize * heads_kv / heads_q
     return int(max(1, min(batch * heads_q, L2_SECTION_BYTES // max(kv_bytes_per_q_head, 1))))
 
