@@ -7,8 +7,8 @@
 //                 warps transpose V;
 //   warpgroups 1.. the consumers: 64 query rows each, Q K^T, softmax and P V on wgmma
 //                 (mainloop_sm90.cuh), then the epilogue (epilogue.cuh).
-// Tiles come from a grid of one block per tile or a persistent grid (tile_scheduler.cuh): the
-// producer takes each tile, the consumers receive it. The K/V rings and their phases run on
+// Tiles come from PersistentTiles (tile_scheduler.cuh): a grid of one block per tile is its
+// static order with one tile each; the producer takes each tile, the consumers receive it. The K/V rings and their phases run on
 // across tiles; the producer loads the next tile's Q as soon as every consumer finished its last
 // Q K^T, and the output leaves through a TMA store (or, where shared memory has no room to stage
 // it, from registers), so nothing waits for it to drain.
@@ -70,16 +70,13 @@ attn_fwd_sm90(const __grid_constant__ FwdParams p) {
     const int wg = threadIdx.x / 128 - 1;
     const int lane = threadIdx.x % 32;
     const int row_in_tile = wg * Cfg::kRowsPerConsumer + ((threadIdx.x % 128) / 32) * 16 + lane / 4;
-    typename Mainloop::Consumer consumer{smem, bars, vt, Mainloop::block_info(p), wg, lane,
-                                         p.scale_log2};
-    const Output output{smem + Mainloop::kOutOffset + wg * Output::kBytes,
-                        Mainloop::Consumer::kVoteBarrier + Cfg::kConsumers + wg};
+    typename Mainloop::Consumer consumer{smem, bars, vt, wg, lane, p.scale_log2};
 #pragma unroll 1
     for (int tile = tiles.receive(order.num_tiles()); tile < order.num_tiles();
          tile = tiles.receive(order.num_tiles())) {
         const TileCoord c = order.decode(tile);
         consumer.start_tile(p, c, row_in_tile);
-        consumer.mainloop(c.m_block);
+        consumer.mainloop(p, c.m_block);
 
         float inv_sum[1][2];
         float row_lse[1][2];
@@ -90,6 +87,9 @@ attn_fwd_sm90(const __grid_constant__ FwdParams p) {
             factor[h] = Cfg::kFp8 ? inv_sum[0][h] * consumer.v_descale : inv_sum[0][h];
         }
         const auto& o = reinterpret_cast<const float(&)[Cfg::kHeadDim / 8][4]>(consumer.o);
+        // Made here, not before the loop, so that it holds no registers through the mainloop.
+        const Output output{smem + Mainloop::kOutOffset + wg * Output::kBytes,
+                            Mainloop::Consumer::kVoteBarrier + Cfg::kConsumers + wg};
         if constexpr (Cfg::kStagedOut) {
             output.store(o, factor, &p.out_map, c.head,
                          c.m_block * Cfg::kBlockM + wg * Cfg::kRowsPerConsumer, c.batch);
@@ -105,7 +105,10 @@ attn_fwd_sm90(const __grid_constant__ FwdParams p) {
             if (lane % 4 == 0) write_lse(p, c.batch, c.head, row, row_lse[0][h]);
         }
     }
-    if constexpr (Cfg::kStagedOut) output.finish();
+    if constexpr (Cfg::kStagedOut) {
+        const Output output{smem + Mainloop::kOutOffset + wg * Output::kBytes, 0};
+        output.finish();
+    }
 }
 
 }  // namespace ptxattn

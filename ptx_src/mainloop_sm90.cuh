@@ -330,7 +330,6 @@ struct Sm90Mainloop {
         uint8_t* smem;
         Barriers& bars;
         Pipeline<kStages>& vt;
-        Info info;
         int wg;    // which consumer warpgroup
         int lane;
         float scale_log2;  // softmax_scale * log2(e), times q's descale with FP8
@@ -365,6 +364,9 @@ struct Sm90Mainloop {
         }
 
         // The tile's per-row and per-head values: the FP8 descales and the thread's first row.
+        // Descales are read with __ldg (ld.global.nc): a plain ld.global may not move across the
+        // barrier and wgmma-wait asm, and pinned there it moved the P V wait ahead of the
+        // softmax, costing FP8 head_dim 128 up to 10% (docs/hopper-tuning.md, session 13).
         __device__ __forceinline__ void start_tile(const FwdParams& p, const TileCoord& c,
                                                    int row_in_tile) {
             const int m0 = c.m_block * kBlockM;
@@ -373,14 +375,14 @@ struct Sm90Mainloop {
                 const int kv_head = c.head / p.q_per_kv;
                 // This warpgroup's 64 rows lie in one 128-row q descale block.
                 const int q_block = (m0 + wg * kRowsPerConsumer) / Cfg::kScaleBlockRows;
-                scale_log2 = p.scale_log2 * p.q_descale[c.batch * p.q_descale_stride_b +
-                                                        c.head * p.q_descale_stride_h +
-                                                        q_block * p.q_descale_stride_block];
+                scale_log2 = p.scale_log2 * __ldg(p.q_descale + c.batch * p.q_descale_stride_b +
+                                                  c.head * p.q_descale_stride_h +
+                                                  q_block * p.q_descale_stride_block);
                 k_descale =
                     p.k_descale + c.batch * p.k_descale_stride_b + kv_head * p.k_descale_stride_h;
                 k_descale_step = p.k_descale_stride_block;
-                v_descale = p.v_descale[c.batch * p.v_descale_stride_b +
-                                        kv_head * p.v_descale_stride_h];
+                v_descale = __ldg(p.v_descale + c.batch * p.v_descale_stride_b +
+                                  kv_head * p.v_descale_stride_h);
             }
 #pragma unroll
             for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.0f;
@@ -464,21 +466,25 @@ struct Sm90Mainloop {
         __device__ __forceinline__ float block_scale_log2(int n_block) const {
             if constexpr (kFp8) {
                 return scale_log2 *
-                       k_descale[(n_block * kBlockN / Cfg::kScaleBlockRows) * k_descale_step];
+                       __ldg(k_descale + (n_block * kBlockN / Cfg::kScaleBlockRows) * k_descale_step);
             } else {
                 return scale_log2;
             }
         }
 
-        __device__ __forceinline__ void mask(float (&s)[kBlockN / 2], int n_block) const {
-            apply_mask<16>(reinterpret_cast<ScoreTiles&>(s), info.mask, row0,
+        // The block info is rebuilt from the parameters where it is used rather than kept in the
+        // consumer: values kept live through the mainloop cost FP8 head_dim 128, which runs at
+        // the register cap, up to 10% (docs/hopper-tuning.md, session 12).
+        __device__ __forceinline__ void mask(const FwdParams& p, float (&s)[kBlockN / 2],
+                                             int n_block) const {
+            apply_mask<16>(reinterpret_cast<ScoreTiles&>(s), block_info(p).mask, row0,
                            n_block * kBlockN + 2 * (lane % 4), AccumulatorColumns{});
         }
 
         // One step: S for key block n_block, P V for the block before it (ring position `prev`).
         // kStaleMax: try the softmax's fast path first (kStaleMaxFirst builds).
         template <bool kMasked, bool kStaleMax = false>
-        __device__ __forceinline__ void step(int n_block, float (&s)[kScoreAccs][kBlockN / 2],
+        __device__ __forceinline__ void step(const FwdParams& params, int n_block, float (&s)[kScoreAccs][kBlockN / 2],
                                              float (&rescale)[1][2]) {
             static_assert(!(kMasked && kStaleMax), "masked blocks take the max pass");
             const Ring prev = ring;
@@ -496,7 +502,7 @@ struct Sm90Mainloop {
             finish_qk(s);
             // K is released once no Q K^T of this block can follow.
             if constexpr (!kStaleMax) release(bars.k.empty[ring.stage()]);
-            if constexpr (kMasked) mask(s[0], n_block);
+            if constexpr (kMasked) mask(params, s[0], n_block);
             bool rescale_o = false;
             float block_sum[1][2];
             if (kStaleMax &&
@@ -528,7 +534,8 @@ struct Sm90Mainloop {
         }
 
         // Runs key blocks n_max-1 .. 0 of tile m_block; leaves the ring past its last slot.
-        __device__ __forceinline__ void mainloop(int m_block) {
+        __device__ __forceinline__ void mainloop(const FwdParams& params, int m_block) {
+            const Info info = block_info(params);
             const int n_end = info.n_max(m_block);
             if (n_end == 0) return;
             const int n_first_masked = info.n_right_masked(m_block);
@@ -545,7 +552,7 @@ struct Sm90Mainloop {
             wgmma_wait<0>();
             finish_qk(s);
             release(bars.k.empty[ring.stage()]);
-            if (n_end - 1 >= n_first_masked) mask(s[0], n_end - 1);
+            if (n_end - 1 >= n_first_masked) mask(params, s[0], n_end - 1);
             // O is still zero, so whether it would need rescaling does not matter.
             softmax.update(reinterpret_cast<ScoreTiles&>(s[0]), first_scale, rescale);
             accumulator_to_p<kBlockN>(p, s[0]);
@@ -553,17 +560,17 @@ struct Sm90Mainloop {
             int n_block = n_end - 2;
 #pragma unroll 1
             for (; n_block >= 0 && n_block >= n_first_masked; --n_block) {
-                step<true>(n_block, s, rescale);
+                step<true>(params, n_block, s, rescale);
             }
             if constexpr (Cfg::kStaleMaxFirst) {
                 // The masked blocks and the first unmasked one go through the max pass: that is
                 // where a row max still grows (a causal row that saw few keys on the diagonal).
-                if (n_block >= 0) step<false>(n_block--, s, rescale);
+                if (n_block >= 0) step<false>(params, n_block--, s, rescale);
 #pragma unroll 1
-                for (; n_block >= 0; --n_block) step<false, true>(n_block, s, rescale);
+                for (; n_block >= 0; --n_block) step<false, true>(params, n_block, s, rescale);
             } else {
 #pragma unroll 1
-                for (; n_block >= 0; --n_block) step<false>(n_block, s, rescale);
+                for (; n_block >= 0; --n_block) step<false>(params, n_block, s, rescale);
             }
             // Every Q K^T of this tile has completed: the producer may load the next tile's Q
             // (with Q in registers, load_q freed it already).
