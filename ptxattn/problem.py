@@ -17,9 +17,12 @@ cache) can build their problems from the same rules.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import math
 import numbers
+import threading
 
 import ml_dtypes
 import numpy as np
@@ -299,6 +302,59 @@ def _check_tensor_scale(name: str, value, fmt: str, device: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Memo of checked calls
+
+# The checks cost tens of microseconds of Python per call, as much as a short kernel; a call
+# whose arguments have the metadata of an earlier, accepted one (the common case: the same
+# buffers every step) is the same problem.
+_MEMO_SIZE = 256
+_memo: collections.OrderedDict = collections.OrderedDict()
+_memo_lock = threading.Lock()
+
+
+class _Unkeyable(Exception):
+    """An argument whose metadata is not known here: its call is checked afresh."""
+
+
+def _metadata(x) -> tuple:
+    """All that the checks read of one argument, hashable: the value of a scalar, the layout,
+    address and device of an array."""
+    if x is None or isinstance(x, (bool, numbers.Number, str, type)):
+        return (type(x), x)
+    try:
+        return (type(x), x.data.ptr, tuple(x.shape), tuple(x.strides), str(x.dtype),
+                x.device.id)
+    except (AttributeError, TypeError):
+        raise _Unkeyable from None
+
+
+def _memoized(build):
+    """``build`` (an AttentionProblem constructor from call arguments), remembering the
+    problems of accepted calls by their arguments' metadata. Refusals are not remembered."""
+
+    @functools.wraps(build)
+    def checked(cls, *args, **kwargs):
+        try:
+            key = (build.__name__, tuple(_metadata(a) for a in args),
+                   tuple((name, _metadata(a)) for name, a in sorted(kwargs.items())))
+        except _Unkeyable:
+            return build(cls, *args, **kwargs)
+        with _memo_lock:
+            hit = _memo.get(key)
+            if hit is not None:
+                _memo.move_to_end(key)
+                return hit
+        problem = build(cls, *args, **kwargs)
+        with _memo_lock:
+            _memo[key] = problem
+            if len(_memo) > _MEMO_SIZE:
+                _memo.popitem(last=False)
+        return problem
+
+    return checked
+
+
+# ---------------------------------------------------------------------------------------------
 # The problem
 
 
@@ -354,6 +410,7 @@ class AttentionProblem:
         return padded_seqlen(self.seqlen_k)
 
     @classmethod
+    @_memoized
     def from_16bit(cls, q, k, v, *, causal: bool = False, softmax_scale=None, out=None,
                    lse=None) -> "AttentionProblem":
         """ptxattn.attention's arguments: float16 or bfloat16 q, k, v (and ``out``) with unit
@@ -382,6 +439,7 @@ class AttentionProblem:
         return problem
 
     @classmethod
+    @_memoized
     def from_fp8(cls, q, k, v, *, q_descale, k_descale, v_descale, causal: bool = False,
                  softmax_scale=None, out_dtype=None, out=None, lse=None) -> "AttentionProblem":
         """ptxattn.fp8.attention's arguments: e4m3 q, k, v (E4M3Array or float8_e4m3fn views)

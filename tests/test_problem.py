@@ -224,3 +224,21 @@ def test_an_lse_buffer_is_checked_like_an_output():
     with pytest.raises(ValueError, match="lse must not overlap out"):
         _16bit(out=MetaArray(SHAPE_Q, ptr=OUT_PTR), lse=MetaArray((2, 4, 16), np.float32,
                                                                   ptr=OUT_PTR + 64))
+
+
+def test_a_repeated_call_reuses_its_checked_problem_and_a_changed_one_is_checked_again():
+    """The memo keys on every argument's metadata: the same layouts and addresses give the same
+    problem object; a different stride, address, device or scalar is checked from scratch."""
+    out = MetaArray(SHAPE_Q, ptr=OUT_PTR)
+    first = _16bit(out=out)
+    assert _16bit(out=MetaArray(SHAPE_Q, ptr=OUT_PTR)) is first
+    assert _fp8(q_descale=0.5) is _fp8(q_descale=0.5)
+    with pytest.raises(ValueError, match="out must not overlap q"):
+        _16bit(out=MetaArray(SHAPE_Q, ptr=1 << 20))
+    with pytest.raises(ValueError, match="positive strides"):
+        _16bit(q=MetaArray(SHAPE_Q, strides=(0, 512, 128, 2)))
+    with pytest.raises(ValueError, match="q_descale must be finite and positive"):
+        _fp8(q_descale=-0.5)
+    with pytest.raises(ValueError, match="device"):
+        _16bit(out=MetaArray(SHAPE_Q, ptr=OUT_PTR, device=1))
+    assert _16bit(out=out) is first
