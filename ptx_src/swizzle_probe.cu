@@ -1,0 +1,42 @@
+// Probe of tma.cuh's swizzled_offset against the layout TMA really writes, run by
+// tests/test_primitives.py.
+//
+// swizzle_probe<kRowBytes>: one block. Thread 0 TMA-loads the box at (c0, c1) (2-d tensor map
+// whose box rows are kRowBytes bytes and whose swizzle span is kRowBytes, built by
+// ptxattn.runtime.tensor_map) into a 1024-byte aligned tile of `rows` rows; then every thread
+// reads 32-bit words back through swizzled_offset<kRowBytes>(row, chunk) and stores the tile
+// unswizzled, row-major, at out[row * kRowBytes / 4 + word].
+#include "mbarrier.cuh"
+#include "tma.cuh"
+
+namespace ptxattn {
+namespace probe {
+
+template <int kRowBytes>
+__global__ void swizzle_probe(const __grid_constant__ TensorMap src, int c0, int c1, int rows,
+                              uint32_t* __restrict__ out) {
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t* tile = smem_raw + (1024 - smem_addr(smem_raw) % 1024) % 1024;
+    __shared__ MBarrier loaded;
+    if (threadIdx.x == 0) {
+        loaded.init(1);
+        fence_barrier_init();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        loaded.arrive_expect_tx(rows * kRowBytes);
+        tma_load_2d(tile, &src, loaded, c0, c1);
+    }
+    loaded.wait(0);
+
+    constexpr int kWords = kRowBytes / 4;
+    for (int i = threadIdx.x; i < rows * kWords; i += blockDim.x) {
+        const int row = i / kWords;
+        const int word = i % kWords;
+        out[i] = *reinterpret_cast<const uint32_t*>(tile + swizzled_offset<kRowBytes>(row, word / 4) +
+                                                    4 * (word % 4));
+    }
+}
+
+}  // namespace probe
+}  // namespace ptxattn

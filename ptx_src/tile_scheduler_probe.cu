@@ -1,0 +1,69 @@
+// Probe of tile_scheduler.cuh, run by tests/test_primitives.py.
+//
+// tile_order_probe: thread i < num_tiles stores TileOrder::decode(i) as (m_block, head, batch)
+// at coords[3 i ..].
+//
+// grid_tiles_probe, persistent_tiles_probe: the calls a kernel's warps make. Warp 0 is the
+// producer, of which thread 0 alone takes the block's tiles with next(); warps 1 ..
+// blockDim.x / 32 - 1 receive them, every lane calling receive(). Each warp's lane 0 logs the
+// sequence it got, the closing index (>= num_tiles) included, at
+// log[(blockIdx.x * warps + warp) * cap ..] (the first `cap` entries) and its length at
+// taken[blockIdx.x * warps + warp]. persistent_tiles_probe sets its TileMailbox up as the Hopper
+// kernel does; counter is null (static order) or two zeroed ints (dynamic order).
+#include "mbarrier.cuh"
+#include "tile_scheduler.cuh"
+
+namespace ptxattn {
+namespace probe {
+
+template <class Tiles>
+__device__ __forceinline__ void log_tiles(Tiles& tiles, int num_tiles, int cap, int* log,
+                                          int* taken) {
+    const bool producer = threadIdx.x < 32;
+    const int entry = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const bool logs = threadIdx.x % 32 == 0;
+    int count = 0;
+    for (;;) {
+        const int tile = producer ? tiles.next(num_tiles) : tiles.receive(num_tiles);
+        if (logs && count < cap) log[entry * cap + count] = tile;
+        ++count;
+        if (tile >= num_tiles) break;
+    }
+    if (logs) taken[entry] = count;
+}
+
+}  // namespace probe
+}  // namespace ptxattn
+
+using namespace ptxattn;
+
+extern "C" __global__ void tile_order_probe(int num_m_blocks, int num_pairs, int section_heads,
+                                            int heads_q, int* __restrict__ coords) {
+    const TileOrder order{num_m_blocks, num_pairs, section_heads, heads_q};
+    const int tile = blockIdx.x * blockDim.x + threadIdx.x;
+    if (tile >= order.num_tiles()) return;
+    const TileCoord c = order.decode(tile);
+    coords[3 * tile + 0] = c.m_block;
+    coords[3 * tile + 1] = c.head;
+    coords[3 * tile + 2] = c.batch;
+}
+
+extern "C" __global__ void grid_tiles_probe(int num_tiles, int cap, int* __restrict__ log,
+                                            int* __restrict__ taken) {
+    GridTiles tiles;
+    if (threadIdx.x < 32 && threadIdx.x != 0) return;
+    probe::log_tiles(tiles, num_tiles, cap, log, taken);
+}
+
+extern "C" __global__ void persistent_tiles_probe(int num_tiles, int* counter, int cap,
+                                                  int* __restrict__ log, int* __restrict__ taken) {
+    __shared__ TileMailbox mailbox;
+    if (threadIdx.x == 0) {
+        mailbox.init(blockDim.x / 32 - 1);
+        fence_barrier_init();
+    }
+    __syncthreads();
+    PersistentTiles tiles{counter, mailbox};
+    if (threadIdx.x < 32 && threadIdx.x != 0) return;
+    probe::log_tiles(tiles, num_tiles, cap, log, taken);
+}

@@ -1,0 +1,190 @@
+// Probe of wgmma.cuh and wgmma_fp8.cuh, run by tests/test_primitives.py: one warpgroup (128
+// threads) runs the products of the Hopper kernel's two GEMMs on operands given row-major in
+// global memory, which it first copies into shared memory in the layout TMA writes (1024-byte
+// aligned slabs of rows of one swizzle span, kRowBytes = min(row bytes, 128), chunks placed by
+// swizzled_offset). Results are stored row-major in fp32 (the accumulator layout of wgmma.cuh).
+//
+// wgmma16_probe<kHeadDim, kBlockN, kBf16>: q [64 x kHeadDim], k [kBlockN x kHeadDim],
+// v [kBlockN x kHeadDim], 16-bit (bf16 or fp16) as raw uint16 bits.
+//   s [64 x kBlockN]  = q k^T        Wgmma16<kBlockN>::ss, both operands K-major
+//                                    (wgmma_desc_kmajor<128>, advanced per 32-byte k-step and
+//                                    per slab as mainloop_sm90.cuh's issue_qk does); s starts
+//                                    as NaN, the first k-step overwrites it (accumulate = 0);
+//   o [64 x kHeadDim] = 1 + p v      p = s packed to 16 bits by pack_f32x2 as the A fragments of
+//                                    Wgmma16<kHeadDim>::rs, v MN-major through
+//                                    wgmma_desc_sw128(v, slab bytes, 1024) advanced 16 rows per
+//                                    k-step (mma_pv); o starts as 1 and every k-step accumulates.
+// wgmma_e4m3_probe<kHeadDim, N>: q [64 x kHeadDim], k [N x kHeadDim], e4m3 bytes.
+//   s [64 x N] = q k^T   WgmmaE4m3<N>::ss, K-major (wgmma_desc_kmajor<kRowBytes>), s from NaN;
+//   t [64 x N] = q k^T   WgmmaE4m3<N>::rs, A fragments read from global memory in the layout
+//                        wgmma_fp8.cuh documents, B as for s.
+#include "common.cuh"
+#include "mbarrier.cuh"
+#include "mma_sync.cuh"
+#include "tma.cuh"
+#include "wgmma.cuh"
+#include "wgmma_fp8.cuh"
+
+namespace ptxattn {
+namespace probe {
+
+// Copies a row-major [rows x kRowBytes * kSlabs] byte matrix into kSlabs slabs of `rows`
+// swizzled kRowBytes-byte rows, as TMA boxes of one swizzle span of columns land.
+template <int kRowBytes, int kSlabs>
+__device__ __forceinline__ void stage_tile(uint8_t* dst, const uint8_t* src, int rows) {
+    constexpr int kChunks = kRowBytes / 16;
+    for (int c = threadIdx.x; c < rows * kChunks * kSlabs; c += blockDim.x) {
+        const int row = c / (kChunks * kSlabs);
+        const int chunk = c % (kChunks * kSlabs);
+        *reinterpret_cast<uint4*>(dst + (chunk / kChunks) * rows * kRowBytes +
+                                  swizzled_offset<kRowBytes>(row, chunk % kChunks)) =
+            *reinterpret_cast<const uint4*>(src + c * 16);
+    }
+}
+
+// Stores an m64nN accumulator of the warpgroup as a row-major [64 x N] fp32 matrix.
+template <int N>
+__device__ __forceinline__ void store_accumulator(float* dst, const float (&d)[N / 2]) {
+    const int lane = threadIdx.x % 32;
+    const int row = (threadIdx.x / 32) * 16 + lane / 4;
+#pragma unroll
+    for (int i = 0; i < N / 8; ++i) {
+        const int col = 8 * i + 2 * (lane % 4);
+        dst[row * N + col] = d[4 * i];
+        dst[row * N + col + 1] = d[4 * i + 1];
+        dst[(row + 8) * N + col] = d[4 * i + 2];
+        dst[(row + 8) * N + col + 1] = d[4 * i + 3];
+    }
+}
+
+template <int N>
+__device__ __forceinline__ void fill(float (&d)[N], float value) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) d[i] = value;
+}
+
+__device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw) {
+    return raw + (1024 - smem_addr(raw) % 1024) % 1024;
+}
+
+// Dynamic shared memory: (64 + 2 * kBlockN) * kHeadDim * 2 + 1024 bytes.
+template <int kHeadDim, int kBlockN, bool kBf16>
+__global__ void __launch_bounds__(128)
+wgmma16_probe(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
+              const uint16_t* __restrict__ v, float* __restrict__ s_out,
+              float* __restrict__ o_out) {
+    constexpr int kSlabs = kHeadDim / 64;
+    constexpr uint32_t kQSlabBytes = 64 * 128;
+    constexpr uint32_t kKVSlabBytes = kBlockN * 128;
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t* q_tile = aligned_smem(smem_raw);
+    uint8_t* k_tile = q_tile + kSlabs * kQSlabBytes;
+    uint8_t* v_tile = k_tile + kSlabs * kKVSlabBytes;
+    stage_tile<128, kSlabs>(q_tile, reinterpret_cast<const uint8_t*>(q), 64);
+    stage_tile<128, kSlabs>(k_tile, reinterpret_cast<const uint8_t*>(k), kBlockN);
+    stage_tile<128, kSlabs>(v_tile, reinterpret_cast<const uint8_t*>(v), kBlockN);
+    fence_proxy_async();
+    __syncthreads();
+
+    float s[kBlockN / 2];
+    fill(s, __int_as_float(0x7fc00000));
+    const uint64_t q_desc = wgmma_desc_kmajor<128>(smem_addr(q_tile));
+    const uint64_t k_desc = wgmma_desc_kmajor<128>(smem_addr(k_tile));
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        const uint32_t slab = kk / 4;
+        const uint32_t step = (kk % 4) * 32;
+        Wgmma16<kBlockN>::template ss<kBf16>(
+            s, wgmma_desc_advance(q_desc, slab * kQSlabBytes + step),
+            wgmma_desc_advance(k_desc, slab * kKVSlabBytes + step), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operand(s);
+    store_accumulator<kBlockN>(s_out, s);
+
+    uint32_t p[kBlockN / 4];
+#pragma unroll
+    for (int j = 0; j < kBlockN / 4; ++j) p[j] = pack_f32x2<kBf16>(s[2 * j], s[2 * j + 1]);
+    float o[kHeadDim / 2];
+    fill(o, 1.0f);
+    const uint64_t v_desc = wgmma_desc_sw128(smem_addr(v_tile), kKVSlabBytes, 1024);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        Wgmma16<kHeadDim>::template rs<kBf16>(o, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2],
+                                              p[4 * kk + 3],
+                                              wgmma_desc_advance(v_desc, kk * 16 * 128), 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operand(o);
+    store_accumulator<kHeadDim>(o_out, o);
+}
+
+// Dynamic shared memory: (64 + N) * kHeadDim + 1024 bytes.
+template <int kHeadDim, int N>
+__global__ void __launch_bounds__(128)
+wgmma_e4m3_probe(const uint8_t* __restrict__ q, const uint8_t* __restrict__ k,
+                 float* __restrict__ s_out, float* __restrict__ t_out) {
+    constexpr int kRowBytes = kHeadDim < 128 ? kHeadDim : 128;
+    constexpr int kSlabs = kHeadDim / kRowBytes;
+    constexpr uint32_t kQSlabBytes = 64 * kRowBytes;
+    constexpr uint32_t kKSlabBytes = N * kRowBytes;
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t* q_tile = aligned_smem(smem_raw);
+    uint8_t* k_tile = q_tile + kSlabs * kQSlabBytes;
+    stage_tile<kRowBytes, kSlabs>(q_tile, q, 64);
+    stage_tile<kRowBytes, kSlabs>(k_tile, k, N);
+    fence_proxy_async();
+    __syncthreads();
+
+    const uint64_t q_desc = wgmma_desc_kmajor<kRowBytes>(smem_addr(q_tile));
+    const uint64_t k_desc = wgmma_desc_kmajor<kRowBytes>(smem_addr(k_tile));
+    float s[N / 2];
+    fill(s, __int_as_float(0x7fc00000));
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 32; ++kk) {
+        const uint32_t slab = kk * 32 / kRowBytes;
+        const uint32_t step = (kk * 32) % kRowBytes;
+        WgmmaE4m3<N>::ss(s, wgmma_desc_advance(q_desc, slab * kQSlabBytes + step),
+                         wgmma_desc_advance(k_desc, slab * kKSlabBytes + step), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operand(s);
+    store_accumulator<N>(s_out, s);
+
+    // a0 = A[g][4t..4t+3], a1 = A[g+8][4t..], a2 = A[g][16+4t..], a3 = A[g+8][16+4t..] of each
+    // 32-column k-step, rows relative to 16 * warp, the lowest byte the lowest column.
+    const int lane = threadIdx.x % 32;
+    const uint8_t* a_row = q + ((threadIdx.x / 32) * 16 + lane / 4) * kHeadDim + 4 * (lane % 4);
+    uint32_t a[kHeadDim / 8];
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 32; ++kk) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            a[4 * kk + r] = *reinterpret_cast<const uint32_t*>(a_row + (r % 2) * 8 * kHeadDim +
+                                                               32 * kk + (r / 2) * 16);
+        }
+    }
+    float t[N / 2];
+    fill(t, __int_as_float(0x7fc00000));
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 32; ++kk) {
+        const uint32_t slab = kk * 32 / kRowBytes;
+        const uint32_t step = (kk * 32) % kRowBytes;
+        WgmmaE4m3<N>::rs(t, a[4 * kk], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3],
+                         wgmma_desc_advance(k_desc, slab * kKSlabBytes + step), kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operand(t);
+    store_accumulator<N>(t_out, t);
+}
+
+}  // namespace probe
+}  // namespace ptxattn
