@@ -12,6 +12,7 @@ Needs no GPU: the caller passes the arch (``runtime.device_arch(device_id)``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 
 from . import archs
@@ -97,6 +98,13 @@ def select(arch: str, input_format: str, head_dim: int, *, features=frozenset(),
     ``input_format`` and ``head_dim`` there and handles every one of ``features`` (a subset of
     FEATURES), restricted to routes named ``backend`` if given. Raises ValueError naming the
     arch and what the routes for that format support when none fits."""
+    return _select(arch, input_format, head_dim, frozenset(features), backend)
+
+
+@functools.lru_cache(maxsize=None)
+def _select(arch: str, input_format: str, head_dim: int, features: frozenset,
+            backend: str | None) -> Route:
+    """select(), remembered: every call of an entry point asks it (refusals are not kept)."""
     archs.get(arch)
     routes = routes_for(input_format)
     if backend is not None:

@@ -322,8 +322,7 @@ def _metadata(x) -> tuple:
     if x is None or isinstance(x, (bool, numbers.Number, str, type)):
         return (type(x), x)
     try:
-        return (type(x), x.data.ptr, tuple(x.shape), tuple(x.strides), str(x.dtype),
-                x.device.id)
+        return (type(x), x.data.ptr, x.shape, x.strides, x.dtype, x.device.id)
     except (AttributeError, TypeError):
         raise _Unkeyable from None
 
