@@ -5,6 +5,7 @@
 // writes (rows of min(D, 128) bytes in slabs, swizzled over the row). Compile-time: HEAD_DIM.
 #include "common.cuh"
 #include "mbarrier.cuh"
+#include "probe_tiles.cuh"
 #include "transpose_e4m3.cuh"
 #include "wgmma_fp8.cuh"
 
@@ -19,39 +20,13 @@ constexpr int kKeys = 128;
 constexpr uint32_t kQBytes = kQRows * kHeadDim;
 constexpr uint32_t kKVBytes = kKeys * kHeadDim;
 
-// Copies a row-major [rows x kHeadDim] byte matrix into slabs of swizzled kRowBytes rows.
-__device__ __forceinline__ void copy_tile(uint8_t* dst, const uint8_t* src, int rows) {
-    constexpr int kChunks = kRowBytes / 16;
-    for (int c = threadIdx.x; c < rows * kHeadDim / 16; c += blockDim.x) {
-        const int row = c / (kHeadDim / 16);
-        const int col_chunk = c % (kHeadDim / 16);
-        const int slab = col_chunk / kChunks;
-        *reinterpret_cast<uint4*>(dst + slab * rows * kRowBytes +
-                                  swizzled_offset<kRowBytes>(row, col_chunk % kChunks)) =
-            *reinterpret_cast<const uint4*>(src + row * kHeadDim + col_chunk * 16);
-    }
-}
-
-// Stores an m64nN accumulator of this warpgroup as a row-major [64 x N] fp32 matrix.
-template <int N>
-__device__ __forceinline__ void store_accumulator(float* dst, const float (&d)[N / 2]) {
-    const int lane = threadIdx.x % 32;
-    const int row = (threadIdx.x / 32) * 16 + lane / 4;
-#pragma unroll
-    for (int i = 0; i < N / 8; ++i) {
-        const int col = 8 * i + 2 * (lane % 4);
-        dst[row * N + col] = d[4 * i];
-        dst[row * N + col + 1] = d[4 * i + 1];
-        dst[(row + 8) * N + col] = d[4 * i + 2];
-        dst[(row + 8) * N + col + 1] = d[4 * i + 3];
-    }
-}
-
 }  // namespace fp8_probe
 }  // namespace ptxattn
 
 using namespace ptxattn;
 using namespace ptxattn::fp8_probe;
+using ptxattn::probe::stage_tile;
+using ptxattn::probe::store_accumulator;
 
 // One block of 128 threads; dynamic smem kQBytes + 3 * kKVBytes + 1024.
 // q (64, D), k (128, D), v (128, D) e4m3 row-major; s (64, 128), o (64, D) fp32.
@@ -65,9 +40,9 @@ fp8_wgmma_probe(const uint8_t* __restrict__ q, const uint8_t* __restrict__ k,
     uint8_t* k_tile = q_tile + kQBytes;
     uint8_t* v_tile = k_tile + kKVBytes;
     uint8_t* vt_tile = v_tile + kKVBytes;
-    copy_tile(q_tile, q, kQRows);
-    copy_tile(k_tile, k, kKeys);
-    copy_tile(v_tile, v, kKeys);
+    stage_tile<kRowBytes, kSlabs>(q_tile, q, kQRows);
+    stage_tile<kRowBytes, kSlabs>(k_tile, k, kKeys);
+    stage_tile<kRowBytes, kSlabs>(v_tile, v, kKeys);
     __syncthreads();
     const TransposeE4m3<kKeys, kHeadDim, kRowBytes, kKeys, 4> transpose(threadIdx.x / 32,
                                                                          threadIdx.x % 32);
