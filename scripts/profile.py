@@ -6,8 +6,10 @@ TFLOP/s = 4 * batch * heads * seqlen_q * seqlen_k * head_dim / time (halved for 
 being the median over repeated CUDA-event-timed samples (each the mean of 10 back-to-back calls)
 after warm-up, every runner of a row taking its samples in turn with the others so that all see
 the same GPU clock and temperature. Peers run in the same process
-on the same GPU: torch SDPA's FlashAttention-2 and cuDNN backends when torch is installed, and
-ptxattn's plain CuPy reference.
+on the same GPU: torch SDPA's FlashAttention-2 and cuDNN backends when torch is installed,
+FlashAttention-3's forward (bf16, and FP8 e4m3 with per-(batch, head) descales) when the
+fa3-fwd wheel imports (module fa3_fwd_interface), and ptxattn's plain CuPy reference. A peer
+that does not import is left out with a note on stderr.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 from ptxattn.timing import attention_flops, time_ms_interleaved  # noqa: E402  (after the path fix)
+
+
+# Peers that take torch tensors (views of the same CuPy data through DLPack).
+TORCH_PEERS = ("torch-", "fa3")
 
 
 def configs(quick: bool) -> list[dict]:
@@ -66,7 +72,7 @@ def _quantized_once(quantize, attend):
     quantized = {}
 
     def run(q, k, v, causal):
-        key = (q.data.ptr, k.data.ptr, v.data.ptr)
+        key = tuple(x.data_ptr() if hasattr(x, "data_ptr") else x.data.ptr for x in (q, k, v))
         if key not in quantized:
             quantized.clear()
             quantized[key] = quantize(q, k, v)
@@ -133,6 +139,38 @@ def torch_runners() -> dict:
             "torch-sdpa-cudnn": ((64, 128, 256), None, make(SDPBackend.CUDNN_ATTENTION))}
 
 
+def fa3_runners() -> dict:
+    """FlashAttention-3's forward from the fa3-fwd wheel: bf16, and FP8 e4m3 (q, k, v quantized
+    once per input set with per-(batch, head) descales, bf16 output, as ptxattn-fp8-head)."""
+    try:
+        import fa3_fwd_config
+        import torch
+        # fa3_fwd_interface imports the build configuration under FlashAttention's own name.
+        sys.modules.setdefault("flash_attn_config", fa3_fwd_config)
+        from fa3_fwd_interface import flash_attn_func
+    except (ImportError, OSError):
+        return {}
+
+    def bf16(q, k, v, causal):
+        return flash_attn_func(q, k, v, causal=causal)
+
+    def quantize(q, k, v):
+        def per_head(x):
+            scale = (x.abs().amax(dim=(1, 3)).float() / 448.0).clamp_min(1e-12)
+            x8 = (x.float() / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+            return x8, scale.contiguous()
+        (q8, qd), (k8, kd), (v8, vd) = (per_head(x) for x in (q, k, v))
+        return q8, k8, v8, qd, kd, vd
+
+    def fp8(operands, causal):
+        q8, k8, v8, qd, kd, vd = operands
+        return flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd,
+                               v_descale=vd)
+
+    return {"fa3": ((64, 128, 256), None, bf16),
+            "fa3-fp8": ((64, 128, 256), None, _quantized_once(quantize, fp8))}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -172,6 +210,13 @@ def main(argv=None) -> int:
     if peers:
         import torch
     runners.update(peers)
+    fa3 = fa3_runners()
+    if not fa3:
+        print("profile.py: fa3_fwd_interface (pip package fa3-fwd) is not importable, so no "
+              "FlashAttention-3 peers in this run", file=sys.stderr)
+    runners.update(fa3)
+    if fa3 and torch is None:
+        import torch
     runners["cupy-reference"] = (
         (64, 128, 256), args.slow_max_seqlen, lambda q, k, v, causal: reference.attention(q, k, v, causal=causal))
 
@@ -195,7 +240,7 @@ def main(argv=None) -> int:
             row[name] = None
             if cfg["head_dim"] not in dims or (max_seqlen and cfg["seqlen"] > max_seqlen):
                 continue
-            if name.startswith("torch"):
+            if name.startswith(TORCH_PEERS):
                 if tensors is None:
                     tensors = tuple(torch.from_dlpack(x) for x in (q, k, v))
                 inputs = tensors
