@@ -73,8 +73,9 @@ def backend_module(name: str):
     return importlib.import_module(BACKENDS[name])
 
 
-def routes_for(input_format: str) -> list[Route]:
-    routes = [route for route in TABLE if input_format in route.formats]
+def routes_for(input_format: str, table: tuple[Route, ...] | None = None) -> list[Route]:
+    routes = [route for route in (TABLE if table is None else table)
+              if input_format in route.formats]
     if not routes:
         raise ValueError(f"input format must be one of {list(FORMATS)}, got {input_format!r}")
     return routes
@@ -98,15 +99,16 @@ def select(arch: str, input_format: str, head_dim: int, *, features=frozenset(),
     ``input_format`` and ``head_dim`` there and handles every one of ``features`` (a subset of
     FEATURES), restricted to routes named ``backend`` if given. Raises ValueError naming the
     arch and what the routes for that format support when none fits."""
-    return _select(arch, input_format, head_dim, frozenset(features), backend)
+    return _select(TABLE, arch, input_format, head_dim, frozenset(features), backend)
 
 
-@functools.lru_cache(maxsize=None)
-def _select(arch: str, input_format: str, head_dim: int, features: frozenset,
-            backend: str | None) -> Route:
-    """select(), remembered: every call of an entry point asks it (refusals are not kept)."""
+@functools.lru_cache(maxsize=256)
+def _select(table: tuple[Route, ...], arch: str, input_format: str, head_dim: int,
+            features: frozenset, backend: str | None) -> Route:
+    """select() over ``table`` (TABLE, passed so that it is part of the key), remembered:
+    every call of an entry point asks it. Refusals are not kept."""
     archs.get(arch)
-    routes = routes_for(input_format)
+    routes = routes_for(input_format, table)
     if backend is not None:
         names = sorted({route.backend for route in routes})
         routes = [route for route in routes if route.backend == backend]
