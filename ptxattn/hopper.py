@@ -78,7 +78,8 @@ SCHEDULES = {
 # FP8: block_n is 64 or a multiple of 32 from 128 (V is transposed into regions of 128 keys).
 # Shared memory: (block_m + 2 * stages * block_n) * head_dim bytes for Q, K, V plus the Vt ring.
 SCHEDULES_FP8 = {  # from scripts/check_fp8.py --sweep and its throughput table on an H100
-    (64, False): Schedule(128, 3, persistent=True, l2_sections=False, consumers=3),
+    # head_dim 64 non-causal: two stages since the role split (+1-5% over three, docs/hopper-tuning.md).
+    (64, False): Schedule(128, 2, persistent=True, l2_sections=False, consumers=3),
     (64, True): Schedule(128, 3, persistent=True, l2_sections=True, consumers=3),
     (128, False): Schedule(192, 2, persistent=True, l2_sections=False, q_in_registers=True),
     (128, True): Schedule(192, 2, persistent=True, l2_sections=False, q_in_registers=True),
