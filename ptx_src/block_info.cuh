@@ -10,6 +10,11 @@
 // Kernels visit key blocks from the last to the first, so the right-masked blocks come first,
 // then the unmasked ones, then (only with a left window) the left-masked ones.
 //
+// The backward walks the other way: a block of kBlockN keys visits the query tiles
+// [m_min(n_block), m_max()) that hold a row seeing one of its keys, and the same n_right_masked
+// test says which (tile, block) pairs need the mask. (Left windows are not handled there yet: no
+// backward kernel takes a window.)
+//
 // Per-sequence lengths: a BlockInfo holds one sequence's lengths (fixed-length kernels make one
 // per block), so a varlen kernel makes one per tile from that sequence's (seqlen_q, seqlen_k),
 // which SeqLens::of reads from cumulative offsets when the call has them.
@@ -76,6 +81,17 @@ struct BlockInfo {
         const int keys = mask.key_end(m_block * kBlockM);
         return keys <= 0 ? 0 : min(mask.seqlen_k / kBlockN, keys / kBlockN);
     }
+
+    // The first query tile with a row that sees a key of block n_block (backward): the row
+    // key - diag - window_right sees key `key` first.
+    __device__ __forceinline__ int m_min(int n_block) const {
+        return mask.window_right < 0
+                   ? 0
+                   : max(0, n_block * kBlockN - mask.diag - mask.window_right) / kBlockM;
+    }
+
+    // One past the last query tile (backward).
+    __device__ __forceinline__ int m_max() const { return ceil_div(seqlen_q, kBlockM); }
 
     // Blocks below this one need the left-side mask (none without a left window).
     __device__ __forceinline__ int n_left_unmasked(int m_block) const {

@@ -8,12 +8,13 @@
 // block: a warp owning 32 rows has no registers to spare for them next to O and S.
 //
 // Shared-memory tiles hold rows of kHeadDim 16-bit values, 16-byte chunks XOR-swizzled by
-// row % 8 (tile_offset), which keeps ldmatrix, cp.async and the epilogue's stores free of bank
+// row % 8 (smem_tile.cuh), which keeps ldmatrix, cp.async and the epilogue's stores free of bank
 // conflicts. Layout: [Q: kBlockM rows][stage 0: K, V: kBlockN rows each][stage 1]...
 #pragma once
 #include "common.cuh"
 #include "cp_async.cuh"
 #include "mma_sync.cuh"
+#include "smem_tile.cuh"
 
 namespace ptxattn {
 
@@ -68,33 +69,19 @@ struct MmaSyncMainloop {
     static constexpr int kOTiles = Cfg::kOTiles;
     static constexpr bool kBf16 = Cfg::kBf16;
 
-    // Byte offset of 16-byte chunk `chunk` of tile row `row`: the chunk index is XORed with
-    // row % 8 so that one logical chunk of eight consecutive rows falls into eight bank groups.
+    using Tile = SwizzledTile<kRowBytes>;
+    using LaneAddr = typename Tile::LaneAddr;
+
     static __device__ __forceinline__ uint32_t tile_offset(int row, int chunk) {
-        return static_cast<uint32_t>(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
+        return Tile::offset(row, chunk);
     }
 
-    // cp.async of tile rows [0, kRows) from consecutive sequence positions of one head, `rows`
-    // pointing at the first. Each thread moves one 16-byte column chunk of every
-    // (kThreads / kChunksPerRow)-th row. With kCheckRows, rows at or past `valid_rows` are
-    // zero-filled and never read; only the Q block and the first K/V block visited can be
-    // partial.
+    // Tile rows [0, kRows) of one head from `rows` (smem_tile.cuh); only the Q block and the
+    // first K/V block visited can be partial, so only they check rows.
     template <int kRows, bool kCheckRows>
     static __device__ __forceinline__ void load_tile(uint32_t tile, const uint16_t* rows,
                                                      int64_t seq_stride, int valid_rows, int tid) {
-        constexpr int kRowsPerPass = kThreads / kChunksPerRow;
-        const int chunk = tid % kChunksPerRow;
-        const int first = tid / kChunksPerRow;
-        // a 32-bit per-thread offset is cheap to recompute per block, where 64-bit per-thread
-        // pointers would stay live through the main loop and cost registers
-        const int thread_offset = first * static_cast<int>(seq_stride) + chunk * 8;
-#pragma unroll
-        for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
-            const int row = first + pass * kRowsPerPass;
-            const bool valid = !kCheckRows || row < valid_rows;
-            const uint16_t* src = rows + pass * kRowsPerPass * seq_stride + thread_offset;
-            cp_async_16(tile + tile_offset(row, chunk), valid ? src : rows, valid);
-        }
+        Tile::template load<kRows, kThreads, kCheckRows>(tile, rows, seq_stride, valid_rows, tid);
     }
 
     // The K and V tiles of one ring stage, keys first_key.. of the K/V head.
@@ -110,35 +97,14 @@ struct MmaSyncMainloop {
                                             seq_len_k - first_key, tid);
     }
 
-    // ldmatrix addressing. Every fragment load starts at a tile row that is a multiple of 8 and
-    // at an even chunk, so a lane's address splits into a per-lane part fixed for the whole
-    // kernel (its row within the 16-row group, and `swizzle` = its chunk bit ^ row % 8) plus
-    // compile-time row and chunk offsets after unrolling. Writing the XOR on the low three chunk
-    // bits only lets the compiler keep four per-lane offsets per operand instead of one per
-    // chunk.
-    struct LaneAddr {
-        uint32_t row_bytes;
-        uint32_t swizzle;
-
-        __device__ __forceinline__ uint32_t at(uint32_t tile, int row, int chunk) const {
-            return tile + row_bytes + row * kRowBytes + ((chunk & ~7) << 4) +
-                   (((chunk & 7) ^ swizzle) << 4);
-        }
-    };
-
-    // A fragment, 16 rows x 16 columns: lanes 0-15 address rows 0-15 of the left 8 columns,
-    // lanes 16-31 the right ones (registers: rows 0-7 left, 8-15 left, 0-7 right, 8-15 right).
-    // V's B fragments read with .trans (16 keys, head-dim tiles of 8) split the same way.
+    // Q's A fragments, and V's B fragments read with .trans (16 keys, head-dim tiles of 8).
     static __device__ __forceinline__ LaneAddr a_frag_lane(int lane) {
-        return {static_cast<uint32_t>((lane & 15) * kRowBytes),
-                static_cast<uint32_t>((lane >> 4) ^ (lane & 7))};
+        return Tile::rows_then_chunks(lane);
     }
 
-    // Two K-side B fragments (8 keys each, 16 head columns): lanes 0-7 address keys 0-7 left,
-    // 8-15 keys 0-7 right, 16-23 keys 8-15 left, 24-31 keys 8-15 right.
+    // Two K-side B fragments (8 keys each, 16 head columns).
     static __device__ __forceinline__ LaneAddr k_frag_lane(int lane) {
-        return {static_cast<uint32_t>(((lane & 7) + ((lane >> 4) << 3)) * kRowBytes),
-                static_cast<uint32_t>(((lane >> 3) & 1) ^ (lane & 7))};
+        return Tile::chunks_then_rows(lane);
     }
 
     // S (this warp's rows x kBlockN keys) = Q K^T, scores raw.

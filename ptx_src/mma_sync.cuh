@@ -111,4 +111,30 @@ __device__ __forceinline__ uint32_t pack_f32x2(float lo, float hi) {
     return r;
 }
 
+// A warp's acc += A B over kKSteps k steps of 16, A in kMTiles 16-row groups, B in kNTiles
+// 8-column tiles: load_a(a, m, ks) gives the A fragment of row group m at k step ks,
+// load_b(b, np, ks) the B fragments of column tiles 2 np and 2 np + 1 (registers as ldmatrix.x4
+// gives them: see mma_m16n16k16). Where the operands come from (which tile, transposed or not)
+// is the loaders' business.
+template <bool kBf16, int kKSteps, int kMTiles, int kNTiles, class LoadA, class LoadB>
+__device__ __forceinline__ void warp_gemm(float (&acc)[kMTiles][kNTiles][4], LoadA load_a,
+                                          LoadB load_b) {
+    static_assert(kNTiles % 2 == 0, "B fragments come in pairs of 8-column tiles");
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+        uint32_t a[kMTiles][4];
+#pragma unroll
+        for (int m = 0; m < kMTiles; ++m) load_a(a[m], m, ks);
+#pragma unroll
+        for (int np = 0; np < kNTiles / 2; ++np) {
+            uint32_t b[4];
+            load_b(b, np, ks);
+#pragma unroll
+            for (int m = 0; m < kMTiles; ++m) {
+                mma_m16n16k16<kBf16>(acc[m][2 * np], acc[m][2 * np + 1], a[m], b);
+            }
+        }
+    }
+}
+
 }  // namespace ptxattn

@@ -75,4 +75,45 @@ struct alignas(64) FwdParams {
     int v_scale_row;  // V scale bytes per head_dim row: padded seqlen_k / 32
 };
 
+// The arguments of every backward kernel (preprocess, main, postprocess), mirrored by
+// ptxattn/params.py's BwdParams like FwdParams. Strides are in elements per (batch, seqlen,
+// head) with unit stride in head_dim; the workspace arrays are dense, indexed by
+// (batch * heads_q + head) * seqlen_q + row (times head_dim for dq_accum).
+struct BwdParams {
+    const void* q;
+    const void* k;
+    const void* v;
+    const void* out;
+    const void* dout;
+    void* dq;
+    void* dk;
+    void* dv;
+    const float* lse;   // the forward's, natural log, unit stride along seqlen_q
+    float* dq_accum;    // float32 dQ summed over key blocks, before softmax_scale
+    float* dpsum;       // per row: sum over head_dim of dO * O
+    int* dq_semaphore;  // deterministic order of the dQ sums: one zeroed int per (b, h, m block),
+                        // or null (atomic adds in any order)
+
+    int64_t q_stride_b, q_stride_s, q_stride_h;
+    int64_t k_stride_b, k_stride_s, k_stride_h;
+    int64_t v_stride_b, v_stride_s, v_stride_h;
+    int64_t out_stride_b, out_stride_s, out_stride_h;
+    int64_t dout_stride_b, dout_stride_s, dout_stride_h;
+    int64_t dq_stride_b, dq_stride_s, dq_stride_h;
+    int64_t dk_stride_b, dk_stride_s, dk_stride_h;
+    int64_t dv_stride_b, dv_stride_s, dv_stride_h;
+    int64_t lse_stride_b, lse_stride_h;
+
+    int batch;
+    int seqlen_q;
+    int seqlen_k;
+    int heads_q;
+    int heads_kv;
+    int q_per_kv;
+    float softmax_scale;
+    float scale_log2;  // softmax_scale * log2(e)
+    int causal;
+    int num_m_blocks;  // query blocks of the main kernel's tile
+};
+
 }  // namespace ptxattn

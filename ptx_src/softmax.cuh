@@ -220,4 +220,29 @@ struct OnlineSoftmax {
     }
 };
 
+// The backward's softmax: the probabilities recomputed from the forward's log-sum-exp,
+// P = 2^(scale_log2 S - lse_log2) (lse_log2 = LSE log2(e), +inf for a row that sees no key or
+// lies past seqlen_q, so that its P is 0), then dS = P (dP - dpsum) with dpsum the row's
+// sum(dO * O). s becomes P and dp becomes dS, in the accumulator layout (rows h = 0, 1 of each
+// 16-row group m).
+template <int kRowGroups, int kTiles>
+__device__ __forceinline__ void softmax_backward(float (&s)[kRowGroups][kTiles][4],
+                                                 float (&dp)[kRowGroups][kTiles][4],
+                                                 const float (&lse_log2)[kRowGroups][2],
+                                                 const float (&dpsum)[kRowGroups][2],
+                                                 float scale_log2) {
+#pragma unroll
+    for (int m = 0; m < kRowGroups; ++m) {
+#pragma unroll
+        for (int j = 0; j < kTiles; ++j) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const float p = exp2_approx(fmaf(s[m][j][c], scale_log2, -lse_log2[m][c / 2]));
+                s[m][j][c] = p;
+                dp[m][j][c] = p * (dp[m][j][c] - dpsum[m][c / 2]);
+            }
+        }
+    }
+}
+
 }  // namespace ptxattn

@@ -6,7 +6,7 @@ from .runtime import CompileError, CudaError, PtxattnError
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "fp8_attention", "blockscaled_attention", "CompileError", "CudaError", "PtxattnError", "__version__"]
+__all__ = ["attention", "attention_backward", "fp8_attention", "blockscaled_attention", "CompileError", "CudaError", "PtxattnError", "__version__"]
 
 
 def __getattr__(name):
@@ -14,6 +14,9 @@ def __getattr__(name):
     if name == "attention":
         from .api import attention
         return attention
+    if name == "attention_backward":
+        from .api import attention_backward
+        return attention_backward
     if name == "fp8_attention":
         from .fp8 import attention as fp8_attention
         return fp8_attention

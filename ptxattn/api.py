@@ -36,3 +36,38 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         route.module().forward(q, k, v, out, lse, causal=problem.causal,
                                softmax_scale=problem.softmax_scale)
     return (out, lse) if return_lse else out
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False,
+                       softmax_scale: float | None = None, deterministic: bool = False,
+                       dq=None, dk=None, dv=None, backend: str | None = None):
+    """The gradients of :func:`attention` with respect to q, k and v: returns (dq, dk, dv).
+
+    dout is the gradient of the loss with respect to ``out``; ``out`` and ``lse`` are what
+    ``attention(q, k, v, causal=..., softmax_scale=..., return_lse=True)`` returned for these
+    inputs (lse: float32 (batch, heads_q, seqlen_q), unit stride along seqlen_q). Layouts, dtypes,
+    causal and softmax_scale as in the forward; dout may have other strides than out. With GQA
+    dk and dv are summed over the q heads that share a k/v head. Gradients come back in the
+    input dtype (written into ``dq``, ``dk``, ``dv`` if given), computed with FP32
+    accumulation. ``deterministic=True`` makes them bit-identical from run to run: dQ's sum over
+    key blocks then runs in a fixed order. ``backend`` as in the forward ('portable' only, for
+    now, also on Hopper).
+    """
+    import cupy
+
+    from . import dispatch, runtime
+
+    require_cupy(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+    problem = AttentionProblem.from_backward(dout, q, k, v, out, lse, causal=causal,
+                                             softmax_scale=softmax_scale,
+                                             deterministic=deterministic, dq=dq, dk=dk, dv=dv)
+    route = dispatch.select(runtime.device_arch(problem.device), problem.format,
+                            problem.head_dim, features=problem.features | {"backward"},
+                            backend=backend)
+    with cupy.cuda.Device(problem.device):
+        dq = cupy.empty(q.shape, dtype=q.dtype) if dq is None else dq
+        dk = cupy.empty(k.shape, dtype=k.dtype) if dk is None else dk
+        dv = cupy.empty(v.shape, dtype=v.dtype) if dv is None else dv
+        route.module().backward(problem, dout, q, k, v, out, lse, dq, dk, dv,
+                                deterministic=deterministic)
+    return dq, dk, dv

@@ -18,9 +18,10 @@ import importlib
 from . import archs
 
 # What an attention call may need beyond plain attention over whole sequences: "causal"
-# masking, "gqa" (fewer k/v heads than q heads). Every route handles both today; a later kernel
-# that does not (a varlen or backward one, say) lists fewer and select() passes it over.
-FEATURES = frozenset({"causal", "gqa"})
+# masking, "gqa" (fewer k/v heads than q heads), "backward" (the gradients). A route lists those
+# its family handles and select() passes over the others.
+FEATURES = frozenset({"causal", "gqa", "backward"})
+FORWARD = frozenset({"causal", "gqa"})
 SIXTEEN_BIT = ("bfloat16", "float16")
 BLOCK_SCALED = ("mxfp8", "nvfp4")
 
@@ -32,7 +33,7 @@ class Route:
     formats: tuple[str, ...]      # input formats: float16, bfloat16, e4m3, mxfp8, nvfp4
     head_dims: tuple[int, ...]
     emulated: bool = False        # the family's emulation build (archs.Arch.emulated_families)
-    features: frozenset[str] = FEATURES
+    features: frozenset[str] = FORWARD
 
     @property
     def module_name(self) -> str:
@@ -54,7 +55,7 @@ class Route:
 
 TABLE: tuple[Route, ...] = (
     Route("hopper", "hopper", SIXTEEN_BIT, (64, 128, 256)),
-    Route("portable", "portable", SIXTEEN_BIT, (64, 128, 256)),
+    Route("portable", "portable", SIXTEEN_BIT, (64, 128, 256), features=FEATURES),
     Route("hopper", "hopper", ("e4m3",), (64, 128, 256)),
     Route("blockscaled", "blockscaled", BLOCK_SCALED, (64, 128)),
     Route("blockscaled-emulated", "blockscaled", BLOCK_SCALED, (64, 128), emulated=True),

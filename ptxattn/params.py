@@ -1,7 +1,7 @@
-"""The host mirror of ``ptx_src/params.cuh``'s ``FwdParams``: the one argument of every attention
-forward kernel.
+"""The host mirror of ``ptx_src/params.cuh``: ``FwdParams``, the one argument of every attention
+forward kernel, and ``BwdParams``, that of every backward kernel.
 
-Field order, names and C types match the device struct; :func:`layout_check_source` turns this
+Field order, names and C types match the device structs; :func:`layout_check_source` turns a
 layout into static_asserts that NVRTC checks against the header (tests/test_params.py), so the two
 cannot drift apart unnoticed.
 """
@@ -45,6 +45,20 @@ _FIELDS = [
 ]
 
 
+_P = ctypes.c_uint64  # a device pointer
+_STRIDES = [(f"{name}_stride_{dim}", ctypes.c_int64)
+            for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv") for dim in "bsh"]
+_BWD_FIELDS = [
+    ("q", _P), ("k", _P), ("v", _P), ("out", _P), ("dout", _P), ("dq", _P), ("dk", _P),
+    ("dv", _P), ("lse", _P), ("dq_accum", _P), ("dpsum", _P), ("dq_semaphore", _P),
+    *_STRIDES, ("lse_stride_b", ctypes.c_int64), ("lse_stride_h", ctypes.c_int64),
+    ("batch", ctypes.c_int32), ("seqlen_q", ctypes.c_int32), ("seqlen_k", ctypes.c_int32),
+    ("heads_q", ctypes.c_int32), ("heads_kv", ctypes.c_int32), ("q_per_kv", ctypes.c_int32),
+    ("softmax_scale", ctypes.c_float), ("scale_log2", ctypes.c_float),
+    ("causal", ctypes.c_int32), ("num_m_blocks", ctypes.c_int32),
+]
+
+
 def _padded_fields() -> list:
     """_FIELDS with the tail padding that alignas(64) gives the device struct (ctypes cannot
     express the alignment; every tensor map sits at a multiple of 64 from the start)."""
@@ -57,27 +71,40 @@ def _padded_fields() -> list:
     return _FIELDS + ([("_tail_padding", ctypes.c_ubyte * pad)] if pad else [])
 
 
-class FwdParams(ctypes.Structure):
-    """``FwdParams`` by value. Pointer fields take CuPy arrays (their device address) or 0,
+class _Params(ctypes.Structure):
+    """A params struct by value. Pointer fields take CuPy arrays (their device address) or 0,
     tensor-map fields take ``runtime.TensorMap``s; the rest are plain numbers. Unset fields are
-    zero, except the window, which defaults to unbounded (-1)."""
+    zero unless ``_defaults`` says otherwise."""
 
-    _fields_ = _padded_fields()
+    _defaults: dict = {}
 
     def __init__(self, **fields):
-        super().__init__(window_left=-1, window_right=-1)
+        super().__init__(**self._defaults)
         for name, value in fields.items():
             setattr(self, name, value)
 
     def __setattr__(self, name, value):
-        kind = dict(_FIELDS).get(name)
+        kind = dict(self._fields_).get(name)
         if kind is _TENSOR_MAP:
             value = _TENSOR_MAP.from_buffer_copy(value._buffer)
         elif kind is ctypes.c_uint64 and hasattr(value, "data"):
             value = value.data.ptr
         elif kind is None and not name.startswith("_"):
-            raise AttributeError(f"FwdParams has no field {name!r}")
+            raise AttributeError(f"{type(self).__name__} has no field {name!r}")
         super().__setattr__(name, value)
+
+
+class FwdParams(_Params):
+    """``FwdParams`` by value; the window defaults to unbounded (-1)."""
+
+    _fields_ = _padded_fields()
+    _defaults = {"window_left": -1, "window_right": -1}
+
+
+class BwdParams(_Params):
+    """``BwdParams`` by value."""
+
+    _fields_ = _BWD_FIELDS
 
 
 def strides(x, dims: int = 3) -> list[int]:
@@ -85,13 +112,15 @@ def strides(x, dims: int = 3) -> list[int]:
     return [s // x.itemsize for s in x.strides[:dims]]
 
 
-def layout_check_source() -> str:
-    """CUDA source asserting that params.cuh's FwdParams has this module's layout."""
-    lines = ['#include "params.cuh"', "using ptxattn::FwdParams;",
-             f"static_assert(sizeof(FwdParams) == {ctypes.sizeof(FwdParams)}, "
-             f'"sizeof(FwdParams) differs from ptxattn/params.py");']
-    for name, _ in _FIELDS:
-        offset = getattr(FwdParams, name).offset
-        lines.append(f"static_assert(__builtin_offsetof(FwdParams, {name}) == {offset}, "
-                     f'"FwdParams::{name} is not at offset {offset} as in ptxattn/params.py");')
+def layout_check_source(struct: str = "FwdParams") -> str:
+    """CUDA source asserting that params.cuh's ``struct`` (FwdParams or BwdParams) has this
+    module's layout."""
+    host, fields = {"FwdParams": (FwdParams, _FIELDS), "BwdParams": (BwdParams, _BWD_FIELDS)}[struct]
+    lines = ['#include "params.cuh"', f"using ptxattn::{struct};",
+             f"static_assert(sizeof({struct}) == {ctypes.sizeof(host)}, "
+             f'"sizeof({struct}) differs from ptxattn/params.py");']
+    for name, _ in fields:
+        offset = getattr(host, name).offset
+        lines.append(f"static_assert(__builtin_offsetof({struct}, {name}) == {offset}, "
+                     f'"{struct}::{name} is not at offset {offset} as in ptxattn/params.py");')
     return "\n".join(lines) + "\n"

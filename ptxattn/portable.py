@@ -1,4 +1,6 @@
-"""Launcher of the portable forward kernel, ``ptx_src/fwd_mma_sync.cu`` (mma.sync, sm_80+).
+"""Launcher of the portable kernels (mma.sync, sm_80+): the forward ``ptx_src/fwd_mma_sync.cu``
+and the backward ``ptx_src/bwd_mma_sync.cu`` (between ptxattn/backward.py's pre- and
+postprocess).
 
 The kernel takes raw pointers and element strides, so any (batch, seqlen, heads) strides work
 as long as rows are 16-byte aligned (ptxattn/problem.py checks that). Tiles are compile-time: one
@@ -13,12 +15,14 @@ import dataclasses
 import math
 
 from . import archs, params, runtime
+from . import backward as shared_backward
 
 # The kernel needs only sm_80 features, so it runs on every architecture ptxattn knows.
 ARCHS = archs.running("portable")
 HEAD_DIMS = (64, 128, 256)
 DTYPES = {"bfloat16": 1, "float16": 0}
 SOURCE = "fwd_mma_sync.cu"
+BWD_SOURCE = "bwd_mma_sync.cu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,10 +82,74 @@ def spec(dtype: str, head_dim: int, causal: bool, tile: Tile,
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class BwdTile:
+    """Compile-time shape of one backward variant (mainloop_bwd_mma_sync.cuh): each phase
+    spreads its GEMM's output over all warps as a grid of ``*_rows`` warp rows."""
+
+    block_m: int       # query rows per tile
+    block_n: int       # keys per block (the block's dK, dV rows)
+    warps: int
+    score_rows: int    # warp rows over S, dP (block_m x block_n)
+    dkv_rows: int      # warp rows over dK, dV (block_n x head_dim)
+    dq_rows: int       # warp rows over dQ (block_m x head_dim)
+    stages: int        # depth of the (Q, dO) ring
+    min_blocks: int
+
+    def smem_bytes(self, head_dim: int) -> int:
+        return (2 * self.block_n * head_dim + 2 * self.stages * self.block_m * head_dim
+                + 2 * self.block_m * self.block_n) * 2
+
+    def label(self) -> str:
+        return (f"m{self.block_m}_n{self.block_n}_w{self.warps}_g{self.score_rows}"
+                f"{self.dkv_rows}{self.dq_rows}_s{self.stages}_b{self.min_blocks}")
+
+
+_SMEM_163K = tuple(a for a in ARCHS if archs.get(a).smem_per_block >= 160 * 1024)
+_SMEM_99K = tuple(a for a in ARCHS if a not in _SMEM_163K)
+
+# head_dim -> [(archs, tile)]. dK and dV live in registers: 8 warps over 128 keys x 128 columns
+# is 128 floats a thread, the most that leaves room for S and dP. Head dim 256 needs more
+# shared memory than the 99 KB of sm_86/89/120 allow for any tile of whole mma fragments.
+BWD_TILES: dict[int, list[tuple[tuple[str, ...], BwdTile]]] = {
+    64: [(ARCHS, BwdTile(64, 128, 8, 4, 8, 4, 2, 1))],
+    128: [(_SMEM_163K, BwdTile(64, 128, 8, 4, 8, 4, 2, 1)),
+          (_SMEM_99K, BwdTile(64, 64, 8, 4, 4, 4, 1, 1))],
+    256: [(_SMEM_163K, BwdTile(64, 64, 8, 4, 4, 4, 1, 1))],
+}
+
+
+def bwd_tile_for(head_dim: int, arch: str) -> BwdTile:
+    for tile_archs, tile in BWD_TILES[head_dim]:
+        if arch in tile_archs:
+            return tile
+    raise ValueError(f"the portable backward does not run head_dim {head_dim} on {arch} (its "
+                     f"{archs.get(arch).smem_per_block // 1024} KB of shared memory per block "
+                     "is too little)")
+
+
+def bwd_spec(dtype: str, head_dim: int, causal: bool, tile: BwdTile,
+             archs: tuple[str, ...] = ARCHS) -> runtime.KernelSpec:
+    config = (f"{head_dim}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.score_rows}, "
+              f"{tile.dkv_rows}, {tile.dq_rows}, {tile.stages}, "
+              f"{str(bool(DTYPES[dtype])).lower()}, {str(causal).lower()}, {tile.min_blocks}")
+    return runtime.KernelSpec(
+        name=f"bwd_mma_sync_{dtype}_d{head_dim}_{tile.label()}{'_causal' if causal else ''}",
+        source=BWD_SOURCE,
+        entry=f"ptxattn::attn_bwd_mma_sync<ptxattn::BwdMmaSyncConfig<{config}>>",
+        smem_bytes=tile.smem_bytes(head_dim),
+        archs=archs,
+    )
+
+
 def variants() -> list[runtime.KernelSpec]:
-    return [spec(dtype, head_dim, causal, tile, archs)
-            for dtype in DTYPES for (head_dim, causal), tiles in TILES.items()
-            for archs, tile in tiles]
+    fwd = [spec(dtype, head_dim, causal, tile, archs)
+           for dtype in DTYPES for (head_dim, causal), tiles in TILES.items()
+           for archs, tile in tiles]
+    bwd = [bwd_spec(dtype, head_dim, causal, tile, archs)
+           for dtype in DTYPES for head_dim, tiles in BWD_TILES.items()
+           for archs, tile in tiles for causal in (False, True)]
+    return fwd + bwd
 
 
 # The kernel forms a thread's offset within a load pass, (row < 32) * seq_stride, in 32 bits.
@@ -127,3 +195,25 @@ def _prepare(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
 def forward(q, k, v, out, lse, *, causal: bool, softmax_scale: float) -> None:
     tile = tile_for(q.shape[3], causal, runtime.device_arch())
     run(q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, tile=tile)
+
+
+def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: bool,
+             tile: BwdTile | None = None):
+    """The gradients of forward() into dq, dk, dv; returns the workspace (for its size)."""
+    arch = runtime.device_arch()
+    tile = tile or bwd_tile_for(problem.head_dim, arch)
+    for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout)):
+        if x.strides[1] // x.itemsize >= MAX_SEQ_STRIDE:
+            raise ValueError(f"{name}'s seqlen stride must be below {MAX_SEQ_STRIDE} elements, "
+                             f"got {x.strides[1] // x.itemsize}")
+    ws = shared_backward.Workspace.allocate(problem, tile.block_m, deterministic)
+    p = shared_backward.make_params(problem, dout, q, k, v, out, lse, dq, dk, dv, ws,
+                                      tile.block_m)
+    kernel = runtime.load(bwd_spec(problem.format, problem.head_dim, problem.causal, tile,
+                                   (arch,)))
+    grid = (math.ceil(problem.seqlen_k / tile.block_n), problem.heads_kv, problem.batch)
+    shared_backward.preprocess(problem, p)()
+    runtime.PreparedLaunch(kernel, grid=grid, block=(32 * tile.warps,), args=[p])()
+    shared_backward.postprocess(problem, p)()
+    return ws
+

@@ -156,6 +156,27 @@ def check_no_overlap(name: str, x, inputs: dict) -> None:
                              f"while still reading {other_name}, so pass a separate buffer")
 
 
+def rows_overlap(a, b) -> bool:
+    """Whether two (batch, seqlen, heads, head_dim) arrays with positive strides and unit stride
+    in head_dim share a byte: each is a set of contiguous rows, so this compares row intervals,
+    row by row (only asked when their extents meet: packed gradient buffers, say)."""
+    def row_starts(x):
+        starts = np.asarray(x.data.ptr, dtype=np.int64)
+        for n, stride in zip(x.shape[:-1], x.strides[:-1]):
+            starts = (starts[..., None] + np.arange(n, dtype=np.int64) * stride)
+        return np.sort(starts.ravel())
+
+    starts_a, starts_b = row_starts(a), row_starts(b)
+    len_a, len_b = a.shape[-1] * a.itemsize, b.shape[-1] * b.itemsize
+    # the nearest row of b at or after each row of a, and the one before it
+    after = np.searchsorted(starts_b, starts_a)
+    hits_after = (after < len(starts_b)) & (starts_b[np.minimum(after, len(starts_b) - 1)]
+                                            < starts_a + len_a)
+    before = after - 1
+    hits_before = (before >= 0) & (starts_b[np.maximum(before, 0)] + len_b > starts_a)
+    return bool((hits_after | hits_before).any())
+
+
 def check_device(name: str, x, device: int) -> None:
     if x.device.id != device:
         raise ValueError(f"{name} must be on q's device {device}, got {x.device.id}")
@@ -435,6 +456,56 @@ class AttentionProblem:
                       softmax_scale_or_default(softmax_scale, dims[-1]), fmt, device)
         if lse is not None:
             check_lse(lse, problem.lse_shape, device, {**inputs, "out": out})
+        return problem
+
+    @classmethod
+    @_memoized
+    def from_backward(cls, dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale=None,
+                      deterministic: bool = False, dq=None, dk=None, dv=None
+                      ) -> "AttentionProblem":
+        """ptxattn.attention_backward's arguments: the forward's 16-bit q, k, v, its output and
+        float32 log-sum-exp (batch, heads_q, seqlen_q) with unit stride along seqlen_q, dout
+        like out (its own strides), and optional gradient buffers like q, k and v that overlap
+        no input nor each other."""
+        if not isinstance(deterministic, bool):
+            raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+        problem = cls.from_16bit(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        fmt = problem.format
+        for name, x in (("out", out), ("dout", dout)):
+            if check_16bit(name, x) != fmt:
+                raise TypeError(f"{name} must have q's dtype {fmt}, got {x.dtype}")
+            check_rows(name, x)
+            if tuple(x.shape) != tuple(q.shape):
+                raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got "
+                                 f"{tuple(x.shape)}")
+            check_device(name, x, problem.device)
+        if dtype_of("lse", lse) != np.float32:
+            raise TypeError(f"lse must have dtype float32 (attention(..., return_lse=True)), got "
+                            f"{lse.dtype}")
+        if tuple(lse.shape) != problem.lse_shape:
+            raise ValueError(f"lse must have shape (batch, heads_q, seqlen_q) = "
+                             f"{problem.lse_shape}, got {tuple(lse.shape)}")
+        check_positive_strides("lse", lse)
+        if problem.seqlen_q > 1 and lse.strides[2] != lse.itemsize:
+            raise ValueError(f"lse must have unit stride along seqlen_q, got strides "
+                             f"{lse.strides} (bytes)")
+        check_device("lse", lse, problem.device)
+        inputs = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
+        grads = {}
+        for name, x, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+            if x is None:
+                continue
+            if check_16bit(name, x) != fmt:
+                raise TypeError(f"{name} must have q's dtype {fmt}, got {x.dtype}")
+            check_rows(name, x)
+            check_output(name, x, like.shape, problem.device, inputs,
+                         f"the shape of {'q' if like is q else 'k and v'}")
+            # Gradients may interleave (slices of one packed dqkv buffer) but not share a byte.
+            for other_name, other in grads.items():
+                if rows_overlap(x, other):
+                    raise ValueError(f"{name} must not share memory with {other_name}: both "
+                                     f"are written")
+            grads[name] = x
         return problem
 
     @classmethod

@@ -65,3 +65,62 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     if low is not None:
         out = _round_to(out, low)
     return (out, lse) if return_lse else out
+
+
+def attention_backward(dout, q, k, v, *, causal: bool = False,
+                       softmax_scale: float | None = None, precision: str = "float32",
+                       query_chunk: int = 1024):
+    """The gradients (dq, dk, dv) of attention() with respect to q, k, v given dout, float32,
+    in the inputs' (batch, seqlen, heads, head_dim) layouts; dk and dv summed over the q heads
+    of each k/v head's group.
+
+    ``precision="input"`` rounds every intermediate (scores, probabilities, output, dP, dS) to
+    the input dtype, as the naive implementation in that dtype would.
+    """
+    if precision not in ("float32", "input"):
+        raise ValueError(f"precision must be 'float32' or 'input', got {precision!r}")
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    group = heads_q // heads_kv
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    low = q.dtype if precision == "input" else None
+
+    def rounded(x):
+        return _round_to(x, low) if low is not None else x
+
+    def heads_major(x, repeat=1):
+        x = cupy.ascontiguousarray(x.transpose(0, 2, 1, 3)).astype(cupy.float32)
+        return cupy.repeat(x, repeat, axis=1) if repeat > 1 else x
+
+    qf, dof = heads_major(q), heads_major(dout)
+    kf, vf = heads_major(k, group), heads_major(v, group)
+    dq = cupy.empty_like(qf)
+    dk = cupy.zeros_like(kf)
+    dv = cupy.zeros_like(vf)
+    key_index = cupy.arange(seqlen_k)[None, :]
+    for start in range(0, seqlen_q, query_chunk):
+        stop = min(start + query_chunk, seqlen_q)
+        scores = rounded(cupy.matmul(qf[:, :, start:stop], kf.transpose(0, 1, 3, 2))) * scale
+        if causal:
+            query_index = cupy.arange(start, stop)[:, None]
+            scores = cupy.where(key_index > query_index + (seqlen_k - seqlen_q), -cupy.inf,
+                                scores)
+        row_max = scores.max(axis=-1, keepdims=True)
+        probs = cupy.exp(scores - cupy.where(cupy.isfinite(row_max), row_max, 0.0))
+        row_sum = probs.sum(axis=-1, keepdims=True)
+        probs = rounded(probs / cupy.where(row_sum > 0, row_sum, 1.0))
+        out = rounded(cupy.matmul(probs, vf))
+        d_out = dof[:, :, start:stop]
+        dpsum = (d_out * out).sum(axis=-1, keepdims=True)
+        dp = rounded(cupy.matmul(d_out, vf.transpose(0, 1, 3, 2)))
+        ds = rounded(probs * (dp - dpsum))
+        dv += cupy.matmul(probs.transpose(0, 1, 3, 2), d_out)
+        dk += cupy.matmul(ds.transpose(0, 1, 3, 2), qf[:, :, start:stop])
+        dq[:, :, start:stop] = cupy.matmul(ds, kf) * scale
+    dk *= scale
+
+    def back(x, heads):
+        x = x.reshape(batch, heads, -1, x.shape[2], head_dim).sum(axis=2) if heads else x
+        return rounded(cupy.ascontiguousarray(x.transpose(0, 2, 1, 3)))
+
+    return back(dq, None), back(dk, heads_kv), back(dv, heads_kv)

@@ -19,6 +19,12 @@ def test_fwd_params_layout_matches_the_device_struct():
     runtime.check_source(params.layout_check_source(), "params_layout_check.cu", "sm_80")
 
 
+def test_bwd_params_layout_matches_the_device_struct():
+    _needs_builtin_offsetof()
+    runtime.check_source(params.layout_check_source("BwdParams"), "bwd_params_layout_check.cu",
+                         "sm_80")
+
+
 def test_the_layout_check_fails_on_a_drifted_field(monkeypatch):
     _needs_builtin_offsetof()
     moved = [(n, t) for n, t in params._FIELDS if n != "seqlen_q"]

@@ -1,0 +1,226 @@
+// FlashAttention-2 style backward pass on mma.sync tensor cores: the portable kernel (sm_80+).
+//
+// Runs between bwd_preprocess (dpsum = rowsum(dO * O), dq_accum zeroed) and bwd_postprocess
+// (dq = softmax_scale * dq_accum in the input dtype), both in bwd_prepost.cu.
+//
+// Grid (key blocks, kv heads, batch): block (n, kv head, b) loads its kBlockN keys of K and V
+// once, then for every q head sharing the kv head walks the query tiles that see those keys
+// (block_info.cuh), first to last, through the cp.async ring of (Q, dO) stages, and runs the
+// three phases of mainloop_bwd_mma_sync.cuh. dK and dV are sums over the block's own walk (GQA
+// heads included) and stay in registers until the end; dQ crosses key blocks, so each block adds
+// its part into the FP32 accumulator: with red.global.add in any order, or, with
+// dq_semaphore, in key-block order (semaphore.cuh) so that the sums are bit-reproducible.
+// Key blocks run in index order within a (batch, kv head), the longest causal walk first.
+//
+// The launcher (ptxattn/portable.py) instantiates attn_bwd_mma_sync<BwdMmaSyncConfig<...>> by
+// name; every runtime argument is in BwdParams (params.cuh).
+#include "block_info.cuh"
+#include "mainloop_bwd_mma_sync.cuh"
+#include "mask.cuh"
+#include "params.cuh"
+#include "semaphore.cuh"
+#include "softmax.cuh"
+
+namespace ptxattn {
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
+attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
+    using Mainloop = BwdMmaSyncMainloop<Cfg>;
+    constexpr int kBlockM = Cfg::kBlockM;
+    constexpr int kBlockN = Cfg::kBlockN;
+    constexpr int kStages = Cfg::kStages;
+    constexpr int kScoreTiles = Cfg::kScoreCols / 8;
+    extern __shared__ __align__(128) uint8_t smem[];
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int n_block = blockIdx.x;
+    const int kv_head = blockIdx.y;
+    const int batch = blockIdx.z;
+
+    const BlockInfo<kBlockM, kBlockN> info(p.seqlen_q, p.seqlen_k, Cfg::kCausal);
+    const int m_first = info.m_min(n_block);
+    const int m_count = max(0, info.m_max() - m_first);
+    const int steps = m_count * p.q_per_kv;  // (q head, query tile) pairs, head-major
+    const int first_key = n_block * kBlockN;
+
+    const uint32_t k_tile = smem_addr(smem);
+    const uint32_t v_tile = k_tile + Cfg::kKVTileBytes;
+    const uint32_t ring = v_tile + Cfg::kKVTileBytes;
+    uint8_t* p_tile_ptr = smem + 2 * Cfg::kKVTileBytes + kStages * Cfg::kStageBytes;
+    uint8_t* ds_tile_ptr = p_tile_ptr + Cfg::kScoreTileBytes;
+    const uint32_t p_tile = smem_addr(p_tile_ptr);
+    const uint32_t ds_tile = smem_addr(ds_tile_ptr);
+
+    Mainloop::template load_rows<kBlockN>(
+        k_tile,
+        static_cast<const uint16_t*>(p.k) + batch * p.k_stride_b + kv_head * p.k_stride_h +
+            first_key * p.k_stride_s,
+        p.k_stride_s, p.seqlen_k - first_key, tid);
+    Mainloop::template load_rows<kBlockN>(
+        v_tile,
+        static_cast<const uint16_t*>(p.v) + batch * p.v_stride_b + kv_head * p.v_stride_h +
+            first_key * p.v_stride_s,
+        p.v_stride_s, p.seqlen_k - first_key, tid);
+
+    // Q and dO of step `step` into ring stage `stage`.
+    const auto load_step = [&](int step, int stage) {
+        const int head = kv_head * p.q_per_kv + step / m_count;
+        const int row0 = (m_first + step % m_count) * kBlockM;
+        const uint32_t q_dst = ring + stage * Cfg::kStageBytes;
+        Mainloop::template load_rows<kBlockM>(
+            q_dst,
+            static_cast<const uint16_t*>(p.q) + batch * p.q_stride_b + head * p.q_stride_h +
+                row0 * p.q_stride_s,
+            p.q_stride_s, p.seqlen_q - row0, tid);
+        Mainloop::template load_rows<kBlockM>(
+            q_dst + Cfg::kQTileBytes,
+            static_cast<const uint16_t*>(p.dout) + batch * p.dout_stride_b +
+                head * p.dout_stride_h + row0 * p.dout_stride_s,
+            p.dout_stride_s, p.seqlen_q - row0, tid);
+    };
+#pragma unroll
+    for (int step = 0; step < (kStages > 1 ? kStages - 1 : 1); ++step) {
+        if (step < steps) load_step(step, step);
+        cp_async_commit();  // K and V ride in the first group
+    }
+
+    const typename Mainloop::Lanes lanes(lane);
+    const int score_row0 = (warp % Cfg::kScoreWarpRows) * Cfg::kScoreRows;
+    const int score_col0 = (warp / Cfg::kScoreWarpRows) * Cfg::kScoreCols;
+    const int dkv_key0 = (warp % Cfg::kDkvWarpRows) * Cfg::kDkvRows;
+    const int dkv_d0 = (warp / Cfg::kDkvWarpRows) * Cfg::kDkvCols;
+    const int dq_row0 = (warp % Cfg::kDqWarpRows) * Cfg::kDqRows;
+    const int dq_d0 = (warp / Cfg::kDqWarpRows) * Cfg::kDqCols;
+    constexpr float kLog2e = 1.4426950408889634f;
+    const float pos_inf = __int_as_float(0x7f800000);
+
+    float dv[Cfg::kDkvRows / 16][Cfg::kDkvCols / 8][4];
+    float dk[Cfg::kDkvRows / 16][Cfg::kDkvCols / 8][4];
+    zero_fill(dv);
+    zero_fill(dk);
+
+#pragma unroll 1
+    for (int step = 0; step < steps; ++step) {
+        const int stage = kStages > 1 ? step % kStages : 0;
+        if constexpr (kStages > 1) {
+            cp_async_wait<kStages - 2>();
+            __syncthreads();  // this step's tiles landed; every warp is done with step - 1
+            const int next = step + kStages - 1;
+            if (next < steps) load_step(next, next % kStages);
+            cp_async_commit();
+        } else {
+            cp_async_wait<0>();
+            __syncthreads();
+        }
+        const int head = kv_head * p.q_per_kv + step / m_count;
+        const int m_block = m_first + step % m_count;
+        const int first_row = m_block * kBlockM;
+        const uint32_t q_tile = ring + stage * Cfg::kStageBytes;
+        const uint32_t do_tile = q_tile + Cfg::kQTileBytes;
+
+        // Phase 1: S, dP -> P, dS in shared memory.
+        float s[Cfg::kScoreRows / 16][kScoreTiles][4];
+        float dp[Cfg::kScoreRows / 16][kScoreTiles][4];
+        Mainloop::gemm_abt(s, q_tile, k_tile, score_row0, score_col0, lanes);
+        Mainloop::gemm_abt(dp, do_tile, v_tile, score_row0, score_col0, lanes);
+        if (n_block >= info.n_right_masked(m_block)) {
+            apply_mask<16>(s, info.mask, first_row + score_row0 + (lane >> 2),
+                           first_key + score_col0 + 2 * (lane & 3), AccumulatorColumns{});
+        }
+        const int64_t row_base = (static_cast<int64_t>(batch) * p.heads_q + head) * p.seqlen_q;
+        float lse_log2[Cfg::kScoreRows / 16][2];
+        float dpsum[Cfg::kScoreRows / 16][2];
+#pragma unroll
+        for (int m = 0; m < Cfg::kScoreRows / 16; ++m) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = first_row + score_row0 + 16 * m + (lane >> 2) + 8 * h;
+                lse_log2[m][h] = pos_inf;
+                dpsum[m][h] = 0.0f;
+                if (row < p.seqlen_q) {
+                    const float lse =
+                        __ldg(p.lse + batch * p.lse_stride_b + head * p.lse_stride_h + row);
+                    if (lse != -pos_inf) lse_log2[m][h] = lse * kLog2e;
+                    dpsum[m][h] = __ldg(p.dpsum + row_base + row);
+                }
+            }
+        }
+        softmax_backward(s, dp, lse_log2, dpsum, p.scale_log2);
+        Mainloop::store_scores(p_tile_ptr, s, score_row0, score_col0, lane);
+        Mainloop::store_scores(ds_tile_ptr, dp, score_row0, score_col0, lane);
+        __syncthreads();
+
+        // Phase 2: dV += P^T dO, dK += dS^T Q.
+        Mainloop::gemm_atb(dv, p_tile, do_tile, dkv_key0, dkv_d0, lanes);
+        Mainloop::gemm_atb(dk, ds_tile, q_tile, dkv_key0, dkv_d0, lanes);
+
+        // Phase 3: dQ += dS K into the FP32 accumulator.
+        float* dq_rows = p.dq_accum + (row_base + first_row) * Cfg::kHeadDim;
+        int* turn = p.dq_semaphore == nullptr
+                        ? nullptr
+                        : p.dq_semaphore + (static_cast<int64_t>(batch) * p.heads_q + head) *
+                                               p.num_m_blocks + m_block;
+#pragma unroll 1
+        for (int pass = 0; pass < Cfg::kDqCols / Cfg::kDqPassCols; ++pass) {
+            const int d0 = dq_d0 + pass * Cfg::kDqPassCols;
+            float dq[Cfg::kDqRows / 16][Cfg::kDqPassCols / 8][4];
+            Mainloop::gemm_ab(dq, ds_tile, k_tile, dq_row0, d0, lanes);
+            if (pass == 0 && turn != nullptr) {
+                if (tid == 0) wait_turn(turn, n_block);
+                __syncthreads();
+            }
+#pragma unroll
+            for (int m = 0; m < Cfg::kDqRows / 16; ++m) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = dq_row0 + 16 * m + (lane >> 2) + 8 * h;
+                    if (first_row + row >= p.seqlen_q) continue;
+#pragma unroll
+                    for (int j = 0; j < Cfg::kDqPassCols / 8; ++j) {
+                        float* dst = dq_rows + row * Cfg::kHeadDim + d0 + 8 * j + 2 * (lane & 3);
+                        atomicAdd(dst, dq[m][j][2 * h]);
+                        atomicAdd(dst + 1, dq[m][j][2 * h + 1]);
+                    }
+                }
+            }
+        }
+        if (turn != nullptr) {
+            __threadfence();
+            __syncthreads();
+            if (tid == 0) pass_turn(turn);
+        }
+        if constexpr (kStages == 1) {
+            __syncthreads();  // every warp is done with Q and dO before they are overwritten
+            if (step + 1 < steps) load_step(step + 1, 0);
+            cp_async_commit();
+        }
+    }
+    cp_async_wait<0>();
+
+    // dK = softmax_scale dS^T Q and dV, straight from registers; keys past seqlen_k dropped.
+    uint16_t* dk_head = static_cast<uint16_t*>(p.dk) + batch * p.dk_stride_b +
+                        kv_head * p.dk_stride_h;
+    uint16_t* dv_head = static_cast<uint16_t*>(p.dv) + batch * p.dv_stride_b +
+                        kv_head * p.dv_stride_h;
+#pragma unroll
+    for (int m = 0; m < Cfg::kDkvRows / 16; ++m) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int key = first_key + dkv_key0 + 16 * m + (lane >> 2) + 8 * h;
+            if (key >= p.seqlen_k) continue;
+#pragma unroll
+            for (int j = 0; j < Cfg::kDkvCols / 8; ++j) {
+                const int col = dkv_d0 + 8 * j + 2 * (lane & 3);
+                *reinterpret_cast<uint32_t*>(dk_head + key * p.dk_stride_s + col) =
+                    pack_f32x2<Cfg::kBf16>(dk[m][j][2 * h] * p.softmax_scale,
+                                           dk[m][j][2 * h + 1] * p.softmax_scale);
+                *reinterpret_cast<uint32_t*>(dv_head + key * p.dv_stride_s + col) =
+                    pack_f32x2<Cfg::kBf16>(dv[m][j][2 * h], dv[m][j][2 * h + 1]);
+            }
+        }
+    }
+}
+
+}  // namespace ptxattn

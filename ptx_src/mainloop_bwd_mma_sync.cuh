@@ -1,0 +1,163 @@
+// Mainloop of the portable backward (mma.sync, sm_80+): FlashAttention-2 style, per key block.
+//
+// A block owns kBlockN keys of one (batch, kv head): K and V stay in shared memory, dK and dV in
+// its warps' registers. It walks the query tiles of kBlockM rows that see those keys (of every q
+// head sharing the kv head) through a cp.async ring of (Q, dO) stages, and per tile runs five
+// GEMMs in three phases, each over all warps with its own warp grid:
+//   scores (kBlockM x kBlockN):  S = Q K^T and dP = dO V^T; P and dS = P (dP - D) (softmax.cuh)
+//                                go to shared memory as 16-bit tiles;
+//   dkv    (kBlockN x kHeadDim): dV += P^T dO and dK += dS^T Q, the transposed operands read
+//                                with ldmatrix.trans;
+//   dq     (kBlockM x kHeadDim): dQ = dS K, added into the FP32 accumulator in global memory,
+//                                in passes of 32 or 64 columns to bound registers.
+// Shared-memory tiles are swizzled rows (smem_tile.cuh). Layout: [K][V][stage 0: Q, dO]...[P][dS].
+#pragma once
+#include "common.cuh"
+#include "cp_async.cuh"
+#include "mma_sync.cuh"
+#include "smem_tile.cuh"
+
+namespace ptxattn {
+
+// The compile-time shape of a portable backward kernel: head_dim, query rows per tile, keys per
+// block, warps, the warp grid's row count in each phase (its columns are warps / rows), the
+// (Q, dO) ring depth, bf16 (else fp16), causal, __launch_bounds__ minimum blocks/SM.
+template <int HeadDim, int BlockM, int BlockN, int Warps, int ScoreWarpRows, int DkvWarpRows,
+          int DqWarpRows, int Stages, bool Bf16, bool Causal, int MinBlocksPerSm>
+struct BwdMmaSyncConfig {
+    static constexpr int kHeadDim = HeadDim;
+    static constexpr int kBlockM = BlockM;
+    static constexpr int kBlockN = BlockN;
+    static constexpr int kWarps = Warps;
+    static constexpr int kThreads = 32 * Warps;
+    static constexpr int kStages = Stages;
+    static constexpr bool kBf16 = Bf16;
+    static constexpr bool kCausal = Causal;
+    static constexpr int kMinBlocksPerSm = MinBlocksPerSm;
+
+    // Each warp's share of each phase: rows (16-row groups) and columns (8-column tiles).
+    static constexpr int kScoreRows = BlockM / ScoreWarpRows;
+    static constexpr int kScoreCols = BlockN / (Warps / ScoreWarpRows);
+    static constexpr int kDkvRows = BlockN / DkvWarpRows;
+    static constexpr int kDkvCols = HeadDim / (Warps / DkvWarpRows);
+    static constexpr int kDqRows = BlockM / DqWarpRows;
+    static constexpr int kDqCols = HeadDim / (Warps / DqWarpRows);
+    // dQ columns per pass: 64, or 32 when dK and dV hold 128 or more registers of a thread
+    static constexpr int kDqPassMax = 2 * kDkvRows * kDkvCols / 32 >= 128 ? 32 : 64;
+    static constexpr int kDqPassCols = kDqCols < kDqPassMax ? kDqCols : kDqPassMax;
+    static constexpr int kScoreWarpRows = ScoreWarpRows;
+    static constexpr int kDkvWarpRows = DkvWarpRows;
+    static constexpr int kDqWarpRows = DqWarpRows;
+
+    static constexpr int kRowBytes = HeadDim * 2;  // Q, K, V, dO tiles
+    static constexpr int kScoreRowBytes = BlockN * 2;  // P, dS tiles
+    static constexpr int kKVTileBytes = BlockN * kRowBytes;
+    static constexpr int kQTileBytes = BlockM * kRowBytes;
+    static constexpr int kStageBytes = 2 * kQTileBytes;
+    static constexpr int kScoreTileBytes = BlockM * kScoreRowBytes;
+    static constexpr int kSmemBytes = 2 * kKVTileBytes + Stages * kStageBytes + 2 * kScoreTileBytes;
+
+    static_assert(Warps % ScoreWarpRows == 0 && Warps % DkvWarpRows == 0 &&
+                      Warps % DqWarpRows == 0, "every phase's warp grid uses all warps");
+    static_assert(kScoreRows % 16 == 0 && kDkvRows % 16 == 0 && kDqRows % 16 == 0,
+                  "warps own whole 16-row mma tiles");
+    static_assert(kScoreCols % 16 == 0 && kDkvCols % 16 == 0 && kDqPassCols % 16 == 0 &&
+                      kDqCols % kDqPassCols == 0, "warps own whole pairs of 8-column tiles");
+    static_assert(Stages >= 1, "at least one (Q, dO) stage");
+};
+
+template <class Cfg>
+struct BwdMmaSyncMainloop {
+    static constexpr bool kBf16 = Cfg::kBf16;
+    using HeadTile = SwizzledTile<Cfg::kRowBytes>;
+    using ScoreTile = SwizzledTile<Cfg::kScoreRowBytes>;
+
+    // Per-lane ldmatrix addresses for both tile widths and both lane patterns.
+    struct Lanes {
+        typename HeadTile::LaneAddr head_rows;   // rows_then_chunks
+        typename HeadTile::LaneAddr head_cols;   // chunks_then_rows
+        typename ScoreTile::LaneAddr score_rows;
+        typename ScoreTile::LaneAddr score_cols;
+
+        __device__ __forceinline__ explicit Lanes(int lane)
+            : head_rows(HeadTile::rows_then_chunks(lane)),
+              head_cols(HeadTile::chunks_then_rows(lane)),
+              score_rows(ScoreTile::rows_then_chunks(lane)),
+              score_cols(ScoreTile::chunks_then_rows(lane)) {}
+    };
+
+    template <int kRows>
+    static __device__ __forceinline__ void load_rows(uint32_t tile, const uint16_t* rows,
+                                                     int64_t seq_stride, int valid_rows, int tid) {
+        HeadTile::template load<kRows, Cfg::kThreads, true>(tile, rows, seq_stride, valid_rows,
+                                                           tid);
+    }
+
+    // X (rows row0.. of a kBlockM x kHeadDim tile) times Y^T (rows col0.. of a kBlockN x
+    // kHeadDim tile): S = Q K^T, dP = dO V^T.
+    static __device__ __forceinline__ void gemm_abt(
+        float (&acc)[Cfg::kScoreRows / 16][Cfg::kScoreCols / 8][4], uint32_t x_tile,
+        uint32_t y_tile, int row0, int col0, const Lanes& lanes) {
+        zero_fill(acc);
+        warp_gemm<kBf16, Cfg::kHeadDim / 16>(
+            acc,
+            [&](uint32_t(&a)[4], int m, int ks) {
+                ldmatrix_x4(a, lanes.head_rows.at(x_tile, row0 + 16 * m, 2 * ks));
+            },
+            [&](uint32_t(&b)[4], int np, int ks) {
+                ldmatrix_x4(b, lanes.head_cols.at(y_tile, col0 + 16 * np, 2 * ks));
+            });
+    }
+
+    // The warp's scores into a kBlockM x kBlockN tile, as 16-bit pairs.
+    static __device__ __forceinline__ void store_scores(
+        uint8_t* tile, const float (&x)[Cfg::kScoreRows / 16][Cfg::kScoreCols / 8][4], int row0,
+        int col0, int lane) {
+#pragma unroll
+        for (int m = 0; m < Cfg::kScoreRows / 16; ++m) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = row0 + 16 * m + (lane >> 2) + 8 * h;
+#pragma unroll
+                for (int j = 0; j < Cfg::kScoreCols / 8; ++j) {
+                    const int col = col0 + 8 * j + 2 * (lane & 3);
+                    *reinterpret_cast<uint32_t*>(tile + ScoreTile::element_offset(row, col)) =
+                        pack_f32x2<kBf16>(x[m][j][2 * h], x[m][j][2 * h + 1]);
+                }
+            }
+        }
+    }
+
+    // acc (keys key0.., head columns d0..) += X^T Y: X a kBlockM x kBlockN score tile (P, dS),
+    // Y a kBlockM x kHeadDim tile (dO, Q); the k dimension is the query rows.
+    static __device__ __forceinline__ void gemm_atb(
+        float (&acc)[Cfg::kDkvRows / 16][Cfg::kDkvCols / 8][4], uint32_t x_tile, uint32_t y_tile,
+        int key0, int d0, const Lanes& lanes) {
+        warp_gemm<kBf16, Cfg::kBlockM / 16>(
+            acc,
+            [&](uint32_t(&a)[4], int m, int ks) {
+                ldmatrix_x4_trans(a, lanes.score_cols.at(x_tile, 16 * ks, key0 / 8 + 2 * m));
+            },
+            [&](uint32_t(&b)[4], int np, int ks) {
+                ldmatrix_x4_trans(b, lanes.head_rows.at(y_tile, 16 * ks, d0 / 8 + 2 * np));
+            });
+    }
+
+    // acc (query rows row0.., head columns d0..) = dS K: dS a kBlockM x kBlockN score tile,
+    // K a kBlockN x kHeadDim tile; the k dimension is the keys.
+    static __device__ __forceinline__ void gemm_ab(
+        float (&acc)[Cfg::kDqRows / 16][Cfg::kDqPassCols / 8][4], uint32_t ds_tile,
+        uint32_t k_tile, int row0, int d0, const Lanes& lanes) {
+        zero_fill(acc);
+        warp_gemm<kBf16, Cfg::kBlockN / 16>(
+            acc,
+            [&](uint32_t(&a)[4], int m, int ks) {
+                ldmatrix_x4(a, lanes.score_rows.at(ds_tile, row0 + 16 * m, 2 * ks));
+            },
+            [&](uint32_t(&b)[4], int np, int ks) {
+                ldmatrix_x4_trans(b, lanes.head_rows.at(k_tile, 16 * ks, d0 / 8 + 2 * np));
+            });
+    }
+};
+
+}  // namespace ptxattn

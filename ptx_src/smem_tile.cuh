@@ -1,0 +1,89 @@
+// Swizzled row tiles in shared memory for the mma.sync kernels: where a 16-byte chunk lives,
+// how a block fills a tile with cp.async, and where each lane points ldmatrix.
+//
+// A tile holds rows of kRowBytes (a multiple of 128: at least eight 16-byte chunks). Chunk c of
+// row r sits at r * kRowBytes + ((c ^ (r % 8)) << 4): one logical chunk of eight consecutive rows
+// falls into eight different bank groups, so ldmatrix (eight rows of one chunk), ldmatrix.trans
+// and cp.async are free of bank conflicts.
+//
+// ldmatrix.x4 reads four 8x8 matrices of 16-bit values; lanes 8i..8i+7 address the rows of
+// matrix i. Two lane patterns cover every operand the kernels read from such tiles (fragment
+// layouts: mma_sync.cuh), each over 16 tile rows from `row` and the two chunks from `chunk`:
+//   rows_then_chunks (lane row = lane % 16, chunk + lane / 16):
+//     plain:  the A fragment of a row-major 16x16 tile (A[m][k] = tile[m][k]);
+//     .trans: two B fragments (8 columns each) of B[k][n] = tile[k][n];
+//   chunks_then_rows (lane row = lane % 8 + 8 (lane / 16), chunk + (lane / 8) % 2):
+//     plain:  two B fragments of B[k][n] = tile[n][k] (rows are n);
+//     .trans: the A fragment of A[m][k] = tile[k][m] (a transposed operand: rows are k).
+// Every fragment load starts at a row that is a multiple of 8 and at an even chunk, so a lane's
+// address splits into a per-lane part fixed for the whole kernel (its row offset, and `swizzle`
+// = its chunk bit ^ row % 8) plus compile-time offsets after unrolling.
+#pragma once
+#include "common.cuh"
+#include "cp_async.cuh"
+
+namespace ptxattn {
+
+template <int kRowBytes>
+struct SwizzledTile {
+    static_assert(kRowBytes % 128 == 0, "the swizzle permutes 8 chunks of 16 bytes");
+    static constexpr int kChunksPerRow = kRowBytes / 16;
+
+    static __device__ __forceinline__ uint32_t offset(int row, int chunk) {
+        return static_cast<uint32_t>(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
+    }
+
+    // Byte offset of 16-bit column `col` of row `row` (stores of accumulator pairs).
+    static __device__ __forceinline__ uint32_t element_offset(int row, int col) {
+        return offset(row, col >> 3) + ((col & 7) << 1);
+    }
+
+    // cp.async of tile rows [0, kRows) from consecutive sequence positions, `rows` pointing at
+    // the first. Each of kThreads threads moves one chunk of every (kThreads / chunks)-th row.
+    // With kCheckRows, rows at or past `valid_rows` are zero-filled and their source never read.
+    template <int kRows, int kThreads, bool kCheckRows>
+    static __device__ __forceinline__ void load(uint32_t tile, const uint16_t* rows,
+                                                int64_t seq_stride, int valid_rows, int tid) {
+        constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+        static_assert(kThreads % kChunksPerRow == 0 && kRows % kRowsPerPass == 0,
+                      "every thread moves the same number of whole chunks");
+        static_assert(kRowsPerPass <= 32,
+                      "a thread's row within a pass times the seq stride (< 2^26, checked by the "
+                      "launchers) must fit in 32 bits");
+        const int chunk = tid % kChunksPerRow;
+        const int first = tid / kChunksPerRow;
+        // a 32-bit per-thread offset is cheap to recompute per tile, where 64-bit per-thread
+        // pointers would stay live through the main loop and cost registers
+        const int thread_offset = first * static_cast<int>(seq_stride) + chunk * 8;
+#pragma unroll
+        for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
+            const int row = first + pass * kRowsPerPass;
+            const bool valid = !kCheckRows || row < valid_rows;
+            const uint16_t* src = rows + pass * kRowsPerPass * seq_stride + thread_offset;
+            cp_async_16(tile + offset(row, chunk), valid ? src : rows, valid);
+        }
+    }
+
+    // A lane's ldmatrix address of tile rows row.., chunks chunk.. (row % 8 == 0, chunk even).
+    struct LaneAddr {
+        uint32_t row_bytes;
+        uint32_t swizzle;
+
+        __device__ __forceinline__ uint32_t at(uint32_t tile, int row, int chunk) const {
+            return tile + row_bytes + row * kRowBytes + ((chunk & ~7) << 4) +
+                   (((chunk & 7) ^ swizzle) << 4);
+        }
+    };
+
+    static __device__ __forceinline__ LaneAddr rows_then_chunks(int lane) {
+        return {static_cast<uint32_t>((lane & 15) * kRowBytes),
+                static_cast<uint32_t>((lane >> 4) ^ (lane & 7))};
+    }
+
+    static __device__ __forceinline__ LaneAddr chunks_then_rows(int lane) {
+        return {static_cast<uint32_t>(((lane & 7) + ((lane >> 4) << 3)) * kRowBytes),
+                static_cast<uint32_t>(((lane >> 3) & 1) ^ (lane & 7))};
+    }
+};
+
+}  // namespace ptxattn

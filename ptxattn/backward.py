@@ -1,0 +1,96 @@
+"""What every backward kernel family shares: the workspace, the BwdParams of a call, and the two
+short kernels around the main one (``ptx_src/bwd_prepost.cu``).
+
+A backward call runs three kernels on one stream:
+
+1. ``bwd_preprocess``: dpsum = rowsum(dO * O) in FP32 (per query row: the D of
+   dS = P * (dP - D)), and the FP32 dQ accumulator zeroed;
+2. the family's main kernel: dK and dV written, dQ summed into the accumulator;
+3. ``bwd_postprocess``: dq = softmax_scale * accumulator, in the input dtype.
+
+The workspace is the FP32 accumulator (batch * heads_q * seqlen_q * head_dim floats), dpsum
+(batch * heads_q * seqlen_q floats) and, for ``deterministic=True``, one int per (batch, head,
+query tile): nothing of O(seqlen^2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from . import archs, params, runtime
+
+SOURCE = "bwd_prepost.cu"
+HEAD_DIMS = (64, 128, 256)
+DTYPES = {"bfloat16": 1, "float16": 0}
+_THREADS = 256
+# Every family's backward runs them, so they are built wherever one does.
+ARCHS = archs.running("portable")
+
+
+def _spec(kind: str, dtype: str, head_dim: int) -> runtime.KernelSpec:
+    bf16 = str(bool(DTYPES[dtype])).lower()
+    return runtime.KernelSpec(name=f"bwd_{kind}_{dtype}_d{head_dim}", source=SOURCE,
+                              entry=f"ptxattn::bwd_{kind}<{head_dim}, {bf16}>", archs=ARCHS)
+
+
+def variants() -> list[runtime.KernelSpec]:
+    return [_spec(kind, dtype, d) for kind in ("preprocess", "postprocess") for dtype in DTYPES
+            for d in HEAD_DIMS]
+
+
+@dataclasses.dataclass
+class Workspace:
+    dq_accum: object
+    dpsum: object
+    dq_semaphore: object | None
+
+    @classmethod
+    def allocate(cls, problem, block_m: int, deterministic: bool) -> "Workspace":
+        import cupy
+        rows = problem.batch * problem.heads_q * problem.seqlen_q
+        semaphore = None
+        if deterministic:
+            semaphore = cupy.zeros(problem.batch * problem.heads_q
+                                   * math.ceil(problem.seqlen_q / block_m), dtype=cupy.int32)
+        return cls(cupy.empty(rows * problem.head_dim, dtype=cupy.float32),
+                   cupy.empty(rows, dtype=cupy.float32), semaphore)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in (self.dq_accum, self.dpsum, self.dq_semaphore)
+                   if x is not None)
+
+
+def make_params(problem, dout, q, k, v, out, lse, dq, dk, dv, workspace: Workspace,
+                block_m: int) -> params.BwdParams:
+    p = params.BwdParams(
+        q=q, k=k, v=v, out=out, dout=dout, dq=dq, dk=dk, dv=dv, lse=lse,
+        dq_accum=workspace.dq_accum, dpsum=workspace.dpsum,
+        dq_semaphore=workspace.dq_semaphore if workspace.dq_semaphore is not None else 0,
+        batch=problem.batch, seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k,
+        heads_q=problem.heads_q, heads_kv=problem.heads_kv, q_per_kv=problem.gqa_ratio,
+        softmax_scale=problem.softmax_scale,
+        scale_log2=problem.softmax_scale * math.log2(math.e), causal=int(problem.causal),
+        num_m_blocks=math.ceil(problem.seqlen_q / block_m))
+    for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("dq", dq),
+                    ("dk", dk), ("dv", dv)):
+        for dim, stride in zip("bsh", params.strides(x)):
+            setattr(p, f"{name}_stride_{dim}", stride)
+    p.lse_stride_b, p.lse_stride_h = params.strides(lse, 2)
+    return p
+
+
+def _row_grid(problem) -> tuple[int]:
+    chunks = problem.batch * problem.heads_q * problem.seqlen_q * (problem.head_dim // 8)
+    return (math.ceil(chunks / _THREADS),)
+
+
+def preprocess(problem, p: params.BwdParams) -> runtime.PreparedLaunch:
+    kernel = runtime.load(_spec("preprocess", problem.format, problem.head_dim))
+    return runtime.PreparedLaunch(kernel, grid=_row_grid(problem), block=(_THREADS,), args=[p])
+
+
+def postprocess(problem, p: params.BwdParams) -> runtime.PreparedLaunch:
+    kernel = runtime.load(_spec("postprocess", problem.format, problem.head_dim))
+    return runtime.PreparedLaunch(kernel, grid=_row_grid(problem), block=(_THREADS,), args=[p])
