@@ -9,8 +9,8 @@
 // three phases of mainloop_bwd_mma_sync.cuh. dK and dV are sums over the block's own walk (GQA
 // heads included) and stay in registers until the end; dQ crosses key blocks, so each block adds
 // its part into the FP32 accumulator: with red.global.add in any order, or, with
-// dq_semaphore, in key-block order (semaphore.cuh) so that the sums are bit-reproducible.
-// Key blocks run in index order within a (batch, kv head), the longest causal walk first.
+// dq_semaphore, in key-block order (atomics.cuh) so that the sums are bit-reproducible.
+// The order of the walk and of the deterministic sums is BwdWalk's (tile_scheduler.cuh).
 //
 // The launcher (ptxattn/portable.py) instantiates attn_bwd_mma_sync<BwdMmaSyncConfig<...>> by
 // name; every runtime argument is in BwdParams (params.cuh).
@@ -18,8 +18,9 @@
 #include "mainloop_bwd_mma_sync.cuh"
 #include "mask.cuh"
 #include "params.cuh"
-#include "semaphore.cuh"
+#include "atomics.cuh"
 #include "softmax.cuh"
+#include "tile_scheduler.cuh"
 
 namespace ptxattn {
 
@@ -35,11 +36,13 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
-    const int n_block = blockIdx.x;
     const int kv_head = blockIdx.y;
     const int batch = blockIdx.z;
 
     const BlockInfo<kBlockM, kBlockN> info(p.seqlen_q, p.seqlen_k, Cfg::kCausal);
+    const BwdWalk walk = BwdWalk::make(blockIdx.x, gridDim.x, Cfg::kCausal,
+                                       p.dq_semaphore != nullptr);
+    const int n_block = walk.n_block;
     const int m_first = info.m_min(n_block);
     const int m_count = max(0, info.m_max() - m_first);
     const int steps = m_count * p.q_per_kv;  // (q head, query tile) pairs, head-major
@@ -48,10 +51,8 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
     const uint32_t k_tile = smem_addr(smem);
     const uint32_t v_tile = k_tile + Cfg::kKVTileBytes;
     const uint32_t ring = v_tile + Cfg::kKVTileBytes;
-    uint8_t* p_tile_ptr = smem + 2 * Cfg::kKVTileBytes + kStages * Cfg::kStageBytes;
-    uint8_t* ds_tile_ptr = p_tile_ptr + Cfg::kScoreTileBytes;
-    const uint32_t p_tile = smem_addr(p_tile_ptr);
-    const uint32_t ds_tile = smem_addr(ds_tile_ptr);
+    const uint32_t p_tile = ring + kStages * Cfg::kStageBytes;
+    const uint32_t ds_tile = p_tile + Cfg::kScoreTileBytes;
 
     Mainloop::template load_rows<kBlockN>(
         k_tile,
@@ -120,41 +121,63 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
         const uint32_t q_tile = ring + stage * Cfg::kStageBytes;
         const uint32_t do_tile = q_tile + Cfg::kQTileBytes;
 
-        // Phase 1: S, dP -> P, dS in shared memory.
-        float s[Cfg::kScoreRows / 16][kScoreTiles][4];
-        float dp[Cfg::kScoreRows / 16][kScoreTiles][4];
-        Mainloop::gemm_abt(s, q_tile, k_tile, score_row0, score_col0, lanes);
-        Mainloop::gemm_abt(dp, do_tile, v_tile, score_row0, score_col0, lanes);
-        if (n_block >= info.n_right_masked(m_block)) {
-            apply_mask<16>(s, info.mask, first_row + score_row0 + (lane >> 2),
-                           first_key + score_col0 + 2 * (lane & 3), AccumulatorColumns{});
-        }
+        // The rows' LSE and dpsum, each loaded before the GEMM that hides its latency. A row
+        // that sees no key (LSE -inf) or lies past seqlen_q gets P = 0.
         const int64_t row_base = (static_cast<int64_t>(batch) * p.heads_q + head) * p.seqlen_q;
-        float lse_log2[Cfg::kScoreRows / 16][2];
-        float dpsum[Cfg::kScoreRows / 16][2];
+        const auto load_rows = [&](float (&dst)[Cfg::kScoreRows / 16][2], const float* src,
+                                   float fill) {
 #pragma unroll
-        for (int m = 0; m < Cfg::kScoreRows / 16; ++m) {
+            for (int m = 0; m < Cfg::kScoreRows / 16; ++m) {
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = first_row + score_row0 + 16 * m + (lane >> 2) + 8 * h;
-                lse_log2[m][h] = pos_inf;
-                dpsum[m][h] = 0.0f;
-                if (row < p.seqlen_q) {
-                    const float lse =
-                        __ldg(p.lse + batch * p.lse_stride_b + head * p.lse_stride_h + row);
-                    if (lse != -pos_inf) lse_log2[m][h] = lse * kLog2e;
-                    dpsum[m][h] = __ldg(p.dpsum + row_base + row);
+                for (int h = 0; h < 2; ++h) {
+                    const int row = first_row + score_row0 + 16 * m + (lane >> 2) + 8 * h;
+                    dst[m][h] = row < p.seqlen_q ? __ldg(src + row) : fill;
                 }
             }
+        };
+        // Phase 1: S -> P, then dP -> dS, each into shared memory as 16-bit values.
+        typename Mainloop::ScorePairs pairs;
+        {
+            float lse_log2[Cfg::kScoreRows / 16][2];
+            load_rows(lse_log2, p.lse + batch * p.lse_stride_b + head * p.lse_stride_h, -pos_inf);
+            float s[Cfg::kScoreRows / 16][kScoreTiles][4];
+            Mainloop::gemm_abt(s, q_tile, k_tile, score_row0, score_col0, lanes);
+            if (n_block >= info.n_right_masked(m_block)) {
+                apply_mask<16>(s, info.mask, first_row + score_row0 + (lane >> 2),
+                               first_key + score_col0 + 2 * (lane & 3), AccumulatorColumns{});
+            }
+#pragma unroll
+            for (int m = 0; m < Cfg::kScoreRows / 16; ++m) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    lse_log2[m][h] =
+                        lse_log2[m][h] == -pos_inf ? pos_inf : lse_log2[m][h] * kLog2e;
+                }
+            }
+            recompute_probabilities(s, lse_log2, p.scale_log2);
+            Mainloop::pack_scores(pairs, s);
         }
-        softmax_backward(s, dp, lse_log2, dpsum, p.scale_log2);
-        Mainloop::store_scores(p_tile_ptr, s, score_row0, score_col0, lane);
-        Mainloop::store_scores(ds_tile_ptr, dp, score_row0, score_col0, lane);
+        Mainloop::store_scores(p_tile, pairs, score_row0, score_col0, lane);
+        {
+            float dpsum[Cfg::kScoreRows / 16][2];
+            load_rows(dpsum, p.dpsum + row_base, 0.0f);
+            float dp[Cfg::kScoreRows / 16][kScoreTiles][4];
+            Mainloop::gemm_abt(dp, do_tile, v_tile, score_row0, score_col0, lanes);
+            score_gradient<Cfg::kBf16>(dp, pairs, dpsum);
+            Mainloop::pack_scores(pairs, dp);
+        }
+        Mainloop::store_scores(ds_tile, pairs, score_row0, score_col0, lane);
         __syncthreads();
 
         // Phase 2: dV += P^T dO, dK += dS^T Q.
         Mainloop::gemm_atb(dv, p_tile, do_tile, dkv_key0, dkv_d0, lanes);
         Mainloop::gemm_atb(dk, ds_tile, q_tile, dkv_key0, dkv_d0, lanes);
+        if constexpr (kStages == 1) {
+            // Q and dO are done with: the next step's copies overlap phase 3.
+            __syncthreads();
+            if (step + 1 < steps) load_step(step + 1, 0);
+            cp_async_commit();
+        }
 
         // Phase 3: dQ += dS K into the FP32 accumulator.
         float* dq_rows = p.dq_accum + (row_base + first_row) * Cfg::kHeadDim;
@@ -168,7 +191,7 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
             float dq[Cfg::kDqRows / 16][Cfg::kDqPassCols / 8][4];
             Mainloop::gemm_ab(dq, ds_tile, k_tile, dq_row0, d0, lanes);
             if (pass == 0 && turn != nullptr) {
-                if (tid == 0) wait_turn(turn, n_block);
+                if (tid == 0) wait_turn(turn, walk.turn(info.n_max(m_block)));
                 __syncthreads();
             }
 #pragma unroll
@@ -180,21 +203,14 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
 #pragma unroll
                     for (int j = 0; j < Cfg::kDqPassCols / 8; ++j) {
                         float* dst = dq_rows + row * Cfg::kHeadDim + d0 + 8 * j + 2 * (lane & 3);
-                        atomicAdd(dst, dq[m][j][2 * h]);
-                        atomicAdd(dst + 1, dq[m][j][2 * h + 1]);
+                        red_add_f32x2(dst, dq[m][j][2 * h], dq[m][j][2 * h + 1]);
                     }
                 }
             }
         }
         if (turn != nullptr) {
-            __threadfence();
-            __syncthreads();
+            __syncthreads();  // every warp's adds precede the release (it is cumulative)
             if (tid == 0) pass_turn(turn);
-        }
-        if constexpr (kStages == 1) {
-            __syncthreads();  // every warp is done with Q and dO before they are overwritten
-            if (step + 1 < steps) load_step(step + 1, 0);
-            cp_async_commit();
         }
     }
     cp_async_wait<0>();

@@ -35,20 +35,6 @@ struct RowChunk {
     }
 };
 
-// The two 16-bit values of a b32 as floats, low half first: bf16 is the top half of an FP32
-// bit pattern; f16 converts with cvt.f32.f16.
-template <bool kBf16>
-__device__ __forceinline__ float2 unpack_x2(uint32_t x) {
-    if constexpr (kBf16) {
-        return make_float2(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
-    } else {
-        float lo, hi;
-        asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}"
-            : "=f"(lo), "=f"(hi) : "r"(x));
-        return make_float2(lo, hi);
-    }
-}
-
 template <bool kBf16>
 __device__ __forceinline__ float dot8(uint4 a, uint4 b) {
     const uint32_t x[4] = {a.x, a.y, a.z, a.w};
@@ -56,8 +42,8 @@ __device__ __forceinline__ float dot8(uint4 a, uint4 b) {
     float sum = 0.0f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const float2 fx = unpack_x2<kBf16>(x[i]);
-        const float2 fy = unpack_x2<kBf16>(y[i]);
+        const float2 fx = unpack_f32x2<kBf16>(x[i]);
+        const float2 fy = unpack_f32x2<kBf16>(y[i]);
         sum = fmaf(fx.x, fy.x, sum);
         sum = fmaf(fx.y, fy.y, sum);
     }

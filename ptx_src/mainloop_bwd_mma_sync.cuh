@@ -109,10 +109,26 @@ struct BwdMmaSyncMainloop {
             });
     }
 
-    // The warp's scores into a kBlockM x kBlockN tile, as 16-bit pairs.
-    static __device__ __forceinline__ void store_scores(
-        uint8_t* tile, const float (&x)[Cfg::kScoreRows / 16][Cfg::kScoreCols / 8][4], int row0,
-        int col0, int lane) {
+    using ScorePairs = uint32_t[Cfg::kScoreRows / 16][Cfg::kScoreCols / 8][2];
+
+    // The warp's scores as 16-bit pairs (row h of each accumulator tile in pair h).
+    static __device__ __forceinline__ void pack_scores(
+        ScorePairs& pairs, const float (&x)[Cfg::kScoreRows / 16][Cfg::kScoreCols / 8][4]) {
+#pragma unroll
+        for (int m = 0; m < Cfg::kScoreRows / 16; ++m) {
+#pragma unroll
+            for (int j = 0; j < Cfg::kScoreCols / 8; ++j) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    pairs[m][j][h] = pack_f32x2<kBf16>(x[m][j][2 * h], x[m][j][2 * h + 1]);
+                }
+            }
+        }
+    }
+
+    // The warp's packed scores into a kBlockM x kBlockN tile.
+    static __device__ __forceinline__ void store_scores(uint32_t tile, const ScorePairs& pairs,
+                                                        int row0, int col0, int lane) {
 #pragma unroll
         for (int m = 0; m < Cfg::kScoreRows / 16; ++m) {
 #pragma unroll
@@ -121,8 +137,7 @@ struct BwdMmaSyncMainloop {
 #pragma unroll
                 for (int j = 0; j < Cfg::kScoreCols / 8; ++j) {
                     const int col = col0 + 8 * j + 2 * (lane & 3);
-                    *reinterpret_cast<uint32_t*>(tile + ScoreTile::element_offset(row, col)) =
-                        pack_f32x2<kBf16>(x[m][j][2 * h], x[m][j][2 * h + 1]);
+                    st_shared_b32(tile + ScoreTile::element_offset(row, col), pairs[m][j][h]);
                 }
             }
         }

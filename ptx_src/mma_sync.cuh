@@ -111,6 +111,20 @@ __device__ __forceinline__ uint32_t pack_f32x2(float lo, float hi) {
     return r;
 }
 
+// The inverse of pack_f32x2: the two 16-bit values of a b32 as floats, low half first: bf16 is the top half of an FP32
+// bit pattern; f16 converts with cvt.f32.f16.
+template <bool kBf16>
+__device__ __forceinline__ float2 unpack_f32x2(uint32_t x) {
+    if constexpr (kBf16) {
+        return make_float2(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
+    } else {
+        float lo, hi;
+        asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}"
+            : "=f"(lo), "=f"(hi) : "r"(x));
+        return make_float2(lo, hi);
+    }
+}
+
 // A warp's acc += A B over kKSteps k steps of 16, A in kMTiles 16-row groups, B in kNTiles
 // 8-column tiles: load_a(a, m, ks) gives the A fragment of row group m at k step ks,
 // load_b(b, np, ks) the B fragments of column tiles 2 np and 2 np + 1 (registers as ldmatrix.x4

@@ -24,6 +24,11 @@
 
 namespace ptxattn {
 
+// st.shared.b32: a 32-bit shared-window address keeps the store's address arithmetic in 32 bits.
+__device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t value) {
+    asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(value) : "memory");
+}
+
 template <int kRowBytes>
 struct SwizzledTile {
     static_assert(kRowBytes % 128 == 0, "the swizzle permutes 8 chunks of 16 bytes");

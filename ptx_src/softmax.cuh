@@ -14,6 +14,7 @@
 // exp2(c * s - m): one FFMA and one ex2.approx per score.
 #pragma once
 #include "common.cuh"
+#include "mma_sync.cuh"
 
 namespace ptxattn {
 
@@ -220,26 +221,42 @@ struct OnlineSoftmax {
     }
 };
 
-// The backward's softmax: the probabilities recomputed from the forward's log-sum-exp,
-// P = 2^(scale_log2 S - lse_log2) (lse_log2 = LSE log2(e), +inf for a row that sees no key or
-// lies past seqlen_q, so that its P is 0), then dS = P (dP - dpsum) with dpsum the row's
-// sum(dO * O). s becomes P and dp becomes dS, in the accumulator layout (rows h = 0, 1 of each
-// 16-row group m).
+// The backward's softmax, in two steps so that S and dP need not be live together:
+//   recompute_probabilities: P = 2^(scale_log2 S - lse_log2) in place of S, from the forward's
+//     log-sum-exp (lse_log2 = LSE log2(e); +inf for a row that sees no key or lies past
+//     seqlen_q, so that its P is 0);
+//   score_gradient: dS = P (dP - dpsum) in place of dP, dpsum being the row's sum(dO * O) and P
+//     given as the 16-bit pairs it is stored in (pack_f32x2), the precision dS's GEMMs see it in.
+// Rows h = 0, 1 of each 16-row group m, in the accumulator layout.
 template <int kRowGroups, int kTiles>
-__device__ __forceinline__ void softmax_backward(float (&s)[kRowGroups][kTiles][4],
-                                                 float (&dp)[kRowGroups][kTiles][4],
-                                                 const float (&lse_log2)[kRowGroups][2],
-                                                 const float (&dpsum)[kRowGroups][2],
-                                                 float scale_log2) {
+__device__ __forceinline__ void recompute_probabilities(float (&s)[kRowGroups][kTiles][4],
+                                                        const float (&lse_log2)[kRowGroups][2],
+                                                        float scale_log2) {
 #pragma unroll
     for (int m = 0; m < kRowGroups; ++m) {
 #pragma unroll
         for (int j = 0; j < kTiles; ++j) {
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
-                const float p = exp2_approx(fmaf(s[m][j][c], scale_log2, -lse_log2[m][c / 2]));
-                s[m][j][c] = p;
-                dp[m][j][c] = p * (dp[m][j][c] - dpsum[m][c / 2]);
+                s[m][j][c] = exp2_approx(fmaf(s[m][j][c], scale_log2, -lse_log2[m][c / 2]));
+            }
+        }
+    }
+}
+
+template <bool kBf16, int kRowGroups, int kTiles>
+__device__ __forceinline__ void score_gradient(float (&dp)[kRowGroups][kTiles][4],
+                                               const uint32_t (&p)[kRowGroups][kTiles][2],
+                                               const float (&dpsum)[kRowGroups][2]) {
+#pragma unroll
+    for (int m = 0; m < kRowGroups; ++m) {
+#pragma unroll
+        for (int j = 0; j < kTiles; ++j) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float2 pair = unpack_f32x2<kBf16>(p[m][j][h]);
+                dp[m][j][2 * h] = pair.x * (dp[m][j][2 * h] - dpsum[m][h]);
+                dp[m][j][2 * h + 1] = pair.y * (dp[m][j][2 * h + 1] - dpsum[m][h]);
             }
         }
     }

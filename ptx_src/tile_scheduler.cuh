@@ -110,4 +110,36 @@ struct PersistentTiles {
     }
 };
 
+// The backward's walk: which key block a thread block owns, the order in which it visits its
+// query tiles (ascending), and, when dQ is summed deterministically, its turn at each tile's
+// accumulator.
+//
+// Every key block adds into the dQ of each query tile it visits; deterministic mode fixes the
+// order of those adds (atomics.cuh). A block may only wait for blocks of lower blockIdx.x: the
+// hardware launched those earlier, so they are running or done, and the wait ends whatever the
+// occupancy. Within that rule the order follows the blocks' natural progress:
+//   causal:     key blocks in reverse (block n = num_n_blocks - 1 - blockIdx.x). Tile m is
+//               visited by blocks [0, n_max(m)); block n starts at its diagonal tile, one or two
+//               tiles past block n + 1's first, and takes turn n_max(m) - 1 - n, so the blocks
+//               advance in lockstep, each a step behind the one above.
+//   non-causal: blocks in index order, turn n: block n waits for n blocks ahead of it.
+// Without deterministic sums, blocks go in index order (the longest causal walk first).
+struct BwdWalk {
+    int n_block;
+    bool reversed;
+
+    __device__ __forceinline__ static BwdWalk make(int block, int num_n_blocks, bool causal,
+                                                   bool deterministic) {
+        const bool reversed = deterministic && causal;
+        return {reversed ? num_n_blocks - 1 - block : block, reversed};
+    }
+
+    // How many key blocks add into query tile m's dQ before this one; n_max: one past the last
+    // key block tile m visits.
+    __device__ __forceinline__ int turn(int n_max) const {
+        return reversed ? n_max - 1 - n_block : n_block;
+    }
+};
+
 }  // namespace ptxattn
+

@@ -107,13 +107,22 @@ class BwdTile:
 
 _SMEM_163K = tuple(a for a in ARCHS if archs.get(a).smem_per_block >= 160 * 1024)
 _SMEM_99K = tuple(a for a in ARCHS if a not in _SMEM_163K)
+# Where red.global.add.v2.f32 exists (sm_90+): the dQ sums take half the instructions, and the
+# widest tiles fit in 255 registers without spills; sm_80's scalar adds need smaller tiles.
+_VECTOR_RED = tuple(a for a in _SMEM_163K if archs.get(a).capability >= (9, 0))
+_SCALAR_RED_163K = tuple(a for a in _SMEM_163K if a not in _VECTOR_RED)
 
-# head_dim -> [(archs, tile)]. dK and dV live in registers: 8 warps over 128 keys x 128 columns
-# is 128 floats a thread, the most that leaves room for S and dP. Head dim 256 needs more
-# shared memory than the 99 KB of sm_86/89/120 allow for any tile of whole mma fragments.
+# head_dim -> [(archs, tile)], chosen with .diag-style sweeps on the H100 (bf16, batch * seqlen
+# = 16k, seqlen 2048 and 8192; docs/hopper-tuning.md has the numbers). dK and dV live in
+# registers: 8 warps over 128 keys x 128 columns is 128 floats a thread, the most that leaves
+# room for S and dP, and 128-key blocks halve the dQ atomics per FLOP against 64-key ones (the
+# kernel is bound by them and by shared-memory wavefronts). Head dim 256 needs more shared
+# memory than the 99 KB of sm_86/89/120 allow for any tile of whole mma fragments.
 BWD_TILES: dict[int, list[tuple[tuple[str, ...], BwdTile]]] = {
-    64: [(ARCHS, BwdTile(64, 128, 8, 4, 8, 4, 2, 1))],
-    128: [(_SMEM_163K, BwdTile(64, 128, 8, 4, 8, 4, 2, 1)),
+    64: [(_VECTOR_RED, BwdTile(128, 128, 8, 2, 4, 4, 2, 1)),
+         (_SCALAR_RED_163K + _SMEM_99K, BwdTile(64, 128, 8, 4, 8, 4, 2, 1))],
+    128: [(_VECTOR_RED, BwdTile(64, 128, 8, 4, 8, 4, 2, 1)),
+          (_SCALAR_RED_163K, BwdTile(64, 64, 8, 4, 4, 4, 2, 1)),
           (_SMEM_99K, BwdTile(64, 64, 8, 4, 4, 4, 1, 1))],
     256: [(_SMEM_163K, BwdTile(64, 64, 8, 4, 4, 4, 1, 1))],
 }

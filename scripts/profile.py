@@ -1,6 +1,7 @@
-"""Attention forward throughput: ptxattn's backends beside every peer importable here.
+"""Attention throughput: ptxattn's backends beside every peer importable here.
 
     python scripts/profile.py [--quick] [--csv FILE] [--json FILE]
+    python scripts/profile.py --backward [--quick] [--json FILE]
 
 TFLOP/s = 4 * batch * heads * seqlen_q * seqlen_k * head_dim / time (halved for causal), time
 being the median over repeated CUDA-event-timed samples (each the mean of 10 back-to-back calls)
@@ -10,6 +11,12 @@ on the same GPU: torch SDPA's FlashAttention-2 and cuDNN backends when torch is 
 FlashAttention-3's forward (bf16, and FP8 e4m3 with per-(batch, head) descales) when the
 fa3-fwd wheel imports (module fa3_fwd_interface), and ptxattn's plain CuPy reference. A peer
 that does not import is left out with a note on stderr.
+
+--backward measures the backward pass, and forward plus backward, instead: TFLOP/s = 2.5 (3.5)
+times the forward's FLOPs over the time. Peers: torch SDPA's FlashAttention-2 and cuDNN backward
+(torch.autograd.grad of one recorded forward), and FlashAttention-3's backward through the
+flash-attn3-jax wheel (flash_mha under jax.vjp, head_dim 128) when it imports. It also reports
+the extra memory ptxattn's backward allocates (its workspace).
 """
 
 from __future__ import annotations
@@ -171,10 +178,168 @@ def fa3_runners() -> dict:
             "fa3-fp8": ((64, 128, 256), None, _quantized_once(quantize, fp8))}
 
 
+def backward_configs(quick: bool, shapes: str | None = None) -> list[dict]:
+    """The backward sweep: batch*seqlen = 16384, heads*head_dim = 2048; ``shapes`` ("DxS,...")
+    picks (head_dim, seqlen) pairs instead."""
+    if shapes:
+        shapes = [tuple(int(n) for n in shape.split("x")) for shape in shapes.split(",")]
+    else:
+        shapes = ([(128, 2048), (128, 8192), (64, 2048), (256, 2048)] if quick else
+                  [(128, 2048), (128, 8192), (128, 16384), (64, 2048), (64, 16384),
+                   (256, 16384)])
+    return [dict(batch=16384 // seqlen, seqlen=seqlen, heads=2048 // head_dim,
+                 head_dim=head_dim, causal=causal)
+            for head_dim, seqlen in shapes for causal in (False, True)]
+
+
+def torch_backward_runners(torch, q, k, v, dout, causal: bool) -> dict:
+    """name -> (backward, forward + backward) callables for torch SDPA's FA2 and cuDNN."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2).detach().requires_grad_()
+                  for x in (q, k, v))
+    tdo = torch.from_dlpack(dout).transpose(1, 2)
+    runners = {}
+    for name, backend in (("torch-sdpa-flash", SDPBackend.FLASH_ATTENTION),
+                          ("torch-sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def forward(backend=backend):
+            with sdpa_kernel(backend):
+                return sdpa(tq, tk, tv, is_causal=causal)
+        try:
+            recorded = forward()
+        except RuntimeError as err:
+            print(f"\n{name}: {err}", file=sys.stderr)
+            continue
+        runners[name] = (
+            lambda o=recorded: torch.autograd.grad(o, (tq, tk, tv), tdo, retain_graph=True),
+            lambda forward=forward: torch.autograd.grad(forward(), (tq, tk, tv), tdo))
+    return runners
+
+
+def fa3_jax_backward_runner(shape, causal: bool):
+    """(backward, forward + backward) of FlashAttention-3 through flash-attn3-jax, on its own
+    random inputs of ``shape``; None when it does not import or run. JAX runs on its own stream,
+    so each call waits for its result (the timing then includes that host round trip)."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    try:
+        import jax
+        import jax.numpy as jnp
+        from flash_attn3_jax import flash_mha
+    except Exception as err:  # noqa: BLE001 - any import failure leaves the peer out
+        return None, f"flash_attn3_jax does not import: {type(err).__name__}: {err}"
+    try:
+        keys = jax.random.split(jax.random.PRNGKey(0), 4)
+        q, k, v, dout = (jax.random.normal(key, shape, dtype=jnp.bfloat16) for key in keys)
+
+        def attend(q, k, v):
+            return flash_mha(q, k, v, is_causal=causal)
+
+        _, vjp = jax.vjp(attend, q, k, v)
+        backward = jax.jit(lambda fn, d: fn(d))
+        both = jax.jit(lambda q, k, v, d: jax.vjp(attend, q, k, v)[1](d))
+        backward(vjp, dout)[0].block_until_ready()
+        both(q, k, v, dout)[0].block_until_ready()
+    except Exception as err:  # noqa: BLE001
+        return None, f"flash_attn3_jax failed on {shape}: {type(err).__name__}: {err}"
+    return (lambda: backward(vjp, dout)[0].block_until_ready(),
+            lambda: both(q, k, v, dout)[0].block_until_ready()), None
+
+
+def backward_main(args) -> int:
+    import cupy
+    import ptxattn
+    from ptxattn import dispatch, problem as problem_module
+    from ptxattn.runtime import device_arch
+
+    arch = device_arch()
+    repeats = args.repeats or (5 if args.quick else 10)
+    try:
+        import torch
+    except ImportError:
+        torch = None
+        print("profile.py: torch is not importable, so no SDPA peers in this run",
+              file=sys.stderr)
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    print(f"# {props['name'].decode()} ({arch}), dtype {args.dtype}, backward, median of "
+          f"{repeats} runs")
+    backends = [r.backend for r in dispatch.TABLE if "backward" in r.features
+                and "bfloat16" in r.formats and arch in r.archs]
+    results, notes = [], set()
+    rows = backward_configs(args.quick, args.shapes)
+    for index, cfg in enumerate(rows, 1):
+        shape = (cfg["batch"], cfg["seqlen"], cfg["heads"], cfg["head_dim"])
+        causal = cfg["causal"]
+        print(f"\r[{index}/{len(rows)}] {shape} causal={causal}", end="", file=sys.stderr,
+              flush=True)
+        rng = cupy.random.default_rng(index)
+        q, k, v, dout = (rng.standard_normal(shape, dtype=cupy.float32).astype(args.dtype)
+                         for _ in range(4))
+        out, lse = ptxattn.attention(q, k, v, causal=causal, return_lse=True)
+        calls = {}
+        for backend in backends:
+            for deterministic in (False, True):
+                name = f"ptxattn-{backend}{'-det' if deterministic else ''}"
+                calls[name] = (
+                    lambda b=backend, d=deterministic: ptxattn.attention_backward(
+                        dout, q, k, v, out, lse, causal=causal, deterministic=d, backend=b),
+                    lambda b=backend, d=deterministic: ptxattn.attention_backward(
+                        dout, q, k, v, *ptxattn.attention(q, k, v, causal=causal,
+                                                          return_lse=True),
+                        causal=causal, deterministic=d, backend=b))
+        if torch is not None:
+            calls.update(torch_backward_runners(torch, q, k, v, dout, causal))
+        if cfg["head_dim"] == 128:
+            fa3, note = fa3_jax_backward_runner(shape, causal)
+            if fa3:
+                calls["fa3-jax"] = fa3
+            else:
+                notes.add(note.split(" on ")[0] if note.startswith("flash_attn3_jax failed")
+                          else note)
+        for name, (bwd, _) in calls.items():
+            bwd()
+        bwd_ms = time_ms_interleaved({n: c[0] for n, c in calls.items()}, warmup=2,
+                                     repeats=repeats)
+        both_ms = time_ms_interleaved({n: c[1] for n, c in calls.items()}, warmup=2,
+                                      repeats=repeats)
+        fwd_flops = flops(cfg)
+        p = problem_module.AttentionProblem.from_backward(dout, q, k, v, out, lse, causal=causal)
+        workspace = p.batch * p.heads_q * p.seqlen_q * (p.head_dim + 1) * 4
+        results.append(dict(cfg, workspace_mib=workspace / 2 ** 20,
+                            backward={n: 2.5 * fwd_flops / ms / 1e9 for n, ms in bwd_ms.items()},
+                            forward_backward={n: 3.5 * fwd_flops / ms / 1e9
+                                              for n, ms in both_ms.items()}))
+    print("\r" + " " * 80 + "\r", end="", file=sys.stderr)
+    names = list(dict.fromkeys(n for r in results for n in r["backward"]))
+    widths = [max(len(n), 7) for n in names]
+    for title, key in (("backward TFLOP/s", "backward"),
+                       ("forward + backward TFLOP/s", "forward_backward")):
+        print(title)
+        print(f"{'batch':>5} {'seqlen':>6} {'heads':>5} {'dim':>4} {'causal':>6} "
+              + " ".join(f"{n:>{w}}" for n, w in zip(names, widths)) + "  workspace MiB")
+        for row in results:
+            cells = " ".join(f"{row[key][n]:{w}.1f}" if n in row[key] else f"{'-':>{w}}"
+                             for n, w in zip(names, widths))
+            print(f"{row['batch']:5d} {row['seqlen']:6d} {row['heads']:5d} "
+                  f"{row['head_dim']:4d} {str(row['causal']):>6} {cells}  "
+                  f"{row['workspace_mib']:13.1f}")
+    for note in sorted(notes):
+        print(f"# {note}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": props["name"].decode(), "arch": arch, "dtype": args.dtype,
+                       "unit": "TFLOP/s", "results": results}, f, indent=1)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few shapes, fewer repeats")
+    parser.add_argument("--backward", action="store_true",
+                        help="the backward pass and forward + backward instead of the forward")
+    parser.add_argument("--shapes", help="with --backward: head_dim x seqlen pairs to run, "
+                                         "e.g. 128x16384,64x2048 (default: the standard sweep)")
     parser.add_argument("--csv", help="write the results to this CSV file")
     parser.add_argument("--json", help="write the results to this JSON file")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
@@ -192,6 +357,8 @@ def main(argv=None) -> int:
     if not gpu:
         print("profile.py: no CUDA GPU is visible to CuPy; nothing to measure.", file=sys.stderr)
         return 2
+    if args.backward:
+        return backward_main(args)
 
     from ptxattn import reference
     from ptxattn.runtime import device_arch
