@@ -18,6 +18,25 @@ def _round_to(x: cupy.ndarray, dtype) -> cupy.ndarray:
     return x.astype(dtype).astype(cupy.float32)
 
 
+def _heads_major(x, repeat: int = 1) -> cupy.ndarray:
+    """(batch, seq, heads, dim) -> (batch, heads * repeat, seq, dim) in FP32, each head repeated
+    ``repeat`` times in a row (K/V across the query heads of their group)."""
+    x = cupy.ascontiguousarray(x.transpose(0, 2, 1, 3)).astype(cupy.float32)
+    return cupy.repeat(x, repeat, axis=1) if repeat > 1 else x
+
+
+def _operands(q, k, v, softmax_scale, precision: str):
+    """What both references start from: the scale, the dtype intermediates are rounded to (None
+    in FP32), and q, k, v heads-major in FP32 with K/V repeated per query head."""
+    if precision not in ("float32", "input"):
+        raise ValueError(f"precision must be 'float32' or 'input', got {precision!r}")
+    head_dim = q.shape[3]
+    group = q.shape[2] // k.shape[2]
+    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    low = q.dtype if precision == "input" else None
+    return scale, low, _heads_major(q), _heads_major(k, group), _heads_major(v, group)
+
+
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
               return_lse: bool = False, precision: str = "float32", query_chunk: int = 1024):
     """softmax(scale * q k^T) v for (batch, seqlen, heads, head_dim) arrays.
@@ -26,18 +45,9 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     Causal masking aligns to the bottom-right corner when seqlen_q != seqlen_k; a query row that
     sees no key gets output 0 and LSE -inf.
     """
-    if precision not in ("float32", "input"):
-        raise ValueError(f"precision must be 'float32' or 'input', got {precision!r}")
     batch, seqlen_q, heads_q, head_dim = q.shape
-    seqlen_k, heads_kv = k.shape[1], k.shape[2]
-    group = heads_q // heads_kv
-    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
-    low = q.dtype if precision == "input" else None
-
-    # (batch, heads, seq, dim) in FP32; K/V repeated across the query heads of their group.
-    qf = cupy.ascontiguousarray(q.transpose(0, 2, 1, 3)).astype(cupy.float32)
-    kf = cupy.repeat(k.transpose(0, 2, 1, 3).astype(cupy.float32), group, axis=1)
-    vf = cupy.repeat(v.transpose(0, 2, 1, 3).astype(cupy.float32), group, axis=1)
+    seqlen_k = k.shape[1]
+    scale, low, qf, kf, vf = _operands(q, k, v, softmax_scale, precision)
 
     out = cupy.empty((batch, heads_q, seqlen_q, head_dim), dtype=cupy.float32)
     lse = cupy.empty((batch, heads_q, seqlen_q), dtype=cupy.float32)
@@ -77,23 +87,13 @@ def attention_backward(dout, q, k, v, *, causal: bool = False,
     ``precision="input"`` rounds every intermediate (scores, probabilities, output, dP, dS) to
     the input dtype, as the naive implementation in that dtype would.
     """
-    if precision not in ("float32", "input"):
-        raise ValueError(f"precision must be 'float32' or 'input', got {precision!r}")
-    batch, seqlen_q, heads_q, head_dim = q.shape
+    batch, seqlen_q, _, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
-    group = heads_q // heads_kv
-    scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
-    low = q.dtype if precision == "input" else None
+    scale, low, qf, kf, vf = _operands(q, k, v, softmax_scale, precision)
+    dof = _heads_major(dout)
 
     def rounded(x):
         return _round_to(x, low) if low is not None else x
-
-    def heads_major(x, repeat=1):
-        x = cupy.ascontiguousarray(x.transpose(0, 2, 1, 3)).astype(cupy.float32)
-        return cupy.repeat(x, repeat, axis=1) if repeat > 1 else x
-
-    qf, dof = heads_major(q), heads_major(dout)
-    kf, vf = heads_major(k, group), heads_major(v, group)
     dq = cupy.empty_like(qf)
     dk = cupy.zeros_like(kf)
     dv = cupy.zeros_like(vf)
