@@ -45,16 +45,18 @@ struct AccumulatorColumns {
 };
 
 // Sets s[m][j][2h + e] to -inf where row first_row + kRowGroupStride * m + 8 h may not see key
-// key0 + column(j, e).
+// key0 + column(j, e). With GQA packing (kv_cache.cuh) a tile row is query token row /
+// rows_per_token; the default 1 folds away.
 template <int kRowGroupStride, int kRowGroups, int kTiles, class Columns>
 __device__ __forceinline__ void apply_mask(float (&s)[kRowGroups][kTiles][4], const SeqMask& mask,
-                                           int first_row, int key0, Columns column) {
+                                           int first_row, int key0, Columns column,
+                                           int rows_per_token = 1) {
     const float neg_inf = -__int_as_float(0x7f800000);
 #pragma unroll
     for (int m = 0; m < kRowGroups; ++m) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const int row = first_row + kRowGroupStride * m + 8 * h;
+            const int row = (first_row + kRowGroupStride * m + 8 * h) / rows_per_token;
             const int end = mask.key_end(row) - key0;
             const int begin = mask.key_begin(row) - key0;
 #pragma unroll

@@ -73,6 +73,48 @@ struct alignas(64) FwdParams {
     const float* q_tensor_scale;
     const float* k_tensor_scale;
     int v_scale_row;  // V scale bytes per head_dim row: padded seqlen_k / 32
+
+    // Serving (fwd_decode_mma_sync.cu; null / 0 where unused). Keys of sequence b: seqused_k[b]
+    // when given (a KV cache's filled length), else its cu_seqlens_k / seqlen_k length. A paged
+    // cache (kv_cache.cuh) keeps key j of sequence b in page block_table[b * block_table_stride
+    // + j / page_size], row j % page_size, the k/v batch strides stepping over pages.
+    const int* seqused_k;
+    const int* block_table;
+    int64_t block_table_stride;
+    int page_size;  // 0: contiguous cache
+    int total_q;    // rows of q over the batch: batch * seqlen_q, or cu_seqlens_q[batch]
+    // Split-KV: num_splits > 1 writes each split's partial output (normalised
+    // over its own keys) and LSE, float32, dense [split][total_q][heads_q][head_dim] and
+    // [split][heads_q][total_q], for combine.cu to merge.
+    int num_splits;
+    float* out_accum;
+    float* lse_accum;
+    // Logit softcap: scores become tanh(softcap_scale * s) before the softmax (softcap_scale =
+    // softmax_scale / softcap, and scale_log2 = softcap * log2(e)); 0 = off.
+    float softcap_scale;
+    // Attention sinks: one float32 logit per q head (natural log) that joins each row's softmax
+    // denominator; null = none.
+    const float* sinks;
+};
+
+// The arguments of combine.cu's merge of partial attention states: parts (num_parts, batch,
+// seqlen, heads, head_dim) with their log-sum-exps (num_parts, batch, heads, seqlen), into one
+// output and LSE. Element strides; unit stride in head_dim.
+struct CombineParams {
+    const void* parts;
+    const float* lse_parts;
+    void* out;
+    float* lse;         // may be null
+    const float* sinks;  // per head, natural log, or null
+    int64_t parts_stride_p, parts_stride_b, parts_stride_s, parts_stride_h;
+    int64_t lse_parts_stride_p, lse_parts_stride_b, lse_parts_stride_h, lse_parts_stride_s;
+    int64_t out_stride_b, out_stride_s, out_stride_h;
+    int64_t lse_stride_b, lse_stride_h, lse_stride_s;
+    int num_parts;
+    int batch;
+    int seqlen;
+    int heads;
+    int head_dim;  // a multiple of 4
 };
 
 // The arguments of every backward kernel (preprocess, main, postprocess), mirrored by

@@ -6,7 +6,10 @@ from .runtime import CompileError, CudaError, PtxattnError
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_backward", "fp8_attention", "blockscaled_attention", "CompileError", "CudaError", "PtxattnError", "__version__"]
+__all__ = ["attention", "attention_backward", "attention_varlen", "attention_with_kvcache",
+           "merge_attention_states", "fp8_attention", "blockscaled_attention", "CompileError",
+           "CudaError", "PtxattnError", "__version__"]
+_SERVING = ("attention_varlen", "attention_with_kvcache", "merge_attention_states")
 
 
 def __getattr__(name):
@@ -17,6 +20,9 @@ def __getattr__(name):
     if name == "attention_backward":
         from .api import attention_backward
         return attention_backward
+    if name in _SERVING:
+        from . import serving
+        return getattr(serving, name)
     if name == "fp8_attention":
         from .fp8 import attention as fp8_attention
         return fp8_attention

@@ -18,10 +18,14 @@ import importlib
 from . import archs
 
 # What an attention call may need beyond plain attention over whole sequences: "causal"
-# masking, "gqa" (fewer k/v heads than q heads), "backward" (the gradients). A route lists those
-# its family handles and select() passes over the others.
-FEATURES = frozenset({"causal", "gqa", "backward"})
+# masking, "gqa" (fewer k/v heads than q heads), "backward" (the gradients), and the serving
+# features: a local "window", a logit "softcap", attention "sinks", and the layouts "varlen"
+# (packed sequences of their own lengths), "kvcache" (keys up to each sequence's filled length),
+# "paged" (a paged cache). A route lists those its family handles and select() passes over the
+# others.
 FORWARD = frozenset({"causal", "gqa"})
+SERVING = FORWARD | {"window", "softcap", "sinks", "varlen", "kvcache", "paged"}
+FEATURES = FORWARD | SERVING | {"backward"}
 SIXTEEN_BIT = ("bfloat16", "float16")
 BLOCK_SCALED = ("mxfp8", "nvfp4")
 
@@ -34,10 +38,11 @@ class Route:
     head_dims: tuple[int, ...]
     emulated: bool = False        # the family's emulation build (archs.Arch.emulated_families)
     features: frozenset[str] = FORWARD
+    launcher: str | None = None   # the launcher module, ptxattn.<launcher>, if not the family's
 
     @property
     def module_name(self) -> str:
-        return f"ptxattn.{self.family}"
+        return f"ptxattn.{self.launcher or self.family}"
 
     @property
     def archs(self) -> tuple[str, ...]:
@@ -55,7 +60,10 @@ class Route:
 
 TABLE: tuple[Route, ...] = (
     Route("hopper", "hopper", SIXTEEN_BIT, (64, 128, 256)),
-    Route("portable", "portable", SIXTEEN_BIT, (64, 128, 256), features=FEATURES),
+    Route("portable", "portable", SIXTEEN_BIT, (64, 128, 256),
+          features=FORWARD | {"backward"}),
+    Route("portable", "portable", SIXTEEN_BIT, (64, 128, 256), features=SERVING,
+          launcher="decode"),
     Route("hopper", "hopper", ("e4m3",), (64, 128, 256)),
     Route("blockscaled", "blockscaled", BLOCK_SCALED, (64, 128)),
     Route("blockscaled-emulated", "blockscaled", BLOCK_SCALED, (64, 128), emulated=True),
@@ -64,7 +72,17 @@ TABLE: tuple[Route, ...] = (
 FORMATS = tuple(dict.fromkeys(fmt for route in TABLE for fmt in route.formats))
 
 # The backends ptxattn.attention (16-bit inputs) can be asked for by name: their launcher modules.
-BACKENDS = {route.backend: route.module_name for route in TABLE if "bfloat16" in route.formats}
+def _sixteen_bit_backends() -> dict[str, str]:
+    """Backend name -> the launcher of its first route (serving calls find theirs through
+    select())."""
+    backends: dict[str, str] = {}
+    for route in TABLE:
+        if "bfloat16" in route.formats:
+            backends.setdefault(route.backend, route.module_name)
+    return backends
+
+
+BACKENDS = _sixteen_bit_backends()
 
 
 def backend_module(name: str):

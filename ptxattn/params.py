@@ -1,5 +1,6 @@
 """The host mirror of ``ptx_src/params.cuh``: ``FwdParams``, the one argument of every attention
-forward kernel, and ``BwdParams``, that of every backward kernel.
+forward kernel, ``BwdParams``, that of every backward kernel, and ``CombineParams``, that of the
+merge of partial attention states.
 
 Field order, names and C types match the device structs; :func:`layout_check_source` turns a
 layout into static_asserts that NVRTC checks against the header (tests/test_params.py), so the two
@@ -42,6 +43,11 @@ _FIELDS = [
     ("q_scale", ctypes.c_uint64), ("k_scale", ctypes.c_uint64), ("v_scale", ctypes.c_uint64),
     ("q_tensor_scale", ctypes.c_uint64), ("k_tensor_scale", ctypes.c_uint64),
     ("v_scale_row", ctypes.c_int32),
+    ("seqused_k", ctypes.c_uint64), ("block_table", ctypes.c_uint64),
+    ("block_table_stride", ctypes.c_int64), ("page_size", ctypes.c_int32),
+    ("total_q", ctypes.c_int32), ("num_splits", ctypes.c_int32),
+    ("out_accum", ctypes.c_uint64), ("lse_accum", ctypes.c_uint64),
+    ("softcap_scale", ctypes.c_float), ("sinks", ctypes.c_uint64),
 ]
 
 
@@ -56,6 +62,15 @@ _BWD_FIELDS = [
     ("heads_q", ctypes.c_int32), ("heads_kv", ctypes.c_int32), ("q_per_kv", ctypes.c_int32),
     ("softmax_scale", ctypes.c_float), ("scale_log2", ctypes.c_float),
     ("causal", ctypes.c_int32), ("num_m_blocks", ctypes.c_int32),
+]
+_COMBINE_FIELDS = [
+    ("parts", _P), ("lse_parts", _P), ("out", _P), ("lse", _P), ("sinks", _P),
+    *[(f"parts_stride_{dim}", ctypes.c_int64) for dim in "pbsh"],
+    *[(f"lse_parts_stride_{dim}", ctypes.c_int64) for dim in "pbhs"],
+    *[(f"out_stride_{dim}", ctypes.c_int64) for dim in "bsh"],
+    *[(f"lse_stride_{dim}", ctypes.c_int64) for dim in "bhs"],
+    ("num_parts", ctypes.c_int32), ("batch", ctypes.c_int32), ("seqlen", ctypes.c_int32),
+    ("heads", ctypes.c_int32), ("head_dim", ctypes.c_int32),
 ]
 
 
@@ -107,15 +122,22 @@ class BwdParams(_Params):
     _fields_ = _BWD_FIELDS
 
 
+class CombineParams(_Params):
+    """``CombineParams`` by value."""
+
+    _fields_ = _COMBINE_FIELDS
+
+
 def strides(x, dims: int = 3) -> list[int]:
     """The element strides of an array's first ``dims`` dimensions."""
     return [s // x.itemsize for s in x.strides[:dims]]
 
 
 def layout_check_source(struct: str = "FwdParams") -> str:
-    """CUDA source asserting that params.cuh's ``struct`` (FwdParams or BwdParams) has this
-    module's layout."""
-    host, fields = {"FwdParams": (FwdParams, _FIELDS), "BwdParams": (BwdParams, _BWD_FIELDS)}[struct]
+    """CUDA source asserting that params.cuh's ``struct`` (FwdParams, BwdParams or
+    CombineParams) has this module's layout."""
+    host, fields = {"FwdParams": (FwdParams, _FIELDS), "BwdParams": (BwdParams, _BWD_FIELDS),
+                    "CombineParams": (CombineParams, _COMBINE_FIELDS)}[struct]
     lines = ['#include "params.cuh"', f"using ptxattn::{struct};",
              f"static_assert(sizeof({struct}) == {ctypes.sizeof(host)}, "
              f'"sizeof({struct}) differs from ptxattn/params.py");']

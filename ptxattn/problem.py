@@ -398,6 +398,16 @@ class AttentionProblem:
     softmax_scale: float
     out_dtype: str
     device: int
+    # Serving (ptxattn.attention_varlen / attention_with_kvcache): the window (left, right), -1
+    # unbounded; the logit softcap, 0 = off; whether sinks are given; the split count, 0 = chosen
+    # by the launcher; rows of q over the batch; and the layouts among "varlen", "kvcache",
+    # "paged".
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    sinks: bool = False
+    num_splits: int = 0
+    total_q: int = 0
+    layouts: frozenset[str] = frozenset()
 
     @property
     def gqa_ratio(self) -> int:
@@ -412,7 +422,13 @@ class AttentionProblem:
             needs.add("causal")
         if self.heads_q != self.heads_kv:
             needs.add("gqa")
-        return frozenset(needs)
+        if self.window != (-1, -1):
+            needs.add("window")
+        if self.softcap > 0:
+            needs.add("softcap")
+        if self.sinks:
+            needs.add("sinks")
+        return frozenset(needs) | self.layouts
 
     @property
     def out_shape(self) -> tuple[int, int, int, int]:
@@ -616,3 +632,250 @@ class AttentionProblem:
         if lse is not None:
             check_lse(lse, problem.lse_shape, device, {**inputs, "out": out})
         return problem
+
+    @classmethod
+    @_memoized
+    def from_kvcache(cls, q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=None,
+                     v_new=None, causal: bool = True, window=(-1, -1), softcap=0.0, sinks=None,
+                     softmax_scale=None, num_splits=0, out=None) -> "AttentionProblem":
+        """ptxattn.attention_with_kvcache's arguments (metadata only; check_kvcache_contents
+        reads the values). ``seqlen_k`` is the cache's capacity per sequence."""
+        check_causal(causal)
+        for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            check_16bit(name, x)
+            check_rows(name, x)
+        if not (q.dtype == k_cache.dtype == v_cache.dtype):
+            raise TypeError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, "
+                            f"{k_cache.dtype}, {v_cache.dtype}")
+        fmt = np.dtype(q.dtype).name
+        batch, seqlen_q, heads_q, head_dim = q.shape
+        if k_cache.shape != v_cache.shape:
+            raise ValueError(f"k_cache and v_cache must have the same shape, got "
+                             f"{k_cache.shape} and {v_cache.shape}")
+        slots, slot_rows, heads_kv, cache_dim = k_cache.shape
+        if cache_dim != head_dim:
+            raise ValueError(f"k_cache must have head_dim {head_dim} like q, got {cache_dim}")
+        if heads_q % heads_kv:
+            raise ValueError(f"q's heads ({heads_q}) must be a multiple of the cache's heads "
+                             f"({heads_kv})")
+        check_head_dim(fmt, head_dim)
+        device = q.device.id
+        for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+            check_device(name, x, device)
+        layouts = {"kvcache"}
+        if block_table is None:
+            if slots != batch:
+                raise ValueError(f"k_cache must have q's batch {batch} (a contiguous cache: "
+                                 f"(batch, seqlen_cache, heads_kv, head_dim)), got {slots}; "
+                                 "pass block_table for a paged cache")
+            capacity = slot_rows
+        else:
+            check_int32("block_table", block_table, 2, device)
+            if block_table.shape[0] != batch or block_table.shape[1] < 1:
+                raise ValueError(f"block_table must have shape (batch, max_pages) with batch "
+                                 f"{batch}, got {tuple(block_table.shape)}")
+            if block_table.shape[1] > 1 and block_table.strides[1] != block_table.itemsize:
+                raise ValueError("block_table must have unit stride along its pages")
+            if slot_rows % 16 or not 16 <= slot_rows <= 256:
+                raise ValueError(f"page_size (k_cache.shape[1] of a paged cache) must be a "
+                                 f"multiple of 16 from 16 to 256, got {slot_rows}")
+            capacity = block_table.shape[1] * slot_rows
+            layouts.add("paged")
+        if isinstance(cache_seqlens, bool) or not (
+                isinstance(cache_seqlens, numbers.Integral) or hasattr(cache_seqlens, "dtype")):
+            raise TypeError(f"cache_seqlens must be an int or an int32 array of shape (batch,), "
+                            f"got {type(cache_seqlens).__name__}")
+        if hasattr(cache_seqlens, "dtype"):
+            check_int32("cache_seqlens", cache_seqlens, 1, device)
+            if cache_seqlens.shape != (batch,):
+                raise ValueError(f"cache_seqlens must have shape (batch,) = ({batch},), got "
+                                 f"{tuple(cache_seqlens.shape)}")
+        seqlen_new = 0
+        if (k_new is None) != (v_new is None):
+            raise ValueError("k_new and v_new must be given together")
+        inputs = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+        if k_new is not None:
+            for name, x in (("k_new", k_new), ("v_new", v_new)):
+                if check_16bit(name, x) != fmt:
+                    raise TypeError(f"{name} must have q's dtype {fmt}, got {x.dtype}")
+                check_rows(name, x)
+                check_device(name, x, device)
+                if x.shape[0] != batch or x.shape[2:] != (heads_kv, head_dim):
+                    raise ValueError(f"{name} must have shape (batch, seqlen_new, heads_kv, "
+                                     f"head_dim) = ({batch}, *, {heads_kv}, {head_dim}), got "
+                                     f"{tuple(x.shape)}")
+            if k_new.shape != v_new.shape:
+                raise ValueError(f"k_new and v_new must have the same shape, got "
+                                 f"{k_new.shape} and {v_new.shape}")
+            seqlen_new = k_new.shape[1]
+            if isinstance(cache_seqlens, numbers.Integral) and cache_seqlens + seqlen_new > capacity:
+                raise ValueError(f"cache_seqlens + seqlen_new = {cache_seqlens + seqlen_new} "
+                                 f"exceeds the cache's capacity of {capacity} keys")
+        if isinstance(cache_seqlens, numbers.Integral) and not 0 <= cache_seqlens <= capacity:
+            raise ValueError(f"cache_seqlens must be in [0, {capacity}] (the cache's capacity), "
+                             f"got {cache_seqlens}")
+        if out is not None:
+            if check_16bit("out", out) != fmt:
+                raise TypeError(f"out must have q's dtype {fmt}, got {out.dtype}")
+            check_rows("out", out)
+            check_output("out", out, q.shape, device, {**inputs, "k_new": k_new, "v_new": v_new})
+        window = check_window(window)
+        return cls(fmt, batch, seqlen_q, capacity, heads_q, heads_kv, head_dim, causal,
+                   softmax_scale_or_default(softmax_scale, head_dim), fmt, device,
+                   window=window, softcap=check_softcap(softcap),
+                   sinks=check_sinks(sinks, heads_q, device),
+                   num_splits=check_num_splits(num_splits), total_q=batch * seqlen_q,
+                   layouts=frozenset(layouts))
+
+    @classmethod
+    @_memoized
+    def from_varlen(cls, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                    causal: bool = False, window=(-1, -1), softcap=0.0, sinks=None,
+                    softmax_scale=None, out=None) -> "AttentionProblem":
+        """ptxattn.attention_varlen's arguments: q (total_q, heads_q, D), k and v (total_k,
+        heads_kv, D), int32 cumulative lengths of batch + 1 entries. ``batch`` is the number of
+        sequences, seqlen_q/k the given maxima."""
+        check_causal(causal)
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            check_16bit(name, x)
+            if x.ndim != 3:
+                raise ValueError(f"{name} must have 3 dimensions (total_tokens, heads, "
+                                 f"head_dim), got shape {tuple(x.shape)}")
+            check_rows(name, x[None])
+        if not (q.dtype == k.dtype == v.dtype):
+            raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        _, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim = check_qkv_shapes(q[None], k[None],
+                                                                             v[None])
+        fmt = np.dtype(q.dtype).name
+        check_head_dim(fmt, head_dim)
+        device = q.device.id
+        for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            check_int32(name, x, 1, device)
+        if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.shape[0] < 2:
+            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must both have batch + 1 >= 2 "
+                             f"entries, got shapes {tuple(cu_seqlens_q.shape)} and "
+                             f"{tuple(cu_seqlens_k.shape)}")
+        for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if out is not None:
+            if check_16bit("out", out) != fmt:
+                raise TypeError(f"out must have q's dtype {fmt}, got {out.dtype}")
+            if out.ndim != 3:
+                raise ValueError(f"out must have q's shape {tuple(q.shape)}, got "
+                                 f"{tuple(out.shape)}")
+            check_rows("out", out[None])
+            check_output("out", out, q.shape, device, {"q": q, "k": k, "v": v})
+        return cls(fmt, cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k), heads_q,
+                   heads_kv, head_dim, causal, softmax_scale_or_default(softmax_scale, head_dim),
+                   fmt, device, window=check_window(window), softcap=check_softcap(softcap),
+                   sinks=check_sinks(sinks, heads_q, device), total_q=q.shape[0],
+                   layouts=frozenset({"varlen"}))
+
+
+# ---------------------------------------------------------------------------------------------
+# Serving checks
+
+
+def check_int32(name: str, x, ndim: int, device: int) -> None:
+    """An int32 array of ``ndim`` dimensions on ``device`` (sequence lengths, page tables)."""
+    dtype = dtype_of(name, x)
+    if dtype != np.int32:
+        raise TypeError(f"{name} must have dtype int32, got {dtype}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimension{'s' if ndim > 1 else ''}, got "
+                         f"shape {tuple(x.shape)}")
+    check_positive_strides(name, x)
+    if ndim == 1 and x.shape[0] > 1 and x.strides[0] != x.itemsize:
+        raise ValueError(f"{name} must be contiguous, got strides {x.strides}")
+    check_device(name, x, device)
+
+
+def check_window(window) -> tuple[int, int]:
+    """(left, right) key counts around the diagonal, -1 = unbounded."""
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or any(isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < -1
+                   for w in window)):
+        raise ValueError(f"window must be a pair (left, right) of ints >= -1 (-1: unbounded), "
+                         f"got {window!r}")
+    return (int(window[0]), int(window[1]))
+
+
+def check_softcap(softcap) -> float:
+    if (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
+            or not math.isfinite(softcap) or softcap < 0):
+        raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {softcap!r}")
+    return float(softcap)
+
+
+def check_sinks(sinks, heads_q: int, device: int) -> bool:
+    """Attention sinks: float32 (heads_q,) logits, contiguous. Returns whether they are given."""
+    if sinks is None:
+        return False
+    dtype = dtype_of("sinks", sinks)
+    if dtype != np.float32:
+        raise TypeError(f"sinks must have dtype float32, got {dtype}")
+    if tuple(sinks.shape) != (heads_q,):
+        raise ValueError(f"sinks must have shape (heads_q,) = ({heads_q},), got "
+                         f"{tuple(sinks.shape)}")
+    if heads_q > 1 and sinks.strides[0] != sinks.itemsize:
+        raise ValueError(f"sinks must be contiguous, got strides {sinks.strides}")
+    check_device("sinks", sinks, device)
+    return True
+
+
+MAX_SPLITS = 128
+
+
+def check_num_splits(num_splits) -> int:
+    if (isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral)
+            or not 0 <= num_splits <= MAX_SPLITS):
+        raise ValueError(f"num_splits must be an int from 0 (chosen for the GPU) to "
+                         f"{MAX_SPLITS}, got {num_splits!r}")
+    return int(num_splits)
+
+
+def check_kvcache_contents(problem: AttentionProblem, cache_seqlens, block_table,
+                           num_pages: int, seqlen_new: int) -> None:
+    """The values a kv-cache call's metadata checks cannot see (one device-to-host copy):
+    lengths within the cache and the page table's used entries naming real pages."""
+    lengths = (np.full(problem.batch, cache_seqlens, dtype=np.int64)
+               if isinstance(cache_seqlens, numbers.Integral)
+               else cache_seqlens.get().astype(np.int64))
+    if (lengths < 0).any():
+        raise ValueError(f"cache_seqlens must be >= 0, got {lengths.min()} for sequence "
+                         f"{int(np.argmin(lengths))}")
+    total = lengths + seqlen_new
+    if (total > problem.seqlen_k).any():
+        b = int(np.argmax(total))
+        raise ValueError(f"cache_seqlens + seqlen_new must not exceed the cache's capacity of "
+                         f"{problem.seqlen_k} keys, got {int(total[b])} for sequence {b}")
+    if block_table is None:
+        return
+    page_size = problem.seqlen_k // block_table.shape[1]
+    table = block_table.get()
+    used = -(-total // page_size)
+    for b in range(problem.batch):
+        pages = table[b, :used[b]]
+        if pages.size and (pages.min() < 0 or pages.max() >= num_pages):
+            raise ValueError(f"block_table[{b}] names page {int(pages.min() if pages.min() < 0 else pages.max())} "
+                             f"among its first {int(used[b])} (the pages sequence {b} uses); "
+                             f"pages must be in [0, {num_pages})")
+
+
+def check_varlen_contents(problem: AttentionProblem, cu_seqlens_q, cu_seqlens_k,
+                          total_k: int) -> None:
+    """cu_seqlens that start at 0, never decrease, end at the token counts and stay within the
+    given maxima (one device-to-host copy)."""
+    for name, cu, total, most in (("cu_seqlens_q", cu_seqlens_q, problem.total_q,
+                                   problem.seqlen_q),
+                                  ("cu_seqlens_k", cu_seqlens_k, total_k, problem.seqlen_k)):
+        values = cu.get().astype(np.int64)
+        lengths = np.diff(values)
+        if values[0] != 0 or (lengths < 0).any() or values[-1] != total:
+            raise ValueError(f"{name} must start at 0, never decrease and end at the number of "
+                             f"tokens ({total}), got {values.tolist()[:8]}"
+                             f"{'...' if len(values) > 8 else ''} ending at {int(values[-1])}")
+        if lengths.max() > most:
+            raise ValueError(f"{name} holds a sequence of {int(lengths.max())} tokens, more "
+                             f"than max_seqlen_{name[-1]} = {most}")

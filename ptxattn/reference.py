@@ -38,12 +38,16 @@ def _operands(q, k, v, softmax_scale, precision: str):
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
-              return_lse: bool = False, precision: str = "float32", query_chunk: int = 1024):
+              return_lse: bool = False, precision: str = "float32", query_chunk: int = 1024,
+              window: tuple[int, int] = (-1, -1), softcap: float = 0.0, sinks=None):
     """softmax(scale * q k^T) v for (batch, seqlen, heads, head_dim) arrays.
 
     Returns float32 output (and float32 LSE of shape (batch, heads, seqlen_q), natural log).
     Causal masking aligns to the bottom-right corner when seqlen_q != seqlen_k; a query row that
-    sees no key gets output 0 and LSE -inf.
+    sees no key gets output 0 and LSE -inf. ``window`` = (left, right) limits query i to keys
+    i + seqlen_k - seqlen_q - left .. + right (-1: unbounded); ``softcap`` > 0 turns the scaled
+    scores s into softcap * tanh(s / softcap); ``sinks`` (float32, one logit per q head) join
+    every row's denominator (and the LSE) without adding to the output.
     """
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k = k.shape[1]
@@ -58,14 +62,24 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         if low is not None:
             scores = _round_to(scores, low)
         scores *= scale
-        if causal:
-            query_index = cupy.arange(start, stop)[:, None]
-            hidden = key_index > query_index + (seqlen_k - seqlen_q)
-            scores = cupy.where(hidden, -cupy.inf, scores)
+        if softcap > 0:
+            scores = softcap * cupy.tanh(scores / softcap)
+        left, right = window
+        right = 0 if causal else right
+        diagonal = cupy.arange(start, stop)[:, None] + (seqlen_k - seqlen_q)
+        if right >= 0:
+            scores = cupy.where(key_index > diagonal + right, -cupy.inf, scores)
+        if left >= 0:
+            scores = cupy.where(key_index < diagonal - left, -cupy.inf, scores)
         row_max = scores.max(axis=-1, keepdims=True)
+        if sinks is not None:
+            sink = sinks.astype(cupy.float32)[None, :, None, None]
+            row_max = cupy.maximum(row_max, sink)
         safe_max = cupy.where(cupy.isfinite(row_max), row_max, 0.0)
         probs = cupy.exp(scores - safe_max)
         row_sum = probs.sum(axis=-1, keepdims=True)
+        if sinks is not None:
+            row_sum = row_sum + cupy.exp(sink - safe_max)
         probs /= cupy.where(row_sum > 0, row_sum, 1.0)
         if low is not None:
             probs = _round_to(probs, low)

@@ -2,6 +2,7 @@
 
     python scripts/profile.py [--quick] [--csv FILE] [--json FILE]
     python scripts/profile.py --backward [--quick] [--json FILE]
+    python scripts/profile.py --serving [--repeats N]
 
 TFLOP/s = 4 * batch * heads * seqlen_q * seqlen_k * head_dim / time (halved for causal), time
 being the median over repeated CUDA-event-timed samples (each the mean of 10 back-to-back calls)
@@ -332,12 +333,169 @@ def backward_main(args) -> int:
     return 0
 
 
+def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window=(-1, -1)) -> int:
+    """(query, key) pairs a mask lets through, bottom-right aligned (mask.cuh)."""
+    import numpy as np
+
+    diagonal = np.arange(seqlen_q, dtype=np.int64) + seqlen_k - seqlen_q
+    right = 0 if causal else window[1]
+    stop = np.minimum(seqlen_k, diagonal + right + 1) if right >= 0 else np.full_like(diagonal, seqlen_k)
+    start = np.maximum(0, diagonal - window[0]) if window[0] >= 0 else np.zeros_like(diagonal)
+    return int(np.maximum(stop - start, 0).sum())
+
+
+def serving_main(args) -> int:
+    """Decode in GB/s of K/V read beside the copy bandwidth, paged against contiguous caches,
+    varlen against fixed-length prefill, chunked prefill and a sliding window, in TFLOP/s."""
+    import cupy
+    import numpy as np
+    import ptxattn
+    from ptxattn.runtime import device_arch
+
+    arch = device_arch()
+    repeats = args.repeats or 10
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    print(f"# {props['name'].decode()} ({arch}), dtype {args.dtype}, serving, median of "
+          f"{repeats} runs")
+    try:
+        import torch
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+    except ImportError:
+        torch = None
+        print("profile.py: torch is not importable, so no SDPA peers in this run",
+              file=sys.stderr)
+    fa3 = None
+    if torch is not None:
+        try:
+            import fa3_fwd_config
+            sys.modules.setdefault("flash_attn_config", fa3_fwd_config)
+            import fa3_fwd_interface as fa3
+        except (ImportError, OSError):
+            print("profile.py: fa3_fwd_interface is not importable, so no FlashAttention-3 "
+                  "peers in this run", file=sys.stderr)
+    rng = np.random.default_rng(0)
+
+    def normal(shape):
+        return cupy.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(args.dtype)
+
+    def as_torch(*xs):
+        return tuple(torch.from_dlpack(x) for x in xs)
+
+    def paged(k, page_size):
+        batch, seqlen, heads, dim = k.shape
+        per_seq = seqlen // page_size
+        table = rng.permutation(batch * per_seq).reshape(batch, per_seq).astype(np.int32)
+        pool = cupy.empty((batch * per_seq, page_size, heads, dim), dtype=k.dtype)
+        pool[cupy.asarray(table.ravel())] = k.reshape(batch * per_seq, page_size, heads, dim)
+        return pool, cupy.asarray(table)
+
+    def runnable(calls: dict) -> dict:
+        """The calls that run (each called once: compiles, warms); a peer that refuses a shape
+        is reported, not fatal."""
+        kept = {}
+        for name, call in calls.items():
+            try:
+                call()
+                kept[name] = call
+            except Exception as err:
+                print(f"  ({name} failed: {type(err).__name__}: {str(err)[-160:]})")
+        return kept
+
+    copy_src = cupy.empty(2 ** 31, dtype=cupy.uint8)
+    copy_dst = cupy.empty_like(copy_src)
+    copy_ms = time_ms_interleaved({"copy": lambda: copy_dst.__setitem__(Ellipsis, copy_src)},
+                                  warmup=2, repeats=repeats)["copy"]
+    copy_gbs = 2 * copy_src.nbytes / copy_ms / 1e6
+    print(f"copy bandwidth (read + write): {copy_gbs:.0f} GB/s")
+
+    print("decode, 32/8 heads, head_dim 128, one new token: GB/s of K/V read "
+          "(fraction of copy bandwidth)")
+    for batch, seqlen in ((64, 8192), (8, 32768)):
+        q = normal((batch, 1, 32, 128))
+        k, v = normal((batch, seqlen, 8, 128)), normal((batch, seqlen, 8, 128))
+        lengths = cupy.full(batch, seqlen, dtype=cupy.int32)
+        calls = {"ptxattn": lambda: ptxattn.attention_with_kvcache(
+            q, k, v, cache_seqlens=lengths, check_contents=False)}
+        for page_size in (16, 64):
+            kp, table = paged(k, page_size)
+            vp, _ = paged(v, page_size)
+            calls[f"ptxattn-paged{page_size}"] = (
+                lambda kp=kp, vp=vp, table=table: ptxattn.attention_with_kvcache(
+                    q, kp, vp, cache_seqlens=lengths, block_table=table, check_contents=False))
+        calls["ptxattn-fixed-length"] = lambda: ptxattn.attention(q, k, v)
+        if torch is not None:
+            tq, tk, tv = as_torch(q, k, v)
+            calls["torch-sdpa"] = lambda: sdpa(tq.transpose(1, 2), tk.transpose(1, 2),
+                                               tv.transpose(1, 2), enable_gqa=True)
+        if fa3 is not None:
+            tlen = torch.from_dlpack(lengths)
+            calls["fa3"] = lambda: fa3.flash_attn_with_kvcache(tq, tk, tv, cache_seqlens=tlen,
+                                                               causal=True)
+        ms = time_ms_interleaved(runnable(calls), warmup=3, repeats=repeats)
+        kv_bytes = 2 * k.nbytes
+        print(f"  batch {batch:3d} seqlen_k {seqlen:6d}: " + ", ".join(
+            f"{name} {kv_bytes / t / 1e6:.0f} ({kv_bytes / t / 1e6 / copy_gbs:.2f})"
+            for name, t in ms.items()))
+        del q, k, v, calls
+
+    print("prefill, TFLOP/s over the visible (query, key) pairs, 32 heads (8 kv), head_dim 128")
+
+    def report(title, calls, pairs):
+        ms = time_ms_interleaved(runnable(calls), warmup=3, repeats=repeats)
+        print(f"  {title}: " + ", ".join(f"{name} {4 * pairs * 128 * 32 / t / 1e9:.0f}"
+                                         for name, t in ms.items()))
+
+    # varlen against fixed length: 8 sequences of 2048 tokens, causal
+    q, k, v = normal((8, 2048, 32, 128)), normal((8, 2048, 8, 128)), normal((8, 2048, 8, 128))
+    cu = cupy.arange(0, 8 * 2048 + 1, 2048, dtype=cupy.int32)
+    flat = [x.reshape(-1, x.shape[2], 128) for x in (q, k, v)]
+    calls = {"ptxattn-fixed": lambda: ptxattn.attention(q, k, v, causal=True),
+             "ptxattn-varlen": lambda: ptxattn.attention_varlen(*flat, cu, cu, 2048, 2048,
+                                                                causal=True,
+                                                                check_contents=False)}
+    if fa3 is not None:
+        tq, tk, tv = as_torch(*flat)
+        tcu = torch.from_dlpack(cu)
+        calls["fa3-varlen"] = lambda: fa3.flash_attn_varlen_func(tq, tk, tv, tcu, tcu, 2048,
+                                                                 2048, causal=True)
+    report("varlen 8 x 2048 causal", calls, 8 * visible_pairs(2048, 2048, True))
+
+    # chunked prefill: 256 new tokens over a 16k cache
+    q = normal((1, 256, 32, 128))
+    k, v = normal((1, 16384, 8, 128)), normal((1, 16384, 8, 128))
+    lengths = cupy.full(1, 16384, dtype=cupy.int32)
+    calls = {"ptxattn": lambda: ptxattn.attention_with_kvcache(q, k, v, cache_seqlens=lengths,
+                                                               check_contents=False)}
+    if fa3 is not None:
+        tq, tk, tv = as_torch(q, k, v)
+        tlen = torch.from_dlpack(lengths)
+        calls["fa3"] = lambda: fa3.flash_attn_with_kvcache(tq, tk, tv, cache_seqlens=tlen,
+                                                           causal=True)
+    report("chunked prefill 256 over 16384", calls, visible_pairs(256, 16384, True))
+
+    # sliding window 4096 over 32k, against the whole causal sequence
+    q, k, v = (normal((32768, h, 128)) for h in (32, 8, 8))
+    cu = cupy.asarray(np.array([0, 32768], dtype=np.int32))
+    for window in ((4096, 0), (-1, -1)):
+        calls = {"ptxattn": lambda w=window: ptxattn.attention_varlen(
+            q, k, v, cu, cu, 32768, 32768, causal=True, window=w, check_contents=False)}
+        if fa3 is not None:
+            tq, tk, tv = as_torch(q[None], k[None], v[None])
+            calls["fa3"] = lambda w=window: fa3.flash_attn_func(tq, tk, tv, causal=True,
+                                                                window_size=w)
+        report(f"seqlen 32768 causal window {window}", calls,
+               visible_pairs(32768, 32768, True, window))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few shapes, fewer repeats")
     parser.add_argument("--backward", action="store_true",
                         help="the backward pass and forward + backward instead of the forward")
+    parser.add_argument("--serving", action="store_true",
+                        help="decode (GB/s), paged, varlen, chunked and sliding-window prefill")
     parser.add_argument("--shapes", help="with --backward: head_dim x seqlen pairs to run, "
                                          "e.g. 128x16384,64x2048 (default: the standard sweep)")
     parser.add_argument("--csv", help="write the results to this CSV file")
@@ -359,6 +517,8 @@ def main(argv=None) -> int:
         return 2
     if args.backward:
         return backward_main(args)
+    if args.serving:
+        return serving_main(args)
 
     from ptxattn import reference
     from ptxattn.runtime import device_arch

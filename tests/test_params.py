@@ -19,10 +19,10 @@ def test_fwd_params_layout_matches_the_device_struct():
     runtime.check_source(params.layout_check_source(), "params_layout_check.cu", "sm_80")
 
 
-def test_bwd_params_layout_matches_the_device_struct():
+@pytest.mark.parametrize("struct", ["BwdParams", "CombineParams"])
+def test_other_params_layouts_match_the_device_structs(struct):
     _needs_builtin_offsetof()
-    runtime.check_source(params.layout_check_source("BwdParams"), "bwd_params_layout_check.cu",
-                         "sm_80")
+    runtime.check_source(params.layout_check_source(struct), f"{struct}_layout_check.cu", "sm_80")
 
 
 def test_the_layout_check_fails_on_a_drifted_field(monkeypatch):

@@ -1,0 +1,220 @@
+"""Launcher of the serving kernels (portable family, mma.sync, sm_80+):
+``ptx_src/fwd_decode_mma_sync.cu``, attention over a KV cache (contiguous or paged) or a varlen
+batch with the query heads of a kv head packed in one tile and the keys split over blocks, and
+``ptx_src/combine.cu``, which merges the splits' partial states (and is
+``ptxattn.merge_attention_states``).
+
+The decode kernel's cost is reading K and V; its warps split each stage's keys, so a tile needs
+only as many query rows as one token's GQA group. The split count is chosen so that the grid
+fills the GPU in whole waves (:func:`choose_splits`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from . import archs, params, runtime
+
+ARCHS = archs.running("portable")
+HEAD_DIMS = (64, 128, 256)
+DTYPES = {"bfloat16": 1, "float16": 0}
+SOURCE = "fwd_decode_mma_sync.cu"
+COMBINE_SOURCE = "combine.cu"
+# combine.cu's format codes
+FORMATS = {"float16": 0, "bfloat16": 1, "float32": 2}
+COMBINE_WARPS = 4  # rows per combine block, one warp each
+MAX_SPLITS = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTile:
+    """Compile-time shape of one decode variant (mainloop_decode_mma_sync.cuh)."""
+
+    block_n: int       # keys per ring stage; each warp scores block_n / warps of them
+    warps: int
+    stages: int        # depth of the cp.async K/V ring
+    min_blocks: int    # __launch_bounds__ minimum blocks per SM
+    m_tiles: int = 1   # 16-row groups of packed query rows per tile
+
+    @property
+    def rows(self) -> int:
+        return 16 * self.m_tiles
+
+    def smem_bytes(self, head_dim: int) -> int:
+        ring = self.stages * 2 * self.block_n * head_dim * 2
+        merge = 2 * self.warps * self.rows * 4 + self.warps * self.rows * head_dim * 4
+        return self.rows * head_dim * 2 + max(ring, merge)
+
+    def label(self) -> str:
+        return (f"m{self.m_tiles}_n{self.block_n}_w{self.warps}_s{self.stages}"
+                f"_b{self.min_blocks}")
+
+
+_SMEM_200K = tuple(a for a in ARCHS if archs.get(a).smem_per_block >= 200 * 1024)
+_SMEM_163K = tuple(a for a in ARCHS if 160 * 1024 <= archs.get(a).smem_per_block < 200 * 1024)
+_SMEM_99K = tuple(a for a in ARCHS if archs.get(a).smem_per_block < 160 * 1024)
+
+# head_dim -> [(archs, tile)]: 64-key stages over 4 warps, and as deep a ring as two blocks per
+# SM (one for head_dim 256) leave room for; chosen on the H100 (docs/hopper-tuning.md).
+TILES: dict[int, list[tuple[tuple[str, ...], DecodeTile]]] = {
+    64: [(_SMEM_200K + _SMEM_163K, DecodeTile(64, 4, 4, 2)), (_SMEM_99K, DecodeTile(64, 4, 3, 2))],
+    128: [(_SMEM_200K, DecodeTile(64, 4, 3, 2)), (_SMEM_163K, DecodeTile(64, 4, 4, 1)),
+          (_SMEM_99K, DecodeTile(64, 4, 2, 1))],
+    256: [(_SMEM_200K + _SMEM_163K, DecodeTile(64, 4, 2, 1)), (_SMEM_99K, DecodeTile(32, 2, 2, 1))],
+}
+
+
+def tile_for(head_dim: int, arch: str) -> DecodeTile:
+    for tile_archs, tile in TILES[head_dim]:
+        if arch in tile_archs:
+            return tile
+    raise runtime.PtxattnError(f"no decode tile for head_dim {head_dim} on {arch}")
+
+
+def spec(dtype: str, head_dim: int, tile: DecodeTile,
+         archs: tuple[str, ...] = ARCHS) -> runtime.KernelSpec:
+    config = (f"{head_dim}, {tile.m_tiles}, {tile.block_n}, {tile.warps}, {tile.stages}, "
+              f"{str(bool(DTYPES[dtype])).lower()}, {tile.min_blocks}")
+    return runtime.KernelSpec(
+        name=f"fwd_decode_{dtype}_d{head_dim}_{tile.label()}",
+        source=SOURCE,
+        entry=f"ptxattn::attn_fwd_decode<ptxattn::DecodeConfig<{config}>>",
+        smem_bytes=tile.smem_bytes(head_dim),
+        archs=archs,
+    )
+
+
+def combine_spec(part_dtype: str, out_dtype: str,
+                 archs: tuple[str, ...] = ARCHS) -> runtime.KernelSpec:
+    return runtime.KernelSpec(
+        name=f"combine_{part_dtype}_to_{out_dtype}", source=COMBINE_SOURCE,
+        entry=f"ptxattn::combine_states<{FORMATS[part_dtype]}, {FORMATS[out_dtype]}>",
+        archs=archs)
+
+
+# (part dtype, output dtype) pairs: the split-KV path's float32 partials into the output's
+# dtype, and merge_attention_states, which keeps its parts' dtype.
+COMBINE_PAIRS = (("float32", "bfloat16"), ("float32", "float16"), ("float32", "float32"),
+                 ("bfloat16", "bfloat16"), ("float16", "float16"))
+
+
+def variants() -> list[runtime.KernelSpec]:
+    decode = [spec(dtype, head_dim, tile, tile_archs)
+              for dtype in DTYPES for head_dim, tiles in TILES.items()
+              for tile_archs, tile in tiles]
+    return decode + [combine_spec(part, out) for part, out in COMBINE_PAIRS]
+
+
+@functools.cache
+def sm_count(device: int) -> int:
+    import cupy
+    return cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
+
+
+def choose_splits(tiles: int, key_blocks: int, slots: int) -> int:
+    """How many blocks share the keys of each of ``tiles`` (query tile, kv head, sequence)
+    tiles, given ``key_blocks`` key blocks per tile and ``slots`` blocks resident on the GPU at
+    once: 1 when the tiles fill most slots; else the fewest splits whose waves are at least 85%
+    full as the best count's (FlashAttention's rule), no split holding less than one block."""
+    if tiles >= 0.8 * slots or key_blocks <= 1:
+        return 1
+    candidates = range(1, min(MAX_SPLITS, key_blocks) + 1)
+
+    def efficiency(splits: int) -> float:
+        waves = tiles * splits / slots
+        return waves / math.ceil(waves)
+
+    best = max(efficiency(s) for s in candidates)
+    return next(s for s in candidates if efficiency(s) >= 0.85 * best)
+
+
+def key_blocks(problem, tile: DecodeTile) -> int:
+    return max(1, math.ceil(problem.seqlen_k / tile.block_n))
+
+
+def forward(problem, q, k, v, out, lse, *, seqused_k=None, block_table=None, cu_seqlens_q=None,
+            cu_seqlens_k=None, sinks=None, tile: DecodeTile | None = None) -> None:
+    """Attention of ``problem`` (an AttentionProblem from the kv-cache or varlen constructors)
+    into ``out`` and ``lse``. q and out are (batch, seqlen_q, heads_q, D) and lse (batch,
+    heads_q, seqlen_q), or with cu_seqlens_q (1, total_q, heads_q, D) and (1, heads_q, total_q);
+    k, v the caches (kv_cache.cuh)."""
+    import cupy
+
+    arch = runtime.device_arch()
+    tile = tile or tile_for(problem.head_dim, arch)
+    kernel = runtime.load(spec(problem.format, problem.head_dim, tile, (arch,)))
+    m_blocks = math.ceil(problem.seqlen_q * problem.gqa_ratio / tile.rows)
+    if m_blocks == 0:
+        return  # no query rows (varlen with max_seqlen_q 0)
+    tiles = m_blocks * problem.heads_kv * problem.batch
+    splits = problem.num_splits or choose_splits(
+        tiles, key_blocks(problem, tile), sm_count(problem.device) * tile.min_blocks)
+    splits = min(splits, key_blocks(problem, tile))
+    softcap = problem.softcap
+    scale_log2 = (softcap if softcap > 0 else problem.softmax_scale) * math.log2(math.e)
+    p = params.FwdParams(
+        q=q, k=k, v=v, out=out, lse=lse, batch=problem.batch, seqlen_q=problem.seqlen_q,
+        seqlen_k=problem.seqlen_k, heads_q=problem.heads_q, heads_kv=problem.heads_kv,
+        q_per_kv=problem.gqa_ratio, scale_log2=scale_log2, causal=int(problem.causal),
+        window_left=problem.window[0], window_right=problem.window[1],
+        total_q=problem.total_q, num_splits=splits,
+        softcap_scale=problem.softmax_scale / softcap if softcap > 0 else 0.0)
+    (p.q_stride_b, p.q_stride_s, p.q_stride_h) = params.strides(q)
+    (p.k_stride_b, p.k_stride_s, p.k_stride_h) = params.strides(k)
+    (p.v_stride_b, p.v_stride_s, p.v_stride_h) = params.strides(v)
+    (p.out_stride_b, p.out_stride_s, p.out_stride_h) = params.strides(out)
+    (p.lse_stride_b, p.lse_stride_h) = params.strides(lse, 2)
+    for name, value in (("seqused_k", seqused_k), ("cu_seqlens_q", cu_seqlens_q),
+                        ("cu_seqlens_k", cu_seqlens_k), ("sinks", sinks)):
+        if value is not None:
+            setattr(p, name, value)
+    if cu_seqlens_q is not None:
+        # rows are located from cu_seqlens_q (SeqLens), not from the sequence index
+        p.q_stride_b = p.out_stride_b = p.lse_stride_b = 0
+    if block_table is not None:
+        p.block_table = block_table
+        p.block_table_stride = block_table.strides[0] // block_table.itemsize
+        p.page_size = k.shape[1]
+    accum = None
+    if splits > 1:
+        accum = (cupy.empty((splits, problem.total_q, problem.heads_q, problem.head_dim),
+                            dtype=cupy.float32),
+                 cupy.empty((splits, problem.heads_q, problem.total_q), dtype=cupy.float32))
+        p.out_accum, p.lse_accum = accum
+    grid = (m_blocks * splits, problem.heads_kv, problem.batch)
+    runtime.PreparedLaunch(kernel, grid=grid, block=(32 * tile.warps,), args=[p])()
+    if accum is not None:
+        # the partials as (part, batch, seqlen, heads, D) and (part, batch, heads, seqlen)
+        parts, lse_parts = accum
+        if cu_seqlens_q is None:
+            parts = parts.reshape(splits, problem.batch, problem.seqlen_q, problem.heads_q,
+                                  problem.head_dim)
+            lse_parts = lse_parts.reshape(splits, problem.heads_q, problem.batch,
+                                          problem.seqlen_q).transpose(0, 2, 1, 3)
+        else:
+            parts = parts[:, None]
+            lse_parts = lse_parts[:, None]
+        combine(parts, lse_parts, out, lse, sinks)
+
+
+def combine(parts, lse_parts, out, lse, sinks=None) -> None:
+    """out, lse <- the merge of parts (P, B, S, H, D) and lse_parts (P, B, H, S) (combine.cu);
+    lse may be None."""
+    num_parts, batch, seqlen, heads, head_dim = parts.shape
+    kernel = runtime.load(combine_spec(str(parts.dtype), str(out.dtype),
+                                       (runtime.device_arch(),)))
+    p = params.CombineParams(parts=parts, lse_parts=lse_parts, out=out, lse=lse if lse is not None else 0,
+                             sinks=sinks if sinks is not None else 0, num_parts=num_parts,
+                             batch=batch, seqlen=seqlen, heads=heads, head_dim=head_dim)
+    (p.parts_stride_p, p.parts_stride_b, p.parts_stride_s,
+     p.parts_stride_h) = params.strides(parts, 4)
+    (p.lse_parts_stride_p, p.lse_parts_stride_b, p.lse_parts_stride_h,
+     p.lse_parts_stride_s) = params.strides(lse_parts, 4)
+    (p.out_stride_b, p.out_stride_s, p.out_stride_h) = params.strides(out)
+    if lse is not None:
+        (p.lse_stride_b, p.lse_stride_h, p.lse_stride_s) = params.strides(lse)
+    rows = batch * seqlen * heads
+    runtime.PreparedLaunch(kernel, grid=(math.ceil(rows / COMBINE_WARPS),),
+                           block=(32 * COMBINE_WARPS,), args=[p])()

@@ -1,0 +1,265 @@
+"""The serving paths against the FP32 reference, on the GPU: attention over KV caches
+(contiguous and paged, appended in place, split over blocks), variable-length batches, masks,
+softcap and sinks, and merge_attention_states.
+
+Tolerance as in test_attention.py: the kernel's max error against FP32 is at most twice that of
+the same math done naively in the input precision, plus the rounding noise of one value.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def _random(shape, rng, dtype="bfloat16", scale=1.0):
+    import cupy
+    return cupy.asarray(rng.standard_normal(shape, dtype=np.float32) * scale).astype(dtype)
+
+
+def _reference(q, k, v, precision, **masks):
+    """reference.attention of one sequence (batch 1), also when it has no keys."""
+    import cupy
+    from ptxattn import reference
+
+    if k.shape[1] == 0:
+        batch, seqlen_q, heads, head_dim = q.shape
+        lse = cupy.full((batch, heads, seqlen_q), -cupy.inf, dtype=cupy.float32)
+        if masks.get("sinks") is not None:
+            lse[:] = masks["sinks"][None, :, None]
+        return cupy.zeros(q.shape, dtype=cupy.float32), lse
+    return reference.attention(q, k, v, return_lse=True, precision=precision, **masks)
+
+
+def _assert_close(out, lse, ref, ref_lse, naive, naive_lse, dtype):
+    import cupy
+
+    assert bool(cupy.isfinite(out).all()), "output has NaN/Inf (or was not written)"
+    noise = float(cupy.abs(ref.astype(dtype).astype(cupy.float32) - ref).max())
+    err = float(cupy.abs(out.astype(cupy.float32) - ref).max())
+    naive_err = float(cupy.abs(naive - ref).max())
+    assert err <= 2 * naive_err + 2 * noise + 1e-6, (err, naive_err, noise)
+    visible = cupy.isfinite(ref_lse)
+    assert bool((cupy.isfinite(lse) == visible).all()), "LSE -inf pattern differs"
+    lse_err = float(cupy.abs(cupy.where(visible, lse - ref_lse, 0)).max())
+    naive_lse_err = float(cupy.abs(cupy.where(visible, naive_lse - ref_lse, 0)).max())
+    assert lse_err <= 2 * naive_lse_err + 1e-4, (lse_err, naive_lse_err)
+
+
+def _paged(k_contig, page_size, rng):
+    """A paged copy of a contiguous cache (batch, capacity, heads, D): every sequence's pages
+    shuffled over one pool, with spare pages between. Returns (pages, block_table)."""
+    import cupy
+
+    batch, capacity, heads, head_dim = k_contig.shape
+    per_seq = math.ceil(capacity / page_size)
+    num_pages = batch * per_seq + 3
+    order = rng.permutation(num_pages)[:batch * per_seq].reshape(batch, per_seq)
+    padded = cupy.zeros((batch, per_seq * page_size, heads, head_dim), dtype=k_contig.dtype)
+    padded[:, :capacity] = k_contig
+    pool = _random((num_pages, page_size, heads, head_dim), rng, k_contig.dtype)
+    pool[cupy.asarray(order.ravel())] = padded.reshape(batch * per_seq, page_size, heads,
+                                                       head_dim)
+    return pool, cupy.asarray(order.astype(np.int32))
+
+
+def _check_kvcache(q, k, v, lengths, out, lse, **masks):
+    """out, lse of attention_with_kvcache against the reference, sequence by sequence, over
+    the first lengths[b] keys of the contiguous caches k, v."""
+    import cupy
+
+    dtype = q.dtype
+    for b, length in enumerate(lengths):
+        args = (q[b:b + 1], k[b:b + 1, :length], v[b:b + 1, :length])
+        ref, ref_lse = _reference(*args, "float32", **masks)
+        naive, naive_lse = _reference(*args, "input", **masks)
+        _assert_close(out[b:b + 1], lse[b:b + 1], ref, ref_lse, naive, naive_lse, dtype)
+    assert out.dtype == dtype and lse.dtype == cupy.float32
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+@pytest.mark.parametrize("heads", [(8, 8), (32, 8), (16, 2), (32, 2), (16, 1)])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_decode_contiguous(seqlen_q, heads, head_dim, rng):
+    import cupy
+    import ptxattn
+
+    heads_q, heads_kv = heads
+    batch, capacity = 3, 700
+    q = _random((batch, seqlen_q, heads_q, head_dim), rng)
+    k = _random((batch, capacity, heads_kv, head_dim), rng)
+    v = _random((batch, capacity, heads_kv, head_dim), rng)
+    lengths = [700, 1 + seqlen_q, 333]
+    cache_seqlens = cupy.asarray(np.array(lengths, dtype=np.int32))
+    out, lse = ptxattn.attention_with_kvcache(q, k, v, cache_seqlens=cache_seqlens,
+                                              return_lse=True)
+    _check_kvcache(q, k, v, lengths, out, lse, causal=True)
+
+
+@pytest.mark.parametrize("page_size", [16, 48, 64, 256])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_decode_paged_matches_reference(page_size, dtype, rng):
+    import cupy
+    import ptxattn
+
+    batch, capacity, heads_q, heads_kv, head_dim = 4, 600, 16, 4, 128
+    q = _random((batch, 2, heads_q, head_dim), rng, dtype)
+    k = _random((batch, capacity, heads_kv, head_dim), rng, dtype)
+    v = _random((batch, capacity, heads_kv, head_dim), rng, dtype)
+    k_pages, table = _paged(k, page_size, rng)
+    v_pages = cupy.zeros_like(k_pages)
+    v_pages[table.ravel()] = cupy.pad(v, ((0, 0), (0, table.shape[1] * page_size - capacity),
+                                          (0, 0), (0, 0))).reshape(-1, page_size, heads_kv,
+                                                                   head_dim)
+    lengths = [600, 2, 17, 301]
+    # the split count follows the capacity, which page rounding changes: fix it to compare
+    out, lse = ptxattn.attention_with_kvcache(
+        q, k_pages, v_pages, block_table=table, num_splits=3,
+        cache_seqlens=cupy.asarray(np.array(lengths, dtype=np.int32)), return_lse=True)
+    _check_kvcache(q, k, v, lengths, out, lse, causal=True)
+    contiguous = ptxattn.attention_with_kvcache(
+        q, k, v, cache_seqlens=cupy.asarray(np.array(lengths, dtype=np.int32)), num_splits=3)
+    assert bool((contiguous == out).all()), "paged and contiguous caches differ"
+
+
+def test_every_split_count_gives_the_same_answer(rng):
+    import cupy
+    import ptxattn
+
+    batch, capacity, heads_q, heads_kv, head_dim = 2, 2000, 8, 2, 128
+    q = _random((batch, 1, heads_q, head_dim), rng)
+    k = _random((batch, capacity, heads_kv, head_dim), rng)
+    v = _random((batch, capacity, heads_kv, head_dim), rng)
+    lengths = [2000, 1100]
+    seqlens = cupy.asarray(np.array(lengths, dtype=np.int32))
+    max_splits = math.ceil(capacity / 64)  # one key block each
+    for splits in [1, 2, 3, 7, 16, max_splits, 128]:
+        out, lse = ptxattn.attention_with_kvcache(q, k, v, cache_seqlens=seqlens,
+                                                  num_splits=splits, return_lse=True)
+        _check_kvcache(q, k, v, lengths, out, lse, causal=True)
+
+
+def test_append_then_attend(rng):
+    import cupy
+    import ptxattn
+
+    batch, capacity, heads_q, heads_kv, head_dim, page_size = 3, 320, 8, 2, 64, 32
+    q = _random((batch, 3, heads_q, head_dim), rng)
+    k = _random((batch, capacity, heads_kv, head_dim), rng)
+    v = _random((batch, capacity, heads_kv, head_dim), rng)
+    k_new = _random((batch, 3, heads_kv, head_dim), rng)
+    v_new = _random((batch, 3, heads_kv, head_dim), rng)
+    lengths = [0, 100, 317]
+    seqlens = cupy.asarray(np.array(lengths, dtype=np.int32))
+    k_pages, table = _paged(k, page_size, rng)
+    v_pages, _ = _paged(v, page_size, rng)
+    # v_pages must follow k_pages' table: rebuild it from the same order
+    v_pages[table.ravel()] = v.reshape(-1, page_size, heads_kv, head_dim)
+    out, lse = ptxattn.attention_with_kvcache(q, k_pages, v_pages, block_table=table,
+                                              cache_seqlens=seqlens, k_new=k_new, v_new=v_new,
+                                              return_lse=True)
+    for b, length in enumerate(lengths):
+        k[b, length:length + 3] = k_new[b]
+        v[b, length:length + 3] = v_new[b]
+    _check_kvcache(q, k, v, [n + 3 for n in lengths], out, lse, causal=True)
+    pages_back = k_pages[table].reshape(batch, -1, heads_kv, head_dim)[:, :capacity]
+    assert bool((pages_back == k).all()), "k_new was not written where the cache expects it"
+
+
+@pytest.mark.parametrize("masks", [
+    dict(causal=True, window=(100, -1)),
+    dict(causal=False, window=(50, 7)),
+    dict(causal=True, softcap=20.0),
+    dict(causal=True, sinks=True),
+    dict(causal=False, window=(300, 0), softcap=5.0, sinks=True),
+])
+@pytest.mark.parametrize("splits", [1, 5])
+def test_masks_softcap_sinks_over_a_cache(masks, splits, rng):
+    import cupy
+    import ptxattn
+
+    batch, capacity, heads_q, heads_kv, head_dim = 2, 900, 8, 2, 128
+    q = _random((batch, 8, heads_q, head_dim), rng)
+    k = _random((batch, capacity, heads_kv, head_dim), rng, scale=2.0)
+    v = _random((batch, capacity, heads_kv, head_dim), rng)
+    masks = dict(masks)
+    if masks.pop("sinks", False):
+        masks["sinks"] = cupy.asarray(rng.standard_normal(heads_q, dtype=np.float32) * 3)
+    lengths = [900, 450]
+    out, lse = ptxattn.attention_with_kvcache(
+        q, k, v, cache_seqlens=cupy.asarray(np.array(lengths, dtype=np.int32)),
+        num_splits=splits, return_lse=True, **masks)
+    _check_kvcache(q, k, v, lengths, out, lse, **masks)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
+def test_varlen_matches_each_sequence(causal, heads, rng):
+    import cupy
+    import ptxattn
+
+    heads_q, heads_kv = heads
+    head_dim = 128
+    seqlens_q = [0, 1, 300, 5, 1000, 64]
+    seqlens_k = [7, 1, 300, 0, 1200, 64]
+    cu_q = np.concatenate([[0], np.cumsum(seqlens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(seqlens_k)]).astype(np.int32)
+    q = _random((int(cu_q[-1]), heads_q, head_dim), rng)
+    k = _random((int(cu_k[-1]), heads_kv, head_dim), rng)
+    v = _random((int(cu_k[-1]), heads_kv, head_dim), rng)
+    out, lse = ptxattn.attention_varlen(q, k, v, cupy.asarray(cu_q), cupy.asarray(cu_k),
+                                        max(seqlens_q), max(seqlens_k), causal=causal,
+                                        return_lse=True)
+    assert lse.shape == (heads_q, int(cu_q[-1]))
+    for b in range(len(seqlens_q)):
+        if seqlens_q[b] == 0:
+            continue
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        keys = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        args = (q[None, rows], k[None, keys], v[None, keys])
+        ref, ref_lse = _reference(*args, "float32", causal=causal)
+        naive, naive_lse = _reference(*args, "input", causal=causal)
+        _assert_close(out[None, rows], lse[None, :, rows], ref, ref_lse, naive, naive_lse,
+                      q.dtype)
+
+
+def test_merge_attention_states_equals_attention_over_all_keys(rng):
+    import cupy
+    import ptxattn
+    from ptxattn import reference
+
+    q = _random((2, 33, 4, 64), rng)
+    k = _random((2, 300, 4, 64), rng)
+    v = _random((2, 300, 4, 64), rng)
+    bounds = [0, 10, 10, 200, 300]  # one empty part
+    outs, lses = [], []
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        if start == stop:
+            outs.append(cupy.full(q.shape, cupy.nan, dtype=cupy.float32))
+            lses.append(cupy.full((2, 4, 33), -cupy.inf, dtype=cupy.float32))
+            continue
+        out, lse = reference.attention(q, k[:, start:stop], v[:, start:stop], return_lse=True)
+        outs.append(out)
+        lses.append(lse)
+    out, lse = ptxattn.merge_attention_states(outs, lses)
+    ref, ref_lse = reference.attention(q, k, v, return_lse=True)
+    assert float(cupy.abs(out - ref).max()) < 1e-5
+    assert float(cupy.abs(lse - ref_lse).max()) < 1e-5
+    again, _ = ptxattn.merge_attention_states(cupy.stack(outs), cupy.stack(lses))
+    assert bool((again == out).all()), "the merge is not deterministic"
+
+
+def test_attention_with_window_softcap_sinks(rng):
+    import cupy
+    import ptxattn
+
+    q = _random((2, 300, 8, 128), rng)
+    k = _random((2, 300, 2, 128), rng, scale=2.0)
+    v = _random((2, 300, 2, 128), rng)
+    sinks = cupy.asarray(rng.standard_normal(8, dtype=np.float32))
+    masks = dict(causal=True, window=(64, -1), softcap=10.0, sinks=sinks)
+    out, lse = ptxattn.attention_with_kvcache(q, k, v, cache_seqlens=300, return_lse=True,
+                                              **masks)
+    _check_kvcache(q, k, v, [300, 300], out, lse, **masks)
