@@ -57,7 +57,9 @@ _SMEM_163K = tuple(a for a in ARCHS if 160 * 1024 <= archs.get(a).smem_per_block
 _SMEM_99K = tuple(a for a in ARCHS if archs.get(a).smem_per_block < 160 * 1024)
 
 # head_dim -> [(archs, tile)]: 64-key stages over 4 warps, and as deep a ring as two blocks per
-# SM (one for head_dim 256) leave room for; chosen on the H100 (docs/hopper-tuning.md).
+# SM (one for head_dim 256) leave room for. On the H100 (head_dim 128, 32/8 heads) this tile
+# read 3015 and 2918 GB/s at batch 64 x 8192 and 8 x 32768 keys; 128-key stages over 8 warps
+# 3028 and 2881, 2-warp and 2-stage tiles 2-8% less (docs/hopper-tuning.md).
 TILES: dict[int, list[tuple[tuple[str, ...], DecodeTile]]] = {
     64: [(_SMEM_200K + _SMEM_163K, DecodeTile(64, 4, 4, 2)), (_SMEM_99K, DecodeTile(64, 4, 3, 2))],
     128: [(_SMEM_200K, DecodeTile(64, 4, 3, 2)), (_SMEM_163K, DecodeTile(64, 4, 4, 1)),
@@ -115,9 +117,11 @@ def sm_count(device: int) -> int:
 
 def choose_splits(tiles: int, key_blocks: int, slots: int) -> int:
     """How many blocks share the keys of each of ``tiles`` (query tile, kv head, sequence)
-    tiles, given ``key_blocks`` key blocks per tile and ``slots`` blocks resident on the GPU at
-    once: 1 when the tiles fill most slots; else the fewest splits whose waves are at least 85%
-    full as the best count's (FlashAttention's rule), no split holding less than one block."""
+    tiles, given ``key_blocks`` key blocks per tile and ``slots`` (the SM count): 1 when the
+    tiles fill most SMs; else the fewest splits whose waves are at least 85% as full as the best
+    count's (FlashAttention's rule), no split holding less than one block. Counting one block
+    per SM, not the two that fit, measured best on the H100: at batch 8 x 32768 keys, 2 splits
+    (128 blocks) read at 2918 GB/s, 4 (256 blocks, two per SM) at 2819 and 3 at 2529."""
     if tiles >= 0.8 * slots or key_blocks <= 1:
         return 1
     candidates = range(1, min(MAX_SPLITS, key_blocks) + 1)
@@ -149,8 +153,8 @@ def forward(problem, q, k, v, out, lse, *, seqused_k=None, block_table=None, cu_
     if m_blocks == 0:
         return  # no query rows (varlen with max_seqlen_q 0)
     tiles = m_blocks * problem.heads_kv * problem.batch
-    splits = problem.num_splits or choose_splits(
-        tiles, key_blocks(problem, tile), sm_count(problem.device) * tile.min_blocks)
+    splits = problem.num_splits or choose_splits(tiles, key_blocks(problem, tile),
+                                                 sm_count(problem.device))
     splits = min(splits, key_blocks(problem, tile))
     softcap = problem.softcap
     scale_log2 = (softcap if softcap > 0 else problem.softmax_scale) * math.log2(math.e)
