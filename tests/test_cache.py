@@ -1,5 +1,6 @@
 """The on-disk compile cache: what its key hashes, sharing between installs and processes,
-damaged entries and directories that cannot be written. NVRTC only, no GPU."""
+damaged entries, directories that cannot be written, and `python -m ptxattn.kernels --warm`.
+NVRTC only, no GPU."""
 
 import collections
 import errno
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ptxattn import runtime
+from ptxattn import kernels, runtime
 from test_runtime import PROBE
 
 REPO = Path(__file__).resolve().parent.parent
@@ -103,7 +104,7 @@ def _install(root: Path, layout: str) -> Path:
 # Run by a fresh interpreter in one install: compiles PROBE, says what it used and did.
 _COMPILE_AND_REPORT = f"""
 import hashlib, json
-from ptxattn import runtime
+from ptxattn import kernels, runtime
 from ptxattn.runtime import KernelSpec
 compiled = runtime.compile({PROBE!r}, "sm_90a")
 print(json.dumps({{"package": runtime.__file__, "sources": str(runtime.SOURCE_DIR),
@@ -238,3 +239,31 @@ def test_a_header_in_the_current_directory_does_not_shadow_ours(cache, tmp_path,
     (tmp_path / "tma.cuh").write_text("#error a stray tma.cuh was compiled in\n")
     monkeypatch.chdir(tmp_path)
     assert runtime.compile(PROBE, "sm_90a").cubin[:4] == b"\x7fELF"
+
+
+def test_warm_fills_the_cache_once(cache, monkeypatch, capsys):
+    monkeypatch.setattr(kernels, "all_variants", lambda arch: [PROBE])
+    assert kernels.main(["--arch", "sm_90a", "--warm", "--jobs", "0"]) == 0
+    assert "1 of 1 variants compiled by NVRTC, 0 cached already, 0 failed" in capsys.readouterr().out
+    assert len(list(cache.glob("*.cubin"))) == 1
+    monkeypatch.setattr(runtime, "_compiled", {})
+    assert kernels.main(["--arch", "sm_90a", "--warm", "--jobs", "2"]) == 0
+    assert "0 of 1 variants compiled by NVRTC, 1 cached already" in capsys.readouterr().out
+
+
+def test_warm_draws_a_progress_bar_on_a_terminal_only(cache, monkeypatch, capsys):
+    monkeypatch.setattr(kernels, "all_variants", lambda arch: [PROBE, PROBE])
+    assert kernels.main(["--arch", "sm_90a", "--warm", "--jobs", "0"]) == 0
+    assert "[" not in capsys.readouterr().out
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    assert kernels.main(["--arch", "sm_90a", "--warm", "--jobs", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "\r[" + "#" * 20 + "." * 20 + "] 1/2" in out
+    assert "\r[" + "#" * 40 + "] 2/2\n" in out
+
+
+def test_warm_fails_on_a_cache_dir_it_cannot_write(cache, tmp_path, monkeypatch, capsys):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("PTXATTN_CACHE_DIR", str(tmp_path / "a-file" / "cache"))
+    assert kernels.main(["--arch", "sm_90a", "--warm"]) == 1
+    assert "cannot write the compile cache" in capsys.readouterr().err
