@@ -67,7 +67,7 @@ class CompileError(PtxattnError):
 
 
 class CudaError(PtxattnError):
-    """A CUDA driver call failed."""
+    """A CUDA driver call failed, or there is no driver recent enough to make one."""
 
 
 class CacheWarning(UserWarning):
@@ -439,9 +439,43 @@ def _check(result, what: str):
     return values[0] if len(values) == 1 else tuple(values)
 
 
+# ptxattn runs on CUDA 13 (cupy-cuda13x, cuda-bindings 13, NVRTC 13): a driver that speaks CUDA
+# 13.0 (cuDriverGetVersion 13000) or later, which is driver 580 or newer.
+MIN_DRIVER_CUDA_VERSION = 13000
+MIN_DRIVER = 580
+
+
+@functools.cache
+def check_driver() -> int:
+    """The CUDA version the installed driver supports (cuDriverGetVersion: 13000 is 13.0).
+    Raises CudaError saying what to install when there is no NVIDIA driver or it is older than
+    CUDA 13 needs: every way onto the GPU comes through here first, so that is what the user
+    reads rather than CuPy's "insufficient driver" or a failed library search."""
+    driver = _driver()
+    try:
+        result = driver.cuDriverGetVersion()
+    except RuntimeError as err:  # cuda.bindings found no libcuda to load
+        raise CudaError(f"no NVIDIA driver found ({err}). ptxattn needs an NVIDIA GPU with "
+                        f"driver {MIN_DRIVER} or newer (CUDA 13).") from err
+    version = _check(result, "cuDriverGetVersion")
+    if version < MIN_DRIVER_CUDA_VERSION:
+        raise CudaError(
+            f"the installed NVIDIA driver supports CUDA {cuda_version_text(version)}, but "
+            f"ptxattn runs on CUDA 13 (cupy-cuda13x, cuda-bindings 13, NVRTC 13), which needs "
+            f"a driver for CUDA {cuda_version_text(MIN_DRIVER_CUDA_VERSION)} or later: install "
+            f"NVIDIA driver {MIN_DRIVER} or newer.")
+    return version
+
+
+def cuda_version_text(version: int) -> str:
+    """13000 -> "13.0": a CUDA version as cuDriverGetVersion and cudaRuntimeGetVersion give it."""
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
 def device_arch(device_id: int | None = None) -> str:
     """The compile target of a CuPy device (default: the current one)."""
     import cupy
+    check_driver()
     return _arch_of_device(cupy.cuda.runtime.getDevice() if device_id is None else device_id)
 
 
@@ -484,6 +518,7 @@ _loaded: dict[tuple[KernelSpec, int], LoadedKernel] = {}
 def load(spec: KernelSpec) -> LoadedKernel:
     """``spec`` compiled for, and loaded on, the current CuPy device."""
     import cupy
+    check_driver()
     device_id = cupy.cuda.runtime.getDevice()
     key = (spec, device_id)
     with _lock:
