@@ -15,6 +15,9 @@ import os
 import sys
 from pathlib import Path
 
+import cupy
+from cuda import bindings
+
 from . import __version__, archs, dispatch, runtime
 
 
@@ -33,9 +36,12 @@ def _driver_release() -> str | None:
 
 def _gpus() -> list[tuple[int, str, tuple[int, int]]]:
     """(index, name, compute capability) of every GPU CuPy sees."""
-    import cupy
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError:  # cudaErrorNoDevice: a driver, but no GPU in view
+        return []
     found = []
-    for index in range(cupy.cuda.runtime.getDeviceCount()):
+    for index in range(count):
         name = cupy.cuda.runtime.getDeviceProperties(index)["name"]
         major, minor = cupy.cuda.Device(index).compute_capability
         found.append((index, name.decode() if isinstance(name, bytes) else name,
@@ -69,13 +75,8 @@ def main() -> int:
     """Prints what ptxattn finds; the exit status (0 when a GPU ptxattn runs on is there)."""
     print(f"ptxattn {__version__} at {Path(__file__).resolve().parent}")
     print(f"Python {sys.version.split()[0]}")
-    try:
-        import cupy
-        print(f"CuPy {cupy.__version__} (CUDA runtime "
-              f"{runtime.cuda_version_text(cupy.cuda.runtime.runtimeGetVersion())})")
-    except ImportError as err:
-        print(f"CuPy: not importable ({err})")
-    from cuda import bindings
+    print(f"CuPy {cupy.__version__} (CUDA runtime "
+          f"{runtime.cuda_version_text(cupy.cuda.runtime.runtimeGetVersion())})")
     print(f"cuda-bindings {bindings.__version__}")
     print("NVRTC {}.{}".format(*runtime.nvrtc_version()))
     print(f"compile cache: {_cache_summary(runtime.cache_dir())}")

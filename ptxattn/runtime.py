@@ -360,7 +360,7 @@ def _from_disk_or_nvrtc(spec: KernelSpec, arch: str) -> tuple[bytes, str, str]:
     path = root / (cache_key(spec, arch) + ".cubin")
     entry = _read_cache_entry(path)
     if entry is not None:
-        compile_counts["disk"] += 1
+        _count("disk")
         return entry
     with _lock:
         writable = root not in _unwritable_dirs
@@ -374,7 +374,7 @@ def _from_disk_or_nvrtc(spec: KernelSpec, arch: str) -> tuple[bytes, str, str]:
     try:
         entry = _read_cache_entry(path)  # published while this process waited for the lock
         if entry is not None:
-            compile_counts["disk"] += 1
+            _count("disk")
             return entry
         entry = _counted_nvrtc_compile(spec, arch)
         try:
@@ -388,8 +388,13 @@ def _from_disk_or_nvrtc(spec: KernelSpec, arch: str) -> tuple[bytes, str, str]:
 
 def _counted_nvrtc_compile(spec: KernelSpec, arch: str) -> tuple[bytes, str, str]:
     entry = _nvrtc_compile(spec, arch)
-    compile_counts["nvrtc"] += 1
+    _count("nvrtc")
     return entry
+
+
+def _count(source: str) -> None:
+    with _lock:
+        compile_counts[source] += 1
 
 
 def _lock_entry(path: Path) -> int:
