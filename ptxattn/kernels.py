@@ -1,11 +1,17 @@
 """Compile every kernel variant ptxattn ships for one architecture and report its budget.
 
     python -m ptxattn.kernels --arch sm_90a [--json]
+    python -m ptxattn.kernels --arch sm_90a --warm
 
 Needs no GPU. Exits non-zero if any variant fails to compile, spills registers, needs more
 shared memory than one block may have on that architecture, or has its wgmmas serialized by
 ptxas (which it does, silently but for a log line, when it cannot prove a kernel's
 asynchronous wgmmas safe: the kernel then runs far slower).
+
+--warm only fills the compile cache (runtime.cache_dir()) with every variant, for a container
+image or a CI cache, so that no process there compiles: it reports how many variants NVRTC
+compiled and how many were cached already, shows a progress bar on a terminal, and exits
+non-zero if a variant does not compile or the cache directory cannot be written.
 """
 
 from __future__ import annotations
@@ -13,8 +19,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
-from concurrent.futures import ProcessPoolExecutor
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from typing import Callable
 
 from . import archs, runtime
 
@@ -44,6 +54,65 @@ def _row(spec: runtime.KernelSpec, arch: str) -> dict:
         return {"name": spec.name, "arch": arch, "error": str(err)}
 
 
+def _warm_one(spec: runtime.KernelSpec, arch: str) -> dict:
+    """Puts one variant in the disk cache: its name, the NVRTC compiles that took (0 when it was
+    cached already) and, if it does not compile, NVRTC's log."""
+    before = runtime.compile_counts["nvrtc"]
+    try:
+        runtime.compile(spec, arch)
+    except runtime.CompileError as err:
+        return {"name": spec.name, "compiled": 0, "error": err.log}
+    return {"name": spec.name, "compiled": runtime.compile_counts["nvrtc"] - before}
+
+
+def _each(work: Callable[[runtime.KernelSpec, str], dict], specs: list[runtime.KernelSpec],
+          arch: str, jobs: int, on_done: Callable[[int], None] | None = None) -> list[dict]:
+    """work(spec, arch) for every spec, in `jobs` processes (0: in this one), in the order of
+    specs; on_done(number finished) after each."""
+    if jobs == 0:
+        rows = []
+        for spec in specs:
+            rows.append(work(spec, arch))
+            if on_done:
+                on_done(len(rows))
+        return rows
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(work, spec, arch) for spec in specs]
+        for done, _ in enumerate(as_completed(futures), 1):
+            if on_done:
+                on_done(done)
+        return [future.result() for future in futures]
+
+
+def _draw_progress(done: int, total: int, width: int = 40) -> None:
+    filled = width * done // total
+    end = "\n" if done == total else ""
+    print(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end=end, flush=True)
+
+
+def warm(arch: str, jobs: int) -> int:
+    """Fills the compile cache with every variant for ``arch``; the exit status."""
+    root = runtime.cache_dir()
+    try:  # in-memory kernels would be lost with this process: warming needs the disk
+        root.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=root).close()
+    except OSError as err:
+        print(f"cannot write the compile cache {root}: {err}", file=sys.stderr)
+        return 1
+    specs = all_variants(arch)
+    start = time.perf_counter()
+    on_done = (lambda done: _draw_progress(done, len(specs))) if sys.stdout.isatty() else None
+    rows = _each(_warm_one, specs, arch, jobs, on_done)
+    failed = [row for row in rows if "error" in row]
+    compiled = sum(row["compiled"] for row in rows)
+    print(f"{arch}, {root}: {compiled} of {len(specs)} variants compiled by NVRTC, "
+          f"{len(specs) - compiled - len(failed)} cached already, {len(failed)} failed "
+          f"({time.perf_counter() - start:.1f} s)")
+    for row in failed:
+        print(f"FAIL {row['name']} ({arch}): does not compile\n{row['error']}", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def _problems(row: dict) -> list[str]:
     if "error" in row:
         return ["does not compile, or has no ptxas report"]
@@ -62,17 +131,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ptxattn.kernels", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", required=True, choices=list(archs.ARCHS))
-    parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
-    parser.add_argument("--jobs", type=int, default=2,
-                        help="parallel NVRTC compiles (0: compile in this process)")
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    output.add_argument("--warm", action="store_true",
+                        help="only fill the compile cache, with a progress bar on a terminal")
+    parser.add_argument("--jobs", type=int,
+                        help="parallel NVRTC compiles (0: compile in this process; default 2, "
+                             "with --warm one per CPU)")
     args = parser.parse_args(argv)
 
+    if args.warm:
+        return warm(args.arch, (os.cpu_count() or 1) if args.jobs is None else args.jobs)
     specs = all_variants(args.arch)
-    if args.jobs > 0:
-        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-            rows = list(pool.map(_row, specs, [args.arch] * len(specs)))
-    else:
-        rows = [_row(spec, args.arch) for spec in specs]
+    rows = _each(_row, specs, args.arch, 2 if args.jobs is None else args.jobs)
 
     failures = [(row, problem) for row in rows for problem in _problems(row)]
     if args.json:

@@ -7,10 +7,14 @@ source through a name expression, so a variant needs no generated source. :func:
 a CUBIN for an architecture with NVRTC (no GPU needed), :func:`load` puts it on the current CuPy
 device, and :func:`launch` runs it on CuPy's current stream through ``cuLaunchKernelEx``.
 
-CUBINs are cached on disk under ``$PTXATTN_CACHE_DIR`` (default ``$XDG_CACHE_HOME/ptxattn`` or
-``~/.cache/ptxattn``), keyed by the source and every header it includes, the options, the arch
-and the NVRTC version. Each entry carries a SHA-256 of its payload, so a truncated or corrupt
-entry is detected and rebuilt rather than loaded.
+CUBINs are cached on disk under ``$PTXATTN_CACHE_DIR`` (``~`` and ``$VARS`` expanded; default
+``$XDG_CACHE_HOME/ptxattn`` or ``~/.cache/ptxattn``), keyed by the text of the source and of
+every header it includes, the options, the arch and the NVRTC version, and not by where ptxattn
+is installed, so every install on a machine (or an image) shares the entries. Each entry carries a
+SHA-256 of its payload, so a truncated or corrupt entry is detected and rebuilt rather than
+loaded. Processes that want the same missing entry take turns on a per-entry file lock, so it is
+compiled once. Where the directory cannot be written, compiled kernels stay in memory, with one
+:class:`CacheWarning`.
 """
 
 from __future__ import annotations
@@ -25,10 +29,17 @@ import os
 import re
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
+
+try:
+    import fcntl
+except ImportError:  # Windows has no flock: processes racing on a missing entry may each compile it
+    fcntl = None
+
 
 def _source_dir() -> Path:
     # A wheel installs the kernel sources inside the package; a checkout keeps them beside it.
@@ -56,7 +67,11 @@ class CompileError(PtxattnError):
 
 
 class CudaError(PtxattnError):
-    """A CUDA driver call failed."""
+    """A CUDA driver call failed, or there is no driver recent enough to make one."""
+
+
+class CacheWarning(UserWarning):
+    """The compile cache directory cannot be written: kernels are compiled into memory only."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +98,11 @@ class KernelSpec:
         return "<" in self.entry
 
     def options(self, arch: str) -> list[str]:
+        """The NVRTC options that shape the binary. The include directory is not among them:
+        it says only where the headers are (their text goes into the cache key), and is added
+        by the compile call."""
         opts = [f"--gpu-architecture={arch}", "-std=c++17", "--ptxas-options=-v",
-                f"-I{SOURCE_DIR}", "-DPTXATTN_ARCH=" + arch.removeprefix("sm_").rstrip("a")]
+                "-DPTXATTN_ARCH=" + arch.removeprefix("sm_").rstrip("a")]
         opts += [f"-D{key}={value}" for key, value in sorted(self.defines.items())]
         return opts
 
@@ -188,12 +206,19 @@ def _include_tree(source: str) -> list[tuple[str, str]]:
 def cache_dir() -> Path:
     root = os.environ.get("PTXATTN_CACHE_DIR")
     if root:
-        return Path(root)
+        return _expanded(root)
     xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "ptxattn"
+    return (_expanded(xdg) if xdg else Path.home() / ".cache") / "ptxattn"
+
+
+def _expanded(path: str) -> Path:
+    return Path(os.path.expanduser(os.path.expandvars(path)))
 
 
 def cache_key(spec: KernelSpec, arch: str) -> str:
+    """The cache entry's name: a hash of the text of the source and of every header it
+    includes, the entry, the options and the NVRTC version. No path is in it, so installs at
+    different paths share entries."""
     digest = hashlib.sha256()
     for name, text in _include_tree(spec.source):
         digest.update(name.encode() + b"\0" + text.encode() + b"\0")
@@ -243,6 +268,12 @@ def _write_cache_entry(path: Path, cubin: bytes, log: str, symbol: str) -> None:
         raise
 
 
+def _include_options() -> list[str]:
+    # Headers come from SOURCE_DIR only: by default NVRTC looks in the current directory first,
+    # where a file named like one of ours would be compiled in unseen by the cache key.
+    return [f"-I{SOURCE_DIR}", "--no-source-include"]
+
+
 def _nvrtc_compile(spec: KernelSpec, arch: str) -> tuple[bytes, str, str]:
     nvrtc = _nvrtc()
     text = (SOURCE_DIR / spec.source).read_text()
@@ -252,7 +283,7 @@ def _nvrtc_compile(spec: KernelSpec, arch: str) -> tuple[bytes, str, str]:
         if spec.is_template:
             (err,) = nvrtc.nvrtcAddNameExpression(prog, spec.entry.encode())
             _check_nvrtc(err, f"nvrtcAddNameExpression({spec.entry})")
-        opts = [o.encode() for o in spec.options(arch)]
+        opts = [o.encode() for o in spec.options(arch) + _include_options()]
         (result,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         err, size = nvrtc.nvrtcGetProgramLogSize(prog)
         _check_nvrtc(err, "nvrtcGetProgramLogSize")
@@ -284,7 +315,8 @@ def check_source(text: str, name: str, arch: str) -> None:
     err, prog = nvrtc.nvrtcCreateProgram(text.encode(), name.encode(), 0, [], [])
     _check_nvrtc(err, "nvrtcCreateProgram")
     try:
-        opts = [o.encode() for o in (f"--gpu-architecture={arch}", "-std=c++17", f"-I{SOURCE_DIR}")]
+        opts = [o.encode() for o in [f"--gpu-architecture={arch}", "-std=c++17",
+                                     *_include_options()]]
         (result,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         if int(result) != 0:
             err, size = nvrtc.nvrtcGetProgramLogSize(prog)
@@ -295,8 +327,14 @@ def check_source(text: str, name: str, arch: str) -> None:
         nvrtc.nvrtcDestroyProgram(prog)
 
 
+# Kernels compiled or read in this process; also the only cache where the disk cannot be written.
 _compiled: dict[tuple[KernelSpec, str], CompiledKernel] = {}
 _lock = threading.Lock()
+# Where this process got kernels from beyond _compiled: "nvrtc" (compiled) and "disk" (read from
+# the cache), counted for `python -m ptxattn.kernels --warm`'s report and the tests.
+compile_counts: collections.Counter[str] = collections.Counter()
+# Cache directories a lock or write failed in (warned about once): not tried again.
+_unwritable_dirs: set[Path] = set()
 
 
 def compile(spec: KernelSpec, arch: str) -> CompiledKernel:  # noqa: A001 - the natural name
@@ -307,16 +345,82 @@ def compile(spec: KernelSpec, arch: str) -> CompiledKernel:  # noqa: A001 - the 
         hit = _compiled.get((spec, arch))
     if hit is not None:
         return hit
-    path = cache_dir() / (cache_key(spec, arch) + ".cubin")
-    entry = _read_cache_entry(path)
-    if entry is None:
-        entry = _nvrtc_compile(spec, arch)
-        _write_cache_entry(path, *entry)
-    cubin, log, symbol = entry
+    cubin, log, symbol = _from_disk_or_nvrtc(spec, arch)
     compiled = CompiledKernel(spec, arch, cubin, PtxasReport.parse(log, symbol), log, symbol)
     with _lock:
         _compiled[(spec, arch)] = compiled
     return compiled
+
+
+def _from_disk_or_nvrtc(spec: KernelSpec, arch: str) -> tuple[bytes, str, str]:
+    """(cubin, log, symbol) from the disk cache, or compiled and published there. A miss is
+    compiled under the entry's file lock, so that of N processes wanting it one compiles and
+    the others read what it published."""
+    root = cache_dir()
+    path = root / (cache_key(spec, arch) + ".cubin")
+    entry = _read_cache_entry(path)
+    if entry is not None:
+        _count("disk")
+        return entry
+    with _lock:
+        writable = root not in _unwritable_dirs
+    if not writable:
+        return _counted_nvrtc_compile(spec, arch)
+    try:
+        lock_fd = _lock_entry(path)
+    except OSError as err:
+        _keep_in_memory(root, err)
+        return _counted_nvrtc_compile(spec, arch)
+    try:
+        entry = _read_cache_entry(path)  # published while this process waited for the lock
+        if entry is not None:
+            _count("disk")
+            return entry
+        entry = _counted_nvrtc_compile(spec, arch)
+        try:
+            _write_cache_entry(path, *entry)
+        except OSError as err:
+            _keep_in_memory(root, err)
+        return entry
+    finally:
+        os.close(lock_fd)  # which releases the lock
+
+
+def _counted_nvrtc_compile(spec: KernelSpec, arch: str) -> tuple[bytes, str, str]:
+    entry = _nvrtc_compile(spec, arch)
+    _count("nvrtc")
+    return entry
+
+
+def _count(source: str) -> None:
+    with _lock:
+        compile_counts[source] += 1
+
+
+def _lock_entry(path: Path) -> int:
+    """An open descriptor of ``path``'s lock file (``<key>.lock`` beside it), holding an
+    exclusive flock on it: closing it releases the lock. The lock files stay, since deleting
+    one that another process has open would let a third lock a new file beside it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o666)
+    if fcntl is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            raise
+    return fd
+
+
+def _keep_in_memory(root: Path, err: OSError) -> None:
+    """Stops using ``root`` for writes in this process, with one warning per directory."""
+    with _lock:
+        if root in _unwritable_dirs:
+            return
+        _unwritable_dirs.add(root)
+    warnings.warn(f"ptxattn cannot write its compile cache in {root} ({err}); kernels compiled "
+                  "by this process are kept in memory only. Point PTXATTN_CACHE_DIR at a "
+                  "writable directory to keep them across runs.", CacheWarning, stacklevel=4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,9 +444,43 @@ def _check(result, what: str):
     return values[0] if len(values) == 1 else tuple(values)
 
 
+# ptxattn runs on CUDA 13 (cupy-cuda13x, cuda-bindings 13, NVRTC 13): a driver that speaks CUDA
+# 13.0 (cuDriverGetVersion 13000) or later, which is driver 580 or newer.
+MIN_DRIVER_CUDA_VERSION = 13000
+MIN_DRIVER = 580
+
+
+@functools.cache
+def check_driver() -> int:
+    """The CUDA version the installed driver supports (cuDriverGetVersion: 13000 is 13.0).
+    Raises CudaError saying what to install when there is no NVIDIA driver or it is older than
+    CUDA 13 needs: every way onto the GPU comes through here first, so that is what the user
+    reads rather than CuPy's "insufficient driver" or a failed library search."""
+    driver = _driver()
+    try:
+        result = driver.cuDriverGetVersion()
+    except RuntimeError as err:  # cuda.bindings found no libcuda to load
+        raise CudaError(f"no NVIDIA driver found ({err}). ptxattn needs an NVIDIA GPU with "
+                        f"driver {MIN_DRIVER} or newer (CUDA 13).") from err
+    version = _check(result, "cuDriverGetVersion")
+    if version < MIN_DRIVER_CUDA_VERSION:
+        raise CudaError(
+            f"the installed NVIDIA driver supports CUDA {cuda_version_text(version)}, but "
+            f"ptxattn runs on CUDA 13 (cupy-cuda13x, cuda-bindings 13, NVRTC 13), which needs "
+            f"a driver for CUDA {cuda_version_text(MIN_DRIVER_CUDA_VERSION)} or later: install "
+            f"NVIDIA driver {MIN_DRIVER} or newer.")
+    return version
+
+
+def cuda_version_text(version: int) -> str:
+    """13000 -> "13.0": a CUDA version as cuDriverGetVersion and cudaRuntimeGetVersion give it."""
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
 def device_arch(device_id: int | None = None) -> str:
     """The compile target of a CuPy device (default: the current one)."""
     import cupy
+    check_driver()
     return _arch_of_device(cupy.cuda.runtime.getDevice() if device_id is None else device_id)
 
 
@@ -385,6 +523,7 @@ _loaded: dict[tuple[KernelSpec, int], LoadedKernel] = {}
 def load(spec: KernelSpec) -> LoadedKernel:
     """``spec`` compiled for, and loaded on, the current CuPy device."""
     import cupy
+    check_driver()
     device_id = cupy.cuda.runtime.getDevice()
     key = (spec, device_id)
     with _lock:

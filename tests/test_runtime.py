@@ -1,4 +1,5 @@
-"""The runtime on its own: NVRTC compile, ptxas reports, the disk cache, TMA descriptors."""
+"""The runtime on its own: NVRTC compile, ptxas reports, TMA descriptors, launches (the disk
+cache: test_cache.py)."""
 
 import numpy as np
 import pytest
@@ -25,56 +26,6 @@ def test_compile_reports_ptxas_numbers(cache):
     assert compiled.report.registers > 0
     assert compiled.spill_bytes == 0
     assert compiled.smem_bytes >= PROBE.smem_bytes + 8  # dynamic tile + the static mbarrier
-
-
-def test_cache_is_reused_by_a_new_process_state(cache, monkeypatch):
-    first = runtime.compile(PROBE, "sm_90a")
-    monkeypatch.setattr(runtime, "_compiled", {})
-    monkeypatch.setattr(runtime, "_nvrtc_compile",
-                        lambda spec, arch: pytest.fail("cache entry was not reused"))
-    assert runtime.compile(PROBE, "sm_90a").cubin == first.cubin
-
-
-@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage"])
-def test_corrupt_cache_entry_is_rebuilt_not_loaded(cache, monkeypatch, damage):
-    good = runtime.compile(PROBE, "sm_90a")
-    (path,) = cache.glob("*.cubin")
-    blob = path.read_bytes()
-    if damage == "truncate":
-        path.write_bytes(blob[: len(blob) // 2])
-    elif damage == "flip":
-        path.write_bytes(blob[:-10] + bytes([blob[-10] ^ 0xFF]) + blob[-9:])
-    else:
-        path.write_bytes(b"not a cache entry")
-    monkeypatch.setattr(runtime, "_compiled", {})
-    rebuilt = []
-    real = runtime._nvrtc_compile
-    monkeypatch.setattr(runtime, "_nvrtc_compile",
-                        lambda spec, arch: rebuilt.append(1) or real(spec, arch))
-    assert runtime.compile(PROBE, "sm_90a").cubin == good.cubin
-    assert rebuilt == [1]
-    assert runtime._read_cache_entry(path) is not None
-
-
-def test_cache_key_tracks_everything_that_changes_the_binary(cache, monkeypatch):
-    base = runtime.cache_key(PROBE, "sm_90a")
-    assert runtime.cache_key(PROBE, "sm_120a") != base
-    other = runtime.KernelSpec(PROBE.name, PROBE.source, PROBE.entry, defines={"X": 1},
-                               archs=PROBE.archs)
-    assert runtime.cache_key(other, "sm_90a") != base
-    monkeypatch.setattr(runtime, "nvrtc_version", lambda: (99, 0))
-    assert runtime.cache_key(PROBE, "sm_90a") != base
-
-
-def test_cache_key_tracks_included_headers(tmp_path, monkeypatch):
-    (tmp_path / "k.cu").write_text('#include "a.cuh"\n')
-    (tmp_path / "a.cuh").write_text('#include "b.cuh"\n')
-    (tmp_path / "b.cuh").write_text("// one\n")
-    monkeypatch.setattr(runtime, "SOURCE_DIR", tmp_path)
-    spec = runtime.KernelSpec("k", "k.cu", "k")
-    before = runtime.cache_key(spec, "sm_80")
-    (tmp_path / "b.cuh").write_text("// two\n")
-    assert runtime.cache_key(spec, "sm_80") != before
 
 
 def test_compile_error_carries_log_and_kernel_name(tmp_path, monkeypatch, cache):
