@@ -342,6 +342,8 @@ def _metadata(x) -> tuple:
     address and device of an array."""
     if x is None or isinstance(x, (bool, numbers.Number, str, type)):
         return (type(x), x)
+    if isinstance(x, tuple) and all(isinstance(e, (bool, numbers.Number, str)) for e in x):
+        return (tuple, x)  # a window
     try:
         return (type(x), x.data.ptr, x.shape, x.strides, x.dtype, x.device.id)
     except (AttributeError, TypeError):
@@ -685,7 +687,7 @@ class AttentionProblem:
                 isinstance(cache_seqlens, numbers.Integral) or hasattr(cache_seqlens, "dtype")):
             raise TypeError(f"cache_seqlens must be an int or an int32 array of shape (batch,), "
                             f"got {type(cache_seqlens).__name__}")
-        if hasattr(cache_seqlens, "dtype"):
+        if not isinstance(cache_seqlens, numbers.Integral):
             check_int32("cache_seqlens", cache_seqlens, 1, device)
             if cache_seqlens.shape != (batch,):
                 raise ValueError(f"cache_seqlens must have shape (batch,) = ({batch},), got "
@@ -718,7 +720,9 @@ class AttentionProblem:
             if check_16bit("out", out) != fmt:
                 raise TypeError(f"out must have q's dtype {fmt}, got {out.dtype}")
             check_rows("out", out)
-            check_output("out", out, q.shape, device, {**inputs, "k_new": k_new, "v_new": v_new})
+            check_output("out", out, q.shape, device,
+                         {**inputs, "k_new": k_new, "v_new": v_new, "block_table": block_table,
+                          "cache_seqlens": cache_seqlens, "sinks": sinks})
         window = check_window(window)
         return cls(fmt, batch, seqlen_q, capacity, heads_q, heads_kv, head_dim, causal,
                    softmax_scale_or_default(softmax_scale, head_dim), fmt, device,
@@ -765,7 +769,9 @@ class AttentionProblem:
                 raise ValueError(f"out must have q's shape {tuple(q.shape)}, got "
                                  f"{tuple(out.shape)}")
             check_rows("out", out[None])
-            check_output("out", out, q.shape, device, {"q": q, "k": k, "v": v})
+            check_output("out", out, q.shape, device,
+                         {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q,
+                          "cu_seqlens_k": cu_seqlens_k, "sinks": sinks})
         return cls(fmt, cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k), heads_q,
                    heads_kv, head_dim, causal, softmax_scale_or_default(softmax_scale, head_dim),
                    fmt, device, window=check_window(window), softcap=check_softcap(softcap),

@@ -8,8 +8,7 @@ import numbers
 
 import numpy as np
 
-from .problem import (AttentionProblem, check_device, check_kvcache_contents,
-                      check_positive_strides, check_varlen_contents, dtype_of, require_cupy)
+from .problem import (AttentionProblem, check_kvcache_contents, check_positive_strides, check_varlen_contents, dtype_of, require_cupy)
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=None,
@@ -172,12 +171,19 @@ def merge_attention_states(out_parts, lse_parts, *, sinks=None):
     for name, x in (("out_parts", out_parts), ("lse_parts", lse_parts)):
         check_positive_strides(name, x)
     device = out_parts.device.id
-    check_device("lse_parts", lse_parts, device)
+    others = {"lse_parts": lse_parts}
     if sinks is not None:
-        if dtype_of("sinks", sinks) != np.float32 or tuple(sinks.shape) != (heads,):
-            raise ValueError(f"sinks must be float32 of shape (heads,) = ({heads},), got "
-                             f"{sinks.dtype} {tuple(sinks.shape)}")
-        check_device("sinks", sinks, device)
+        if dtype_of("sinks", sinks) != np.float32:
+            raise TypeError(f"sinks must have dtype float32, got {sinks.dtype}")
+        if tuple(sinks.shape) != (heads,):
+            raise ValueError(f"sinks must have shape (heads,) = ({heads},), got "
+                             f"{tuple(sinks.shape)}")
+        others["sinks"] = sinks
+    for name, x in others.items():
+        if x.device.id != device:
+            raise ValueError(f"{name} must be on out_parts' device {device}, got "
+                             f"{x.device.id}")
+    if sinks is not None:
         sinks = cupy.ascontiguousarray(sinks)
     with cupy.cuda.Device(device):
         out = cupy.empty((batch, seqlen, heads, head_dim), dtype=out_parts.dtype)
