@@ -23,8 +23,9 @@ import ptxattn.torch  # noqa: E402  after the skip: it imports torch
 SHAPES = {"mha": ((2, 300, 8, 128), (2, 200, 8, 128)), "gqa": ((2, 300, 8, 64), (2, 200, 2, 64))}
 
 
-def _fwd_args(q, k, v, causal=True):
-    return (q, k, v, causal, None, False, None)
+def _fwd_args(q, k, v, deterministic=False):
+    """attention_fwd's arguments: causal, default scale, default backend."""
+    return (q, k, v, True, None, deterministic, None)
 
 
 @pytest.mark.parametrize("kind", SHAPES)
@@ -185,12 +186,15 @@ def test_strided_inputs_from_one_projection(rng):
 
 @pytest.mark.gpu
 def test_opcheck_on_the_gpu(rng):
+    """As on meta tensors, but the real kernels' outputs checked against the fakes' metadata, and
+    eager gradients against AOT-compiled ones (deterministic, so that they may be compared)."""
     q, k, v, dout = _inputs(rng, *SHAPES["gqa"])
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     torch.library.opcheck(torch.ops.ptxattn.attention_fwd.default,
-                          _fwd_args(*(x.clone().requires_grad_() for x in (q, k, v))))
+                          _fwd_args(*leaves, deterministic=True))
     out, lse = torch.ops.ptxattn.attention_fwd(*_fwd_args(q, k, v))
     torch.library.opcheck(torch.ops.ptxattn.attention_bwd.default,
-                          (dout, q, k, v, out, lse, True, None, False, None))
+                          (dout, q, k, v, out, lse, True, None, True, None))
 
 
 @pytest.mark.gpu
