@@ -4,40 +4,46 @@
 from __future__ import annotations
 
 from .dispatch import BACKENDS, backend_module  # noqa: F401  the 16-bit backends, by name
-from .problem import AttentionProblem, require_cupy
+from .interop import framework_arrays
+from .problem import AttentionProblem
 
 
+@framework_arrays
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
-              return_lse: bool = False, out=None, backend: str | None = None):
+              return_lse: bool = False, out=None, lse=None, backend: str | None = None):
     """Scaled dot-product attention forward, ``softmax(scale * q k^T) v``.
 
-    q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim), CuPy
-    arrays of float16 or bfloat16 with unit stride in head_dim (other strides are free). heads_q
-    must be a multiple of heads_kv (GQA/MQA). ``causal`` masks key j from query i unless
-    j <= i + seqlen_k - seqlen_q (bottom-right aligned); rows that see no key give 0.
-    ``softmax_scale`` defaults to 1/sqrt(head_dim). Returns the output in q's dtype (written into
-    ``out`` if given, which must not overlap q, k or v) and, with ``return_lse``, the float32
-    log-sum-exp of shape (batch, heads_q, seqlen_q) in natural log. ``backend`` picks a kernel
-    family ('hopper', 'portable'); by default the fastest one for the current GPU.
+    q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim), of
+    float16 or bfloat16 with unit stride in head_dim (other strides are free). CUDA arrays of any
+    framework (CuPy, torch, JAX, any with ``__dlpack__`` or ``__cuda_array_interface__``): the
+    results come back as q's kind, and the work goes on the caller's current stream
+    (ptxattn.interop). heads_q must be a multiple of heads_kv (GQA/MQA). ``causal`` masks key j
+    from query i unless j <= i + seqlen_k - seqlen_q (bottom-right aligned); rows that see no key
+    give 0. ``softmax_scale`` defaults to 1/sqrt(head_dim). Returns the output in q's dtype
+    (written into ``out`` if given, which must not overlap q, k or v) and, with ``return_lse``,
+    the float32 log-sum-exp of shape (batch, heads_q, seqlen_q) in natural log (written into
+    ``lse`` if given: float32, C-contiguous). ``backend`` picks a kernel family ('hopper',
+    'portable'); by default the fastest one for the current GPU.
     """
     import cupy
 
     from . import dispatch, runtime
 
-    require_cupy(q=q, k=k, v=v, out=out)
     problem = AttentionProblem.from_16bit(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                          out=out)
+                                          out=out, lse=lse)
     route = dispatch.select(runtime.device_arch(problem.device), problem.format,
                             problem.head_dim, features=problem.features, backend=backend)
     with cupy.cuda.Device(problem.device):
         if out is None:
             out = cupy.empty(problem.out_shape, dtype=problem.out_dtype)
-        lse = cupy.empty(problem.lse_shape, dtype=cupy.float32)
+        if lse is None:
+            lse = cupy.empty(problem.lse_shape, dtype=cupy.float32)
         route.module().forward(q, k, v, out, lse, causal=problem.causal,
                                softmax_scale=problem.softmax_scale)
     return (out, lse) if return_lse else out
 
 
+@framework_arrays
 def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False,
                        softmax_scale: float | None = None, deterministic: bool = False,
                        dq=None, dk=None, dv=None, backend: str | None = None):
@@ -46,9 +52,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False,
     dout is the gradient of the loss with respect to ``out``; ``out`` and ``lse`` are what
     ``attention(q, k, v, causal=..., softmax_scale=..., return_lse=True)`` returned for these
     inputs (lse: float32 (batch, heads_q, seqlen_q), unit stride along seqlen_q). Layouts, dtypes,
-    causal and softmax_scale as in the forward; dout may have other strides than out. With GQA
-    dk and dv are summed over the q heads that share a k/v head. Gradients come back in the
-    input dtype (written into ``dq``, ``dk``, ``dv`` if given), computed with FP32
+    kinds of array, causal and softmax_scale as in the forward; dout may have other strides than
+    out. With GQA dk and dv are summed over the q heads that share a k/v head. Gradients come
+    back in the input dtype (written into ``dq``, ``dk``, ``dv`` if given), computed with FP32
     accumulation. ``deterministic=True`` makes them bit-identical from run to run: dQ's sum over
     key blocks then runs in a fixed order. ``backend`` as in the forward ('portable' only, for
     now, also on Hopper).
@@ -57,7 +63,6 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False,
 
     from . import dispatch, runtime
 
-    require_cupy(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv)
     problem = AttentionProblem.from_backward(dout, q, k, v, out, lse, causal=causal,
                                              softmax_scale=softmax_scale,
                                              deterministic=deterministic, dq=dq, dk=dk, dv=dv)

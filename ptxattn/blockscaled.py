@@ -21,8 +21,9 @@ v_scale    (B, Hkv, D, P/32) UE8M0: one scale per 32 keys of each head_dim colum
 =========  ===========================  ==============================================
 
 NVFP4 also takes ``q_tensor_scale`` and ``k_tensor_scale``, the per-tensor FP32 scales (a float
-or a 1-element float32 CuPy array). A value is data * block scale (* tensor scale). The
-quantizers in :mod:`ptxattn.quant` produce exactly these layouts.
+or a 1-element float32 CUDA array). A value is data * block scale (* tensor scale). The
+quantizers in :mod:`ptxattn.quant` produce exactly these layouts. Operands may be any framework's
+CUDA arrays; the results come back as q's kind (ptxattn.interop).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ import numbers
 import warnings
 
 from . import dispatch, params, runtime
-from .problem import AttentionProblem, require_cupy
+from .interop import framework_arrays
+from .problem import AttentionProblem
 
 FORMATS = ("mxfp8", "nvfp4")
 HEAD_DIMS = (64, 128)
@@ -107,6 +109,7 @@ def _device_scale(value):
     return value.reshape(1)
 
 
+@framework_arrays
 def blockscaled_attention(q, k, v, q_scale, k_scale, v_scale, *,
                           format: str = "mxfp8",  # noqa: A002 - the API's word
                           causal: bool = False, softmax_scale: float | None = None,
@@ -120,7 +123,6 @@ def blockscaled_attention(q, k, v, q_scale, k_scale, v_scale, *,
     """
     import cupy
 
-    require_cupy(q=q, k=k, v=v, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out)
     p = AttentionProblem.from_blockscaled(
         q, k, v, q_scale, k_scale, v_scale, format=format, q_tensor_scale=q_tensor_scale,
         k_tensor_scale=k_tensor_scale, causal=causal, softmax_scale=softmax_scale, out=out)

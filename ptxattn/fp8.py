@@ -4,9 +4,11 @@ Carrier. CuPy 14 does not support FP8 dtypes: ``cupy.empty(..., dtype=float8_e4m
 ``cupy.asarray`` of an ml_dtypes float8 array raise "Unsupported dtype" (only ``.view`` slips
 through). So FP8 data is uint8 storage with an explicit format: :class:`E4M3Array` wraps a CuPy
 uint8 array of e4m3 bytes (shape, strides, slicing, ``.get()`` to an ml_dtypes
-``float8_e4m3fn`` NumPy array). The FP8 entry points take E4M3Array (or a CuPy view whose dtype
-is ``float8_e4m3fn``, which names the format too) and refuse anything else by type: a bf16/fp16
-array, and raw uint8, which could hold e4m3, e5m2 or integers (wrap it: ``E4M3Array(x)``).
+``float8_e4m3fn`` NumPy array). The FP8 entry points take E4M3Array (or a CuPy view, or a torch
+tensor, whose dtype is ``float8_e4m3fn``, which names the format too) and refuse anything else by
+type: a bf16/fp16 array, and raw uint8, which could hold e4m3, e5m2 or integers (wrap it:
+``E4M3Array(x)``). Torch callers get their FP8 results as float8_e4m3fn tensors
+(ptxattn.interop).
 
 Scales. An FP8 tensor comes with a float32 *descale* d: the real value of a byte b is
 ``e4m3(b) * d``. Granularities, as arrays a kernel reads through strides (0 where constant):
@@ -37,8 +39,9 @@ from typing import NamedTuple
 import numpy as np
 
 from . import dispatch, runtime
+from .interop import CUDA_ARRAY, framework_arrays
 from .problem import (E4M3, SCALE_BLOCK_ROWS, AttentionProblem, check_e4m3, check_rows,
-                      descale_shapes, require_cupy)
+                      descale_shapes)
 
 E4M3_MAX = 448.0
 GRANULARITIES = ("tensor", "head", "block")
@@ -111,8 +114,9 @@ def as_e4m3(name: str, x) -> E4M3Array:
         return x
     import cupy
     if not isinstance(x, cupy.ndarray):
-        raise TypeError(f"{name} must be a ptxattn.fp8.E4M3Array (or a CuPy float8_e4m3fn "
-                        f"view), got {type(x).__module__}.{type(x).__name__}")
+        raise TypeError(f"{name} must be a ptxattn.fp8.E4M3Array, a torch float8_e4m3fn tensor "
+                        f"or a CuPy float8_e4m3fn view, got {type(x).__module__}."
+                        f"{type(x).__name__}")
     check_e4m3(name, x)
     return E4M3Array(x)
 
@@ -207,7 +211,10 @@ def descale_rows(d, batch: int, seqlen: int, heads: int):
 
 
 def _check_quantizer_input(x) -> None:
-    require_cupy(x=x)
+    import cupy
+
+    if not isinstance(x, cupy.ndarray):
+        raise TypeError(f"x must be {CUDA_ARRAY}, got {type(x).__module__}.{type(x).__name__}")
     if np.dtype(x.dtype).name not in INPUT_DTYPES:
         raise TypeError(f"x must have dtype bfloat16 or float16, got {x.dtype}")
     check_rows("x", x)
@@ -231,13 +238,15 @@ def _rotation_signs(rotation: HadamardRotation | None, head_dim: int):
     return cupy.asarray(rotation.signs, dtype=cupy.float32)
 
 
+@framework_arrays
 def quantize(x, granularity: str = "tensor", rotation: HadamardRotation | None = None):
     """bf16/fp16 x (batch, seqlen, heads, head_dim) -> (x8, descale) on the GPU.
 
     x8 is an :class:`E4M3Array` of x's shape (contiguous) holding e4m3(x / descale) (rounded
     to nearest even); descale is float32 of the granularity's shape (module docstring), amax /
     448 over each group (1 for an all-zero group). With ``rotation`` the rows are first rotated,
-    x8 * descale then approximates x @ rotation.matrix().
+    x8 * descale then approximates x @ rotation.matrix(). x may be any framework's CUDA array
+    (ptxattn.interop); for a torch x, x8 is a float8_e4m3fn tensor and descale a tensor.
     """
     import cupy
 
@@ -273,6 +282,7 @@ def quantize(x, granularity: str = "tensor", rotation: HadamardRotation | None =
     return E4M3Array(x8), descale
 
 
+@framework_arrays
 def dequantize(x8, descale):
     """float32 x8 * descale (any granularity) for e4m3 data (batch, seqlen, heads, dim)."""
     import cupy
@@ -301,14 +311,15 @@ def quantize_qkv(q, k, v, granularity: str = "block", rotate: bool = False,
 # Attention
 
 
+@framework_arrays
 def attention(q, k, v, *, q_descale, k_descale, v_descale, causal: bool = False,
               softmax_scale: float | None = None, out_dtype=None, return_lse: bool = False,
               out=None):
     """FP8 attention forward: ``softmax(scale * (q dq)(k dk)^T) (v dv)`` on Hopper (sm_90a).
 
     q (batch, seqlen_q, heads_q, head_dim), k and v (batch, seqlen_k, heads_kv, head_dim):
-    :class:`E4M3Array` (or CuPy float8_e4m3fn views), unit stride in head_dim, 16-byte aligned
-    strides; head_dim 64,
+    :class:`E4M3Array`, torch float8_e4m3fn tensors or CuPy float8_e4m3fn views, unit stride in
+    head_dim, 16-byte aligned strides; head_dim 64,
     128 or 256; heads_q a multiple of heads_kv. q_descale, k_descale: a positive number or a
     float32 array of shape (), (batch, heads), or (batch, heads, ceil(seqlen / 128)) (the last
     per 128 rows); v_descale: a number, shape () or (batch, heads_kv). All three are required.
@@ -321,7 +332,6 @@ def attention(q, k, v, *, q_descale, k_descale, v_descale, causal: bool = False,
     import cupy
 
     q, k, v = as_e4m3("q", q), as_e4m3("k", k), as_e4m3("v", v)
-    require_cupy(out=out)
     p = AttentionProblem.from_fp8(q, k, v, q_descale=q_descale, k_descale=k_descale,
                                   v_descale=v_descale, causal=causal, softmax_scale=softmax_scale,
                                   out_dtype=out_dtype, out=out)

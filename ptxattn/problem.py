@@ -38,17 +38,6 @@ FP8_OUT_DTYPES = ("bfloat16", "float16")
 SCALE_BLOCK_ROWS = 128  # rows (of one batch and head) that share an FP8 "block" descale
 
 
-def require_cupy(**arrays) -> None:
-    """A TypeError for any argument that is given but is not a CuPy array (a NumPy array,
-    say): the metadata checks below would pass it, the kernels could not read it."""
-    import cupy
-
-    for name, x in arrays.items():
-        if x is not None and not isinstance(x, cupy.ndarray):
-            raise TypeError(f"{name} must be a cupy.ndarray, got {type(x).__module__}."
-                            f"{type(x).__name__}")
-
-
 # ---------------------------------------------------------------------------------------------
 # Operand checks
 

@@ -18,8 +18,9 @@ V        MXFP8 along the sequence, stored transposed: data (batch, heads, head_d
          scales (batch, heads, head_dim, padded / 32), padded = seqlen rounded up to 128; the
          padding holds zeros.
 
-``quantize_*`` run on CuPy arrays of bfloat16 or float16; ``encode_*`` / ``decode_*`` are the
-NumPy (ml_dtypes) references, which produce the same bits.
+``quantize_*`` run on CUDA arrays of bfloat16 or float16 (CuPy, torch, JAX: ptxattn.interop),
+and return the caller's kind of array; ``encode_*`` / ``decode_*`` are the NumPy (ml_dtypes)
+references, which produce the same bits.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import ml_dtypes
 import numpy as np
 
 from . import runtime
+from .interop import CUDA_ARRAY, framework_arrays
 
 MXFP8_BLOCK = 32
 NVFP4_BLOCK = 16
@@ -146,7 +148,7 @@ def _check_input(name: str, x, ndim: int | None = None):
     import cupy
 
     if not isinstance(x, cupy.ndarray):
-        raise TypeError(f"{name} must be a cupy.ndarray, got {type(x).__module__}."
+        raise TypeError(f"{name} must be {CUDA_ARRAY}, got {type(x).__module__}."
                         f"{type(x).__name__}")
     if str(x.dtype) not in ("bfloat16", "float16"):
         raise TypeError(f"{name} must be bfloat16 or float16, got {x.dtype}")
@@ -160,6 +162,7 @@ def _launch(entry: str, grid, args) -> None:
     runtime.launch(runtime.load(spec), grid, (_THREADS,), args)
 
 
+@framework_arrays
 def quantize_mxfp8(x):
     """MXFP8 of x along its last axis (Q and K: head_dim): (e4m3 bytes, UE8M0 scales)."""
     import cupy
@@ -176,6 +179,7 @@ def quantize_mxfp8(x):
     return data, scales
 
 
+@framework_arrays
 def quantize_mxfp8_v(v):
     """MXFP8 of V (batch, seqlen, heads, head_dim) along the sequence, in the transposed padded
     layout: (e4m3 (batch, heads, head_dim, padded), UE8M0 (batch, heads, head_dim, padded / 32))."""
@@ -196,6 +200,7 @@ def quantize_mxfp8_v(v):
     return vt, scales
 
 
+@framework_arrays
 def quantize_nvfp4(x):
     """NVFP4 of x along its last axis (Q and K: head_dim): (packed e2m1, UE4M3 scales, FP32
     tensor scale as a 1-element cupy array)."""

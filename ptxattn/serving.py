@@ -8,9 +8,12 @@ import numbers
 
 import numpy as np
 
-from .problem import (AttentionProblem, check_kvcache_contents, check_positive_strides, check_varlen_contents, dtype_of, require_cupy)
+from .interop import framework_arrays
+from .problem import (AttentionProblem, check_kvcache_contents, check_positive_strides,
+                      check_varlen_contents, dtype_of)
 
 
+@framework_arrays
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=None,
                            v_new=None, causal: bool = True, window=(-1, -1), softcap: float = 0.0,
                            sinks=None, softmax_scale: float | None = None, num_splits: int = 0,
@@ -40,10 +43,6 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
 
     from . import dispatch, runtime
 
-    require_cupy(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, k_new=k_new,
-                 v_new=v_new, sinks=sinks, out=out)
-    if not isinstance(cache_seqlens, numbers.Integral):
-        require_cupy(cache_seqlens=cache_seqlens)
     problem = AttentionProblem.from_kvcache(
         q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
         v_new=v_new, causal=causal, window=window, softcap=softcap, sinks=sinks,
@@ -86,6 +85,7 @@ def _append(k_cache, v_cache, k_new, v_new, lengths, block_table) -> None:
     v_cache.view(cupy.uint16)[slots, rows] = v_new.view(cupy.uint16)
 
 
+@framework_arrays
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                      *, causal: bool = False, softmax_scale: float | None = None,
                      window=(-1, -1), softcap: float = 0.0, sinks=None, return_lse: bool = False,
@@ -104,8 +104,6 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
 
     from . import dispatch, runtime
 
-    require_cupy(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                 sinks=sinks, out=out)
     problem = AttentionProblem.from_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
         window=window, softcap=softcap, sinks=sinks, softmax_scale=softmax_scale, out=out)
@@ -125,6 +123,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
 MERGE_DTYPES = ("float16", "bfloat16", "float32")
 
 
+@framework_arrays
 def merge_attention_states(out_parts, lse_parts, *, sinks=None):
     """The attention output over the union of disjoint key sets, from the outputs and LSEs
     computed over each set alone (split-KV decoding, context-parallel ring steps, a cached
@@ -142,13 +141,17 @@ def merge_attention_states(out_parts, lse_parts, *, sinks=None):
 
     from . import decode
 
+    for name, parts in (("out_parts", out_parts), ("lse_parts", lse_parts)):
+        if isinstance(parts, (list, tuple)):
+            for i, x in enumerate(parts):
+                if not isinstance(x, cupy.ndarray):
+                    raise TypeError(f"{name}[{i}] must be a cupy.ndarray (a list of parts is "
+                                    f"stacked with CuPy; pass one stacked array of another "
+                                    f"framework), got {type(x).__module__}.{type(x).__name__}")
     if isinstance(out_parts, (list, tuple)):
-        require_cupy(**{f"out_parts[{i}]": x for i, x in enumerate(out_parts)})
         out_parts = cupy.stack(out_parts)
     if isinstance(lse_parts, (list, tuple)):
-        require_cupy(**{f"lse_parts[{i}]": x for i, x in enumerate(lse_parts)})
         lse_parts = cupy.stack(lse_parts)
-    require_cupy(out_parts=out_parts, lse_parts=lse_parts, sinks=sinks)
     dtype = dtype_of("out_parts", out_parts)
     if dtype.name not in MERGE_DTYPES:
         raise TypeError(f"out_parts must have dtype float16, bfloat16 or float32, got {dtype}")

@@ -5,7 +5,8 @@ attention_with_kvcache and attention_varlen check metadata in AttentionProblem.f
 from_varlen, tested here on MetaArray stand-ins as test_api_validation.py does, and contents
 (lengths, page numbers) in check_kvcache_contents / check_varlen_contents, tested on stand-ins
 whose .get() returns NumPy values. merge_attention_states checks inline; its tests and the
-"checked before launch" tests stub out require_cupy, since a MetaArray is no cupy.ndarray.
+"checked before launch" tests pass MetaArrays, which interop.framework_arrays lets through as it
+lets CuPy arrays through (no DLPack or array interface to convert).
 """
 
 import numpy as np
@@ -74,12 +75,6 @@ def _varlen_args():
 
 def _varlen(**overrides):
     return AttentionProblem.from_varlen(**{**_varlen_args(), **overrides})
-
-
-@pytest.fixture
-def no_require_cupy(monkeypatch):
-    """Lets stand-ins through serving.py's require_cupy (tested on its own below)."""
-    monkeypatch.setattr(serving, "require_cupy", lambda **arrays: None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,18 +463,18 @@ def test_bad_varlen_contents_are_refused(cu_q, cu_k, match):
 def test_numpy_arrays_are_a_type_error():
     x, packed = np.zeros((1, 16, 2, 64), np.float16), np.zeros((16, 2, 64), np.float16)
     cu = np.array([0, 16], np.int32)
-    with pytest.raises(TypeError, match=r"q must be a cupy.ndarray, got numpy.ndarray"):
+    with pytest.raises(TypeError, match=r"q must be a CUDA array .*, got numpy.ndarray in host"):
         ptxattn.attention_with_kvcache(x, x, x, cache_seqlens=0)
-    with pytest.raises(TypeError, match=r"q must be a cupy.ndarray, got numpy.ndarray"):
+    with pytest.raises(TypeError, match=r"q must be a CUDA array .*, got numpy.ndarray in host"):
         ptxattn.attention_varlen(packed, packed, packed, cu, cu, 16, 16)
     lse = np.zeros((2, 1, 2, 16), np.float32)
-    with pytest.raises(TypeError, match=r"out_parts must be a cupy.ndarray, got numpy.ndarray"):
+    with pytest.raises(TypeError, match=r"out_parts must be a CUDA array .*, got numpy.ndarray"):
         ptxattn.merge_attention_states(np.stack([x, x]), lse)
     with pytest.raises(TypeError, match=r"out_parts\[0\] must be a cupy.ndarray"):
         ptxattn.merge_attention_states([x, x], list(lse))
 
 
-def test_entry_points_check_before_launch(no_require_cupy):
+def test_entry_points_check_before_launch():
     """The public functions reach their checks before anything needs a GPU."""
     with pytest.raises(ValueError, match=r"num_splits must be an int from 0"):
         ptxattn.attention_with_kvcache(**_kvcache_args(paged=True), num_splits=129)
@@ -538,6 +533,6 @@ def _merge(out_parts=None, lse_parts=None, sinks=None):
                    rf"{name} must be on out_parts' device 0", id=f"{name}_device")
       for name, mib, shape in (("lse_parts", 2, PARTS_LSE), ("sinks", 8, (8,)))),
 ])
-def test_bad_merge_arguments_name_the_argument(no_require_cupy, overrides, error, match):
+def test_bad_merge_arguments_name_the_argument(overrides, error, match):
     with pytest.raises(error, match=match):
         _merge(**overrides)
