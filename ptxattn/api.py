@@ -10,7 +10,8 @@ from .problem import AttentionProblem
 
 @framework_arrays
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
-              return_lse: bool = False, out=None, lse=None, backend: str | None = None):
+              return_lse: bool = False, out=None, lse=None, backend: str | None = None,
+              window=(-1, -1), softcap: float = 0.0, sinks=None):
     """Scaled dot-product attention forward, ``softmax(scale * q k^T) v``.
 
     q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim), of
@@ -23,11 +24,22 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     (written into ``out`` if given, which must not overlap q, k or v) and, with ``return_lse``,
     the float32 log-sum-exp of shape (batch, heads_q, seqlen_q) in natural log (written into
     ``lse`` if given: float32, C-contiguous). ``backend`` picks a kernel family ('hopper',
-    'portable'); by default the fastest one for the current GPU.
+    'portable'); by default the fastest one for the current GPU. ``window``, ``softcap`` and
+    ``sinks`` as in :func:`ptxattn.attention_with_kvcache`, whose kernel (the portable decode
+    kernel, slower than the fixed-length ones for long queries) runs such calls.
     """
     import cupy
 
     from . import dispatch, runtime
+
+    if tuple(window) != (-1, -1) or softcap or sinks is not None:
+        from .serving import attention_with_kvcache
+        if lse is not None:
+            raise ValueError("lse= is not taken with window, softcap or sinks; use return_lse")
+        return attention_with_kvcache(q, k, v, cache_seqlens=k.shape[1], causal=causal,
+                                      window=window, softcap=softcap, sinks=sinks,
+                                      softmax_scale=softmax_scale, return_lse=return_lse,
+                                      out=out, check_contents=False, backend=backend)
 
     problem = AttentionProblem.from_16bit(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                           out=out, lse=lse)

@@ -260,6 +260,5 @@ def test_attention_with_window_softcap_sinks(rng):
     v = _random((2, 300, 2, 128), rng)
     sinks = cupy.asarray(rng.standard_normal(8, dtype=np.float32))
     masks = dict(causal=True, window=(64, -1), softcap=10.0, sinks=sinks)
-    out, lse = ptxattn.attention_with_kvcache(q, k, v, cache_seqlens=300, return_lse=True,
-                                              **masks)
+    out, lse = ptxattn.attention(q, k, v, return_lse=True, **masks)
     _check_kvcache(q, k, v, [300, 300], out, lse, **masks)
