@@ -63,7 +63,6 @@ class ExecutionStage(enum.IntEnum):
 
 class ErrorCode(enum.IntEnum):
     """The XLA_FFI_Error_Code values (absl status codes) that the handler reports."""
-    UNKNOWN = 2
     INVALID_ARGUMENT = 3
     INTERNAL = 13
 
@@ -376,7 +375,8 @@ def register(target: str, handler: XLA_FFI_Handler, platform: str) -> None:
 
 
 class _CudaStream:
-    """A CUstream address offered through the CUDA stream protocol (cupy.cuda.Stream.from_external)."""
+    """A CUstream address offered through the CUDA stream protocol, for
+    cupy.cuda.Stream.from_external."""
 
     def __init__(self, address: int):
         self.address = address
