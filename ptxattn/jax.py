@@ -1,0 +1,556 @@
+"""ptxattn's attention for JAX: an XLA FFI custom call with a custom VJP, usable under jax.jit.
+
+``import ptxattn.jax`` (JAX is imported here only, never by ``import ptxattn``)::
+
+    out = ptxattn.jax.attention(q, k, v, causal=True)       # q: (batch, seqlen, heads, head_dim)
+    loss, grads = jax.value_and_grad(f)(params)             # backward through ptxattn's kernels
+
+How a call runs. Tracing checks the arguments with problem.py's rules (on stand-ins that carry the
+shapes and dtypes) and emits an ``ffi_call`` to one of two XLA FFI targets registered for CUDA:
+``ptxattn_attention_forward`` (q, k, v -> out, lse) and ``ptxattn_attention_backward`` (dout, q,
+k, v, out, lse -> dq, dk, dv), with causal, softmax_scale and deterministic as attributes. When
+XLA runs the compiled program it calls the target's handler, a Python function behind a ctypes
+callback (no C++ build), which views XLA's device buffers as CuPy arrays (zero-copy), makes XLA's
+stream CuPy's current stream, and calls ptxattn.attention / attention_backward, which write into
+XLA's output buffers and queue their kernels on that stream.
+
+The handler speaks XLA's FFI C ABI (``xla/ffi/api/c_api.h``, shipped with jaxlib under
+``jax.ffi.include_dir()``), declared below with ctypes: only the structs and fields this module
+reads or writes. It tells XLA that it was written against FFI API version 0.1 (every struct it
+touches is as in 0.1; later versions only append fields) and that it is not safe to capture in a
+CUDA graph (ptxattn allocates workspace from CuPy's memory pool on each call), so XLA calls it on
+every execution. Work goes through CuPy's pool, which shares the GPU with XLA's own allocator: by
+default XLA takes 75% of the memory up front (XLA_PYTHON_CLIENT_MEM_FRACTION), and the temporary
+lse and the backward's workspace (README: ``B*Hq*Sq*(D+1)*4`` bytes) come out of the rest.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import enum
+import functools
+import math
+import threading
+import types
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from .problem import AttentionProblem
+
+__all__ = ["attention"]
+
+FORWARD_TARGET = "ptxattn_attention_forward"
+BACKWARD_TARGET = "ptxattn_attention_backward"
+
+# ---------------------------------------------------------------------------------------------
+# The XLA FFI C ABI (c_api.h), LP64: the parts a handler that reads buffers and scalar attributes,
+# asks for the stream and reports errors needs. Field names are the header's.
+
+
+class ExtensionType(enum.IntEnum):
+    METADATA = 1  # XLA_FFI_Extension_Metadata
+
+
+class ExecutionStage(enum.IntEnum):
+    INSTANTIATE = 0
+    PREPARE = 1
+    INITIALIZE = 2
+    EXECUTE = 3
+
+
+class ErrorCode(enum.IntEnum):
+    """The XLA_FFI_Error_Code values (absl status codes) that the handler reports."""
+    INVALID_ARGUMENT = 3
+    INTERNAL = 13
+
+
+class DataType(enum.IntEnum):
+    """The XLA_FFI_DataType (xla::PrimitiveType) values of the buffers and attributes used here."""
+    PRED = 1
+    S32 = 4
+    S64 = 5
+    F16 = 10
+    F32 = 11
+    F64 = 12
+    BF16 = 16
+
+
+ARG_BUFFER = 1   # XLA_FFI_ArgType_BUFFER
+RET_BUFFER = 1   # XLA_FFI_RetType_BUFFER
+ATTR_SCALAR = 3  # XLA_FFI_AttrType_SCALAR
+
+# The FFI API version this handler implements, reported in its metadata: 0.1, the oldest XLA
+# accepts (kMinSupportedApiVersion), in which every struct below already had these fields.
+API_VERSION = (0, 1)
+
+NUMPY_DTYPES = {
+    DataType.PRED: np.dtype(np.bool_),
+    DataType.S32: np.dtype(np.int32),
+    DataType.S64: np.dtype(np.int64),
+    DataType.F16: np.dtype(np.float16),
+    DataType.F32: np.dtype(np.float32),
+    DataType.F64: np.dtype(np.float64),
+    DataType.BF16: np.dtype(ml_dtypes.bfloat16),
+}
+
+
+class XLA_FFI_Extension_Base(ctypes.Structure):
+    pass
+
+
+XLA_FFI_Extension_Base._fields_ = [
+    ("struct_size", ctypes.c_size_t),
+    ("type", ctypes.c_int),  # XLA_FFI_Extension_Type
+    ("next", ctypes.POINTER(XLA_FFI_Extension_Base)),
+]
+
+
+class XLA_FFI_Api_Version(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("extension_start", ctypes.POINTER(XLA_FFI_Extension_Base)),
+        ("major_version", ctypes.c_int),
+        ("minor_version", ctypes.c_int),
+    ]
+
+
+class XLA_FFI_Metadata(ctypes.Structure):
+    # Newer headers append fields (state_type_id); the handler writes only these.
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("api_version", XLA_FFI_Api_Version),
+        ("traits", ctypes.c_uint32),  # XLA_FFI_Handler_Traits; 0: not CUDA-graph safe
+    ]
+
+
+class XLA_FFI_Metadata_Extension(ctypes.Structure):
+    _fields_ = [
+        ("extension_base", XLA_FFI_Extension_Base),
+        ("metadata", ctypes.POINTER(XLA_FFI_Metadata)),
+    ]
+
+
+class XLA_FFI_ByteSpan(ctypes.Structure):
+    _fields_ = [("ptr", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+class XLA_FFI_Scalar(ctypes.Structure):
+    _fields_ = [("dtype", ctypes.c_int), ("value", ctypes.c_void_p)]
+
+
+class XLA_FFI_Buffer(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("extension_start", ctypes.POINTER(XLA_FFI_Extension_Base)),
+        ("dtype", ctypes.c_int),  # XLA_FFI_DataType
+        ("data", ctypes.c_void_p),
+        ("rank", ctypes.c_int64),
+        ("dims", ctypes.POINTER(ctypes.c_int64)),
+    ]
+
+
+class XLA_FFI_Args(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("extension_start", ctypes.POINTER(XLA_FFI_Extension_Base)),
+        ("size", ctypes.c_int64),
+        ("types", ctypes.POINTER(ctypes.c_int)),  # XLA_FFI_ArgType[size]
+        ("args", ctypes.POINTER(ctypes.c_void_p)),
+    ]
+
+
+class XLA_FFI_Rets(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("extension_start", ctypes.POINTER(XLA_FFI_Extension_Base)),
+        ("size", ctypes.c_int64),
+        ("types", ctypes.POINTER(ctypes.c_int)),  # XLA_FFI_RetType[size]
+        ("rets", ctypes.POINTER(ctypes.c_void_p)),
+    ]
+
+
+class XLA_FFI_Attrs(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("extension_start", ctypes.POINTER(XLA_FFI_Extension_Base)),
+        ("size", ctypes.c_int64),
+        ("types", ctypes.POINTER(ctypes.c_int)),  # XLA_FFI_AttrType[size]
+        ("names", ctypes.POINTER(ctypes.POINTER(XLA_FFI_ByteSpan))),
+        ("attrs", ctypes.POINTER(ctypes.c_void_p)),
+    ]
+
+
+class XLA_FFI_Error_Create_Args(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("extension_start", ctypes.POINTER(XLA_FFI_Extension_Base)),
+        ("message", ctypes.c_char_p),
+        ("errc", ctypes.c_int),  # XLA_FFI_Error_Code
+    ]
+
+
+class XLA_FFI_Stream_Get_Args(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("extension_start", ctypes.POINTER(XLA_FFI_Extension_Base)),
+        ("ctx", ctypes.c_void_p),  # XLA_FFI_ExecutionContext*
+        ("stream", ctypes.c_void_p),  # out: the CUstream
+    ]
+
+
+# The API functions return an XLA_FFI_Error* (NULL on success), here an address or None.
+XLA_FFI_Error_Create = ctypes.CFUNCTYPE(ctypes.c_void_p,
+                                        ctypes.POINTER(XLA_FFI_Error_Create_Args))
+XLA_FFI_Stream_Get = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(XLA_FFI_Stream_Get_Args))
+
+
+class XLA_FFI_Api(ctypes.Structure):
+    """The head of XLA's function table, up to the last entry used here (the table only grows at
+    its end)."""
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("extension_start", ctypes.POINTER(XLA_FFI_Extension_Base)),
+        ("api_version", XLA_FFI_Api_Version),
+        ("internal_api", ctypes.c_void_p),
+        ("XLA_FFI_Error_Create", XLA_FFI_Error_Create),
+        ("XLA_FFI_Error_GetMessage", ctypes.c_void_p),
+        ("XLA_FFI_Error_Destroy", ctypes.c_void_p),
+        ("XLA_FFI_Handler_Register", ctypes.c_void_p),
+        ("XLA_FFI_Stream_Get", XLA_FFI_Stream_Get),
+    ]
+
+
+class XLA_FFI_CallFrame(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("extension_start", ctypes.POINTER(XLA_FFI_Extension_Base)),
+        ("api", ctypes.POINTER(XLA_FFI_Api)),
+        ("ctx", ctypes.c_void_p),  # XLA_FFI_ExecutionContext*
+        ("stage", ctypes.c_int),  # XLA_FFI_ExecutionStage
+        ("args", XLA_FFI_Args),
+        ("rets", XLA_FFI_Rets),
+        ("attrs", XLA_FFI_Attrs),
+        ("future", ctypes.c_void_p),  # out, for asynchronous handlers; left NULL
+    ]
+
+
+XLA_FFI_Handler = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(XLA_FFI_CallFrame))
+
+
+def struct_size(struct: type[ctypes.Structure], last_field: str) -> int:
+    """XLA_FFI_STRUCT_SIZE: the bytes up to the end of ``last_field``, what the caller of an API
+    function puts in ``struct_size`` to say which fields it knows."""
+    field = getattr(struct, last_field)
+    return field.offset + field.size
+
+
+# ---------------------------------------------------------------------------------------------
+# Handlers: a Python function behind an XLA_FFI_Handler
+
+
+class XlaError(Exception):
+    """An XLA_FFI_Error* that an API function returned: the handler hands it on to XLA."""
+
+    def __init__(self, what: str, address: int):
+        super().__init__(f"{what} returned an XLA FFI error")
+        self.address = address
+
+
+class FfiCall:
+    """One execution of a handler, read from its XLA_FFI_CallFrame: buffers, scalar attributes
+    and the stream."""
+
+    def __init__(self, frame: XLA_FFI_CallFrame):
+        self._frame = frame
+
+    @property
+    def args(self) -> list[XLA_FFI_Buffer]:
+        return _buffers(self._frame.args.size, self._frame.args.types, self._frame.args.args,
+                        ARG_BUFFER, "argument")
+
+    @property
+    def rets(self) -> list[XLA_FFI_Buffer]:
+        return _buffers(self._frame.rets.size, self._frame.rets.types, self._frame.rets.rets,
+                        RET_BUFFER, "result")
+
+    @property
+    def attrs(self) -> dict[str, object]:
+        """Name -> Python value of each scalar attribute."""
+        attrs = self._frame.attrs
+        values = {}
+        for i in range(attrs.size):
+            span = attrs.names[i].contents
+            name = ctypes.string_at(span.ptr, span.len).decode()
+            if attrs.types[i] != ATTR_SCALAR:
+                raise TypeError(f"attribute {name!r} has FFI type {attrs.types[i]}; only scalar "
+                                "attributes are read here")
+            scalar = ctypes.cast(attrs.attrs[i], ctypes.POINTER(XLA_FFI_Scalar)).contents
+            dtype = NUMPY_DTYPES.get(scalar.dtype)
+            if dtype is None:
+                raise TypeError(f"attribute {name!r} has XLA data type {scalar.dtype}, which is "
+                                "not read here")
+            raw = ctypes.string_at(scalar.value, dtype.itemsize)
+            values[name] = np.frombuffer(raw, dtype=dtype)[0].item()
+        return values
+
+    def stream(self) -> int:
+        """The CUstream XLA runs this call on."""
+        request = XLA_FFI_Stream_Get_Args(
+            struct_size=struct_size(XLA_FFI_Stream_Get_Args, "stream"), ctx=self._frame.ctx)
+        error = self._frame.api.contents.XLA_FFI_Stream_Get(ctypes.byref(request))
+        if error:
+            raise XlaError("XLA_FFI_Stream_Get", error)
+        return request.stream or 0
+
+
+def _buffers(count: int, kinds, pointers, buffer_kind: int, what: str) -> list[XLA_FFI_Buffer]:
+    buffers = []
+    for i in range(count):
+        if kinds[i] != buffer_kind:
+            raise TypeError(f"{what} {i} has FFI type {kinds[i]}, not a buffer")
+        buffers.append(ctypes.cast(pointers[i], ctypes.POINTER(XLA_FFI_Buffer)).contents)
+    return buffers
+
+
+def _answer_metadata(frame: XLA_FFI_CallFrame) -> bool:
+    """Whether this call is XLA's metadata query (made when the target is registered), which the
+    handler answers with its API version and traits instead of running."""
+    extension = frame.extension_start
+    if not extension or extension.contents.type != ExtensionType.METADATA:
+        return False
+    metadata = ctypes.cast(extension, ctypes.POINTER(XLA_FFI_Metadata_Extension)).contents.metadata
+    metadata.contents.api_version = XLA_FFI_Api_Version(
+        struct_size=struct_size(XLA_FFI_Api_Version, "minor_version"),
+        major_version=API_VERSION[0], minor_version=API_VERSION[1])
+    metadata.contents.traits = 0
+    return True
+
+
+def _error(frame: XLA_FFI_CallFrame, code: ErrorCode, message: str) -> int:
+    """A new XLA_FFI_Error* carrying ``message``; XLA owns and frees what a handler returns."""
+    request = XLA_FFI_Error_Create_Args(
+        struct_size=struct_size(XLA_FFI_Error_Create_Args, "errc"),
+        message=message.encode("utf-8", errors="replace"), errc=code)
+    return frame.api.contents.XLA_FFI_Error_Create(ctypes.byref(request))
+
+
+def ffi_handler(target: str, body) -> XLA_FFI_Handler:
+    """An XLA_FFI_Handler that answers the metadata query and runs ``body(FfiCall)`` at the
+    execute stage. Whatever ``body`` raises becomes an XLA error with the Python message (an
+    exception must not cross the C boundary: ctypes would print it and report success). The
+    caller keeps the returned object alive as long as XLA may call it."""
+
+    def handle(frame_pointer) -> int | None:
+        frame = frame_pointer.contents
+        try:
+            if _answer_metadata(frame):
+                return None
+            if frame.stage != ExecutionStage.EXECUTE:
+                return _error(frame, ErrorCode.INTERNAL,
+                              f"{target}: called at stage {frame.stage}; ptxattn registers an "
+                              "execute handler only")
+            body(FfiCall(frame))
+            return None
+        except XlaError as e:
+            return e.address
+        except (TypeError, ValueError) as e:
+            return _error(frame, ErrorCode.INVALID_ARGUMENT, f"{target}: {type(e).__name__}: {e}")
+        except BaseException as e:  # noqa: BLE001 - every failure goes back to XLA as an error
+            return _error(frame, ErrorCode.INTERNAL, f"{target}: {type(e).__name__}: {e}")
+
+    return XLA_FFI_Handler(handle)
+
+
+def register(target: str, handler: XLA_FFI_Handler, platform: str) -> None:
+    """Registers ``handler`` as the execute handler of the FFI target ``target``."""
+    address = ctypes.cast(handler, ctypes.c_void_p).value
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(address), platform=platform)
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention handlers: XLA buffers as CuPy arrays, XLA's stream as CuPy's
+
+
+class _CudaStream:
+    """A CUstream address offered through the CUDA stream protocol, for
+    cupy.cuda.Stream.from_external."""
+
+    def __init__(self, address: int):
+        self.address = address
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.address)
+
+
+_streams: dict[int, object] = {}  # CUstream address -> its cupy Stream
+_streams_lock = threading.Lock()
+
+
+def _cupy_stream(address: int):
+    import cupy
+    with _streams_lock:
+        stream = _streams.get(address)
+        if stream is None:
+            stream = _streams[address] = cupy.cuda.Stream.from_external(_CudaStream(address))
+    return stream
+
+
+def _cupy_view(buffer: XLA_FFI_Buffer, device_id: int, rank: int):
+    """A zero-copy CuPy array over an XLA buffer (row-major, ffi_call's default layout), with any
+    leading dimensions beyond ``rank`` folded into the first (vmap's batch dimensions)."""
+    import cupy
+
+    dtype = NUMPY_DTYPES.get(buffer.dtype)
+    if dtype is None:
+        raise TypeError(f"buffer of XLA data type {buffer.dtype} is not read here")
+    dims = [buffer.dims[i] for i in range(buffer.rank)]
+    shape = (math.prod(dims[:len(dims) - rank + 1]), *dims[len(dims) - rank + 1:])
+    memory = cupy.cuda.UnownedMemory(buffer.data, math.prod(dims) * dtype.itemsize, owner=None,
+                                     device_id=device_id)
+    return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
+
+
+def _device_of(buffer: XLA_FFI_Buffer) -> int:
+    import cupy
+    return cupy.cuda.runtime.pointerGetAttributes(buffer.data).device
+
+
+def _run_forward(call: FfiCall) -> None:
+    import cupy
+
+    from .api import attention as ptxattn_attention
+
+    attrs, args, rets = call.attrs, call.args, call.rets
+    device_id = _device_of(args[0])
+    q, k, v = (_cupy_view(b, device_id, 4) for b in args)
+    out = _cupy_view(rets[0], device_id, 4)
+    lse = _cupy_view(rets[1], device_id, 3)
+    stream = _cupy_stream(call.stream())
+    with cupy.cuda.Device(device_id), stream:
+        ptxattn_attention(q, k, v, causal=attrs["causal"], softmax_scale=attrs["softmax_scale"],
+                          out=out, lse=lse)
+
+
+def _run_backward(call: FfiCall) -> None:
+    import cupy
+
+    from .api import attention_backward
+
+    attrs, args, rets = call.attrs, call.args, call.rets
+    device_id = _device_of(args[0])
+    dout, q, k, v, out = (_cupy_view(b, device_id, 4) for b in args[:5])
+    lse = _cupy_view(args[5], device_id, 3)
+    dq, dk, dv = (_cupy_view(b, device_id, 4) for b in rets)
+    with cupy.cuda.Device(device_id), _cupy_stream(call.stream()):
+        attention_backward(dout, q, k, v, out, lse, causal=attrs["causal"],
+                           softmax_scale=attrs["softmax_scale"],
+                           deterministic=attrs["deterministic"], dq=dq, dk=dk, dv=dv)
+
+
+# Module-level, so that the callbacks live as long as XLA may call them.
+_forward_handler = ffi_handler(FORWARD_TARGET, _run_forward)
+_backward_handler = ffi_handler(BACKWARD_TARGET, _run_backward)
+register(FORWARD_TARGET, _forward_handler, platform="CUDA")
+register(BACKWARD_TARGET, _backward_handler, platform="CUDA")
+
+
+# ---------------------------------------------------------------------------------------------
+# The JAX function
+
+
+@dataclasses.dataclass(frozen=True)
+class _XlaOperand:
+    """What problem.py's checks read of an array, for an operand of the FFI call: its shape and
+    dtype, row-major strides (the layout ffi_call asks XLA for) and a placeholder address and
+    device, as XLA places its buffers (aligned to at least 64 bytes) on the device it runs on."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    data = types.SimpleNamespace(ptr=0)
+    device = types.SimpleNamespace(id=0)
+
+    @classmethod
+    def like(cls, x):
+        """A stand-in for ``x``, or ``x`` itself when it is no array (problem.py refuses it)."""
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            return x
+        return cls(tuple(x.shape), np.dtype(x.dtype))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        strides, step = [], self.itemsize
+        for n in reversed(self.shape):
+            strides.insert(0, step)
+            step *= n
+        return tuple(strides)
+
+
+def _checked(q, k, v, causal, softmax_scale, deterministic) -> AttentionProblem:
+    """ptxattn.attention's argument checks, at trace time, so that a bad call fails in Python
+    with problem.py's message rather than inside XLA."""
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    return AttentionProblem.from_16bit(_XlaOperand.like(q), _XlaOperand.like(k),
+                                       _XlaOperand.like(v), causal=causal,
+                                       softmax_scale=softmax_scale)
+
+
+def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
+              deterministic: bool = False):
+    """Scaled dot-product attention, ``softmax(scale * q k^T) v``, on JAX arrays on a CUDA device.
+
+    q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim); float16
+    or bfloat16; head_dim 64, 128 or 256; heads_q a multiple of heads_kv. ``causal`` is
+    bottom-right aligned, ``softmax_scale`` defaults to 1/sqrt(head_dim), as in
+    ptxattn.attention. Returns the output in q's dtype. Differentiable in reverse mode
+    (jax.grad, jax.vjp) through ptxattn.attention_backward; ``deterministic=True`` makes the
+    gradients bit-identical from run to run. Works under jax.jit and jax.vmap (vmapped
+    dimensions are folded into batch). Bad arguments raise TypeError/ValueError when traced.
+    """
+    problem = _checked(q, k, v, causal, softmax_scale, deterministic)
+    return _attention(q, k, v, causal, problem.softmax_scale, deterministic)
+
+
+def _forward_call(q, k, v, causal: bool, softmax_scale: float):
+    batch, seqlen_q, heads_q, _ = q.shape
+    result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                    jax.ShapeDtypeStruct((batch, heads_q, seqlen_q), np.float32))
+    call = jax.ffi.ffi_call(FORWARD_TARGET, result_types, vmap_method="broadcast_all")
+    return call(q, k, v, causal=np.bool_(causal), softmax_scale=np.float64(softmax_scale))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _attention(q, k, v, causal, softmax_scale, deterministic):
+    out, _ = _forward_call(q, k, v, causal, softmax_scale)
+    return out
+
+
+def _attention_forward(q, k, v, causal, softmax_scale, deterministic):
+    out, lse = _forward_call(q, k, v, causal, softmax_scale)
+    return out, (q, k, v, out, lse)
+
+
+def _attention_backward(causal, softmax_scale, deterministic, residuals, dout):
+    q, k, v, out, lse = residuals
+    result_types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    call = jax.ffi.ffi_call(BACKWARD_TARGET, result_types, vmap_method="broadcast_all")
+    return call(dout, q, k, v, out, lse, causal=np.bool_(causal),
+                softmax_scale=np.float64(softmax_scale), deterministic=np.bool_(deterministic))
+
+
+_attention.defvjp(_attention_forward, _attention_backward)
