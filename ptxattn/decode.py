@@ -117,11 +117,11 @@ def sm_count(device: int) -> int:
 
 def choose_splits(tiles: int, key_blocks: int, slots: int) -> int:
     """How many blocks share the keys of each of ``tiles`` (query tile, kv head, sequence)
-    tiles, given ``key_blocks`` key blocks per tile and ``slots`` (the SM count): 1 when the
-    tiles fill most SMs; else the fewest splits whose waves are at least 85% as full as the best
-    count's (FlashAttention's rule), no split holding less than one block. Counting one block
-    per SM, not the two that fit, measured best on the H100: at batch 8 x 32768 keys, 2 splits
-    (128 blocks) read at 2918 GB/s, 4 (256 blocks, two per SM) at 2819 and 3 at 2529."""
+    tiles, given ``key_blocks`` key blocks per tile and ``slots`` blocks resident at once (SMs
+    times blocks per SM): 1 when the tiles fill most slots; else the fewest splits whose waves
+    are at least 85% as full as the best count's (FlashAttention's rule), no split holding less
+    than one block. (Counting one block per SM instead read 2918 GB/s at batch 8 x 32768 keys in
+    one H100 run and 2053 in the next; two per SM, 2778-2819: kept until that is understood.)"""
     if tiles >= 0.8 * slots or key_blocks <= 1:
         return 1
     candidates = range(1, min(MAX_SPLITS, key_blocks) + 1)
@@ -153,8 +153,8 @@ def forward(problem, q, k, v, out, lse, *, seqused_k=None, block_table=None, cu_
     if m_blocks == 0:
         return  # no query rows (varlen with max_seqlen_q 0)
     tiles = m_blocks * problem.heads_kv * problem.batch
-    splits = problem.num_splits or choose_splits(tiles, key_blocks(problem, tile),
-                                                 sm_count(problem.device))
+    splits = problem.num_splits or choose_splits(
+        tiles, key_blocks(problem, tile), sm_count(problem.device) * tile.min_blocks)
     splits = min(splits, key_blocks(problem, tile))
     softcap = problem.softcap
     scale_log2 = (softcap if softcap > 0 else problem.softmax_scale) * math.log2(math.e)
