@@ -209,7 +209,8 @@ def combine(parts, lse_parts, out, lse, sinks=None) -> None:
     num_parts, batch, seqlen, heads, head_dim = parts.shape
     kernel = runtime.load(combine_spec(str(parts.dtype), str(out.dtype),
                                        (runtime.device_arch(),)))
-    p = params.CombineParams(parts=parts, lse_parts=lse_parts, out=out, lse=lse if lse is not None else 0,
+    p = params.CombineParams(parts=parts, lse_parts=lse_parts, out=out,
+                             lse=lse if lse is not None else 0,
                              sinks=sinks if sinks is not None else 0, num_parts=num_parts,
                              batch=batch, seqlen=seqlen, heads=heads, head_dim=head_dim)
     (p.parts_stride_p, p.parts_stride_b, p.parts_stride_s,

@@ -699,7 +699,8 @@ class AttentionProblem:
                 raise ValueError(f"k_new and v_new must have the same shape, got "
                                  f"{k_new.shape} and {v_new.shape}")
             seqlen_new = k_new.shape[1]
-            if isinstance(cache_seqlens, numbers.Integral) and cache_seqlens + seqlen_new > capacity:
+            if (isinstance(cache_seqlens, numbers.Integral)
+                    and cache_seqlens + seqlen_new > capacity):
                 raise ValueError(f"cache_seqlens + seqlen_new = {cache_seqlens + seqlen_new} "
                                  f"exceeds the cache's capacity of {capacity} keys")
         if isinstance(cache_seqlens, numbers.Integral) and not 0 <= cache_seqlens <= capacity:
@@ -852,10 +853,11 @@ def check_kvcache_contents(problem: AttentionProblem, cache_seqlens, block_table
     used = -(-total // page_size)
     for b in range(problem.batch):
         pages = table[b, :used[b]]
-        if pages.size and (pages.min() < 0 or pages.max() >= num_pages):
-            raise ValueError(f"block_table[{b}] names page {int(pages.min() if pages.min() < 0 else pages.max())} "
-                             f"among its first {int(used[b])} (the pages sequence {b} uses); "
-                             f"pages must be in [0, {num_pages})")
+        bad = pages[(pages < 0) | (pages >= num_pages)]
+        if bad.size:
+            raise ValueError(f"block_table[{b}] names page {int(bad[0])} among its first "
+                             f"{int(used[b])} (the pages sequence {b} uses); pages must be in "
+                             f"[0, {num_pages})")
 
 
 def check_varlen_contents(problem: AttentionProblem, cu_seqlens_q, cu_seqlens_k,
