@@ -16,11 +16,13 @@
 // backward kernel takes a window.)
 //
 // Per-sequence lengths: a BlockInfo holds one sequence's lengths (fixed-length kernels make one
-// per block), so a varlen kernel makes one per tile from that sequence's (seqlen_q, seqlen_k),
-// which SeqLens::of reads from cumulative offsets when the call has them.
+// per block), so a varlen or KV-cache kernel makes one per tile from that sequence's (seqlen_q,
+// seqlen_k), which SeqLens::of reads from cumulative offsets and filled lengths when the call has
+// them.
 #pragma once
 #include "common.cuh"
 #include "mask.cuh"
+#include "params.cuh"
 
 namespace ptxattn {
 
@@ -46,6 +48,14 @@ struct SeqLens {
             lens.offset_k = cu_seqlens_k[batch];
             lens.seqlen_k = cu_seqlens_k[batch + 1] - lens.offset_k;
         }
+        return lens;
+    }
+
+    // Sequence `batch` of a serving call: its keys end at seqused_k[batch] (a KV cache's filled
+    // length) when that is given.
+    __device__ __forceinline__ static SeqLens of(const FwdParams& p, int batch) {
+        SeqLens lens = of(batch, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k);
+        if (p.seqused_k != nullptr) lens.seqlen_k = p.seqused_k[batch];
         return lens;
     }
 };

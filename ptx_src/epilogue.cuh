@@ -31,6 +31,30 @@ __device__ __forceinline__ uint16_t* out_row(const FwdParams& p, int batch, int 
            head * p.out_stride_h;
 }
 
+// Split-KV partials (FwdParams::num_splits > 1): split `split`'s float32 output row and LSE of
+// query row `row` (counted over the whole batch: FwdParams::total_q rows) of head `head`.
+__device__ __forceinline__ float* partial_out_row(const FwdParams& p, int split, int row,
+                                                 int head, int head_dim) {
+    return p.out_accum + ((static_cast<int64_t>(split) * p.total_q + row) * p.heads_q + head) *
+                             head_dim;
+}
+
+__device__ __forceinline__ float& partial_lse(const FwdParams& p, int split, int row, int head) {
+    return p.lse_accum[(static_cast<int64_t>(split) * p.heads_q + head) * p.total_q + row];
+}
+
+// Row h of accumulator o, times `factor`, as float32 into `dst` (a partial output row).
+template <int kTiles>
+__device__ __forceinline__ void store_accumulator_row_f32(float* dst, const float (&o)[kTiles][4],
+                                                          int h, float factor, int lane) {
+    const int t = lane % 4;
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i) {
+        *reinterpret_cast<float2*>(dst + 8 * i + 2 * t) =
+            make_float2(o[i][2 * h] * factor, o[i][2 * h + 1] * factor);
+    }
+}
+
 // Direct path: row h (0: r, 1: r + 8) of accumulator o, times `factor`, into `dst` (that row of
 // out), 4 bytes per 8-column tile.
 template <bool kBf16, int kTiles>

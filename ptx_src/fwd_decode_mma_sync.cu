@@ -14,6 +14,7 @@
 // Every runtime argument is in FwdParams (params.cuh): q (batch, seqlen_q, heads_q, D), or
 // (total_q, heads_q, D) with cu_seqlens_q; k and v caches per kv_cache.cuh; out like q.
 #include "block_info.cuh"
+#include "epilogue.cuh"
 #include "kv_cache.cuh"
 #include "mainloop_decode_mma_sync.cuh"
 #include "mask.cuh"
@@ -40,9 +41,8 @@ attn_fwd_decode(const __grid_constant__ FwdParams p) {
     const int kv_head = blockIdx.y;
     const int batch = blockIdx.z;
 
-    const SeqLens lens =
-        SeqLens::of(batch, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k);
-    const int seqlen_k = p.seqused_k != nullptr ? p.seqused_k[batch] : lens.seqlen_k;
+    const SeqLens lens = SeqLens::of(p, batch);
+    const int seqlen_k = lens.seqlen_k;
     const PackedRows packed{p.q_per_kv, kv_head * p.q_per_kv};
     const int first_row = m_block * kRows;
     const int tile_rows = min(kRows, lens.seqlen_q * p.q_per_kv - first_row);
@@ -143,26 +143,14 @@ attn_fwd_decode(const __grid_constant__ FwdParams p) {
         const float4 hi = *reinterpret_cast<const float4*>(merged + r * kHeadDim + col + 4);
         float lse = row_lse[r];
         if (partial) {
-            const int64_t at = (static_cast<int64_t>(split) * p.total_q + global_token0 + token) *
-                                   p.heads_q + head;
-            float* dst = p.out_accum + at * kHeadDim + col;
+            float* dst = partial_out_row(p, split, global_token0 + token, head, kHeadDim) + col;
             *reinterpret_cast<float4*>(dst) = lo;
             *reinterpret_cast<float4*>(dst + 4) = hi;
-            if (col == 0) {
-                p.lse_accum[(static_cast<int64_t>(split) * p.heads_q + head) * p.total_q +
-                            global_token0 + token] = lse;
-            }
+            if (col == 0) partial_lse(p, split, global_token0 + token, head) = lse;
             continue;
         }
         float factor = 1.0f;
-        const float sink = p.sinks != nullptr ? p.sinks[head] : -__int_as_float(0x7f800000);
-        const float top = fmaxf(lse, sink);
-        if (sink > -__int_as_float(0x7f800000)) {
-            // the sink joins the denominator: lse' = log(e^lse + e^sink), out *= e^(lse - lse')
-            const float with_sink = top + logf(expf(lse - top) + expf(sink - top));
-            factor = expf(lse - with_sink);
-            lse = with_sink;
-        }
+        fold_sink(lse, factor, p.sinks != nullptr ? p.sinks[head] : -__int_as_float(0x7f800000));
         uint4 packed_out;
         packed_out.x = pack_f32x2<Cfg::kBf16>(lo.x * factor, lo.y * factor);
         packed_out.y = pack_f32x2<Cfg::kBf16>(lo.z * factor, lo.w * factor);

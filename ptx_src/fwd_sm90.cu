@@ -18,6 +18,9 @@
 // (B, Sk, Hkv, D), read through 4-d tensor maps with coordinates (d, head, row, batch) and a box
 // of one swizzle span of columns; rows past the end are zero-filled. out (B, Sq, Hq, D) through
 // out_map (a box of 64 rows x 64 columns, 128-byte swizzle; staged builds) or its strides.
+// The serving build (Sm90Config::kServing; ptxattn/prefill.py) reads a packed varlen batch as one
+// batch of all its rows, q (1, total_q, Hq, D) and k, v (1, total_k, Hkv, D), each sequence's
+// rows located by cu_seqlens, and KV caches (B, capacity, Hkv, D) up to each seqused_k.
 #include "epilogue.cuh"
 #include "mainloop_sm90.cuh"
 #include "params.cuh"
@@ -40,7 +43,9 @@ attn_fwd_sm90(const __grid_constant__ FwdParams p) {
     Barriers& bars = *reinterpret_cast<Barriers*>(smem + Mainloop::kBarrierOffset);
     Pipeline<Cfg::kStages>& vt =
         *reinterpret_cast<Pipeline<Cfg::kStages>*>(smem + Mainloop::kVtBarrierOffset);
-    const TileOrder order{p.num_m_blocks, p.batch * p.heads_q, p.section_heads, p.heads_q};
+    const int splits = Mainloop::splits(p);
+    const TileOrder order{p.num_m_blocks, p.batch * p.heads_q * splits, p.section_heads,
+                          p.heads_q * splits};
 
     if (threadIdx.x == 0) {
         bars.q_full.init(1);
@@ -74,9 +79,14 @@ attn_fwd_sm90(const __grid_constant__ FwdParams p) {
 #pragma unroll 1
     for (int tile = tiles.receive(order.num_tiles()); tile < order.num_tiles();
          tile = tiles.receive(order.num_tiles())) {
-        const TileCoord c = order.decode(tile);
+        TileCoord c = Mainloop::tile_coord(p, order, tile);
         consumer.start_tile(p, c, row_in_tile);
-        consumer.mainloop(p, c.m_block);
+        // Serving builds: a tile past its sequence's end has nothing to compute or store.
+        if (Cfg::kServing && c.m_block * Cfg::kBlockM >= consumer.lens.seqlen_q) continue;
+        consumer.mainloop(p, c);
+        // Serving builds decode the tile again rather than keep it through the mainloop (head_dim
+        // 256 runs at the register limit there).
+        if constexpr (Cfg::kServing) c = Mainloop::tile_coord(p, order, tile);
 
         float inv_sum[1][2];
         float row_lse[1][2];
@@ -87,22 +97,54 @@ attn_fwd_sm90(const __grid_constant__ FwdParams p) {
             factor[h] = Cfg::kFp8 ? inv_sum[0][h] * consumer.v_descale : inv_sum[0][h];
         }
         const auto& o = reinterpret_cast<const float(&)[Cfg::kHeadDim / 8][4]>(consumer.o);
+        // Read again rather than kept through the mainloop (fixed-length builds: from the
+        // parameters), so that it holds no registers there.
+        const SeqLens lens = Mainloop::seq_lens(p, c.batch);
+        // Split-KV (serving builds): this split's partial state, float32, for combine.cu.
+        const bool partial = Cfg::kServing && splits > 1;
+        if constexpr (Cfg::kServing) {
+            if (!partial && p.sinks != nullptr) {
+                const float sink = p.sinks[c.head];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) fold_sink(row_lse[0][h], factor[h], sink);
+            }
+        }
         // Made here, not before the loop, so that it holds no registers through the mainloop.
         const Output output{smem + Mainloop::kOutOffset + wg * Output::kBytes,
                             Mainloop::Consumer::kVoteBarrier + Cfg::kConsumers + wg};
-        if constexpr (Cfg::kStagedOut) {
-            output.store(o, factor, &p.out_map, c.head,
-                         c.m_block * Cfg::kBlockM + wg * Cfg::kRowsPerConsumer, c.batch);
+        const int wg_row0 = c.m_block * Cfg::kBlockM + wg * Cfg::kRowsPerConsumer;
+        const int out_batch = Mainloop::q_batch(p, c.batch);
+        // The TMA store clips rows at the array's end; packed sequences end before it, so a tile
+        // that runs past its sequence's end stores from registers. (Decided per tile, not per
+        // warpgroup: a condition on the warpgroup index, which ptxas cannot prove warp-uniform,
+        // moved the mainloop's wgmma descriptors out of uniform registers, 7% more instructions.)
+        const bool staged = Cfg::kStagedOut && !partial &&
+                            (!Cfg::kServing || p.cu_seqlens_q == nullptr ||
+                             (c.m_block + 1) * Cfg::kBlockM <= lens.seqlen_q);
+        if (staged) {
+            output.store(o, factor, &p.out_map, c.head, lens.offset_q + wg_row0, out_batch);
         }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = consumer.row0 + 8 * h;
-            if (row >= p.seqlen_q) continue;
-            if constexpr (!Cfg::kStagedOut) {
-                store_accumulator_row<Cfg::kBf16>(out_row(p, c.batch, c.head, row), o, h,
-                                                  factor[h], lane);
+            if (row >= lens.seqlen_q) continue;
+            if (partial) {
+                // Partial rows count over the batch (FwdParams::total_q).
+                const int batch_row = (p.cu_seqlens_q != nullptr ? 0 : c.batch * p.seqlen_q) +
+                                      lens.offset_q + row;
+                if (lane % 4 == 0) partial_lse(p, c.split, batch_row, c.head) = row_lse[0][h];
+                store_accumulator_row_f32(
+                    partial_out_row(p, c.split, batch_row, c.head, Cfg::kHeadDim), o, h,
+                    factor[h], lane);
+                continue;
             }
-            if (lane % 4 == 0) write_lse(p, c.batch, c.head, row, row_lse[0][h]);
+            if (!staged) {
+                store_accumulator_row<Cfg::kBf16>(
+                    out_row(p, out_batch, c.head, lens.offset_q + row), o, h, factor[h], lane);
+            }
+            if (lane % 4 == 0) {
+                write_lse(p, out_batch, c.head, lens.offset_q + row, row_lse[0][h]);
+            }
         }
     }
     if constexpr (Cfg::kStagedOut) {

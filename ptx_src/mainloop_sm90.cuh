@@ -46,10 +46,18 @@ namespace ptxattn {
 //   depth; kFp8 e4m3 inputs; kBf16 the 16-bit type (of the inputs, or of FP8's output);
 //   kCausal; kConsumers consumer warpgroups (2 or 3); kStagedOut output through shared memory
 //   and a TMA store; kStaleMaxFirst the softmax's no-max-pass fast path (Sm90Mainloop::step);
-//   kQInRegisters (FP8) Q K^T takes Q from registers; kSmemBytes the dynamic shared memory the
-//   launcher requests (checked against the layout).
+//   kQInRegisters (FP8) Q K^T takes Q from registers; kServing the serving build (below);
+//   kSmemBytes the dynamic shared memory the launcher requests (checked against the layout).
+//
+// The serving build (16-bit only) takes each sequence's lengths and offsets from the serving
+// fields of FwdParams (SeqLens::of: cu_seqlens_q/k for packed varlen batches, seqused_k for a
+// KV cache's filled lengths) and the window: its tiles skip the key blocks outside the window and
+// mask those on its left edge, tiles past a sequence's end are skipped, V rows past the last key
+// are zeroed before P V reads them (a cache's unfilled rows may hold NaN, and 0 * NaN is NaN),
+// and a warpgroup whose 64 rows run past a packed sequence's end stores from registers, since a
+// TMA store would overwrite the next sequence's rows. Fixed-length builds compile none of it.
 template <int HeadDim, int BlockN, int Stages, bool Fp8, bool Bf16, bool Causal, int Consumers,
-          bool StagedOut, bool StaleMaxFirst, bool QInRegisters, int SmemBytes>
+          bool StagedOut, bool StaleMaxFirst, bool QInRegisters, bool Serving, int SmemBytes>
 struct Sm90Config {
     static constexpr int kHeadDim = HeadDim;
     static constexpr int kBlockN = BlockN;
@@ -61,6 +69,7 @@ struct Sm90Config {
     static constexpr bool kStagedOut = StagedOut;
     static constexpr bool kStaleMaxFirst = StaleMaxFirst;
     static constexpr bool kQInRegisters = QInRegisters;
+    static constexpr bool kServing = Serving;
     static constexpr uint32_t kSmemBytes = SmemBytes;
 
     static constexpr int kRowsPerConsumer = 64;  // one wgmma M
@@ -110,6 +119,7 @@ struct Sm90Config {
     static_assert(!kFp8 || (kBlockN % 32 == 0 && (kBlockN >= 128 || kBlockN == 64)),
                   "FP8: k-steps of 32 keys; Vt rows of 64 or 128 keys (one swizzle span)");
     static_assert(kScoreAccs <= 2, "the registers of one extra S accumulator at most");
+    static_assert(!kServing || !kFp8, "the serving build takes 16-bit inputs");
 };
 
 // The barriers of the Q slot, the K and V rings and the tile mailbox. FP8's Vt ring is a
@@ -139,6 +149,7 @@ struct Sm90Mainloop {
     static constexpr bool kBf16 = Cfg::kBf16;
     static constexpr bool kCausal = Cfg::kCausal;
     static constexpr bool kQInRegisters = Cfg::kQInRegisters;
+    static constexpr bool kServing = Cfg::kServing;
     static constexpr int kRowsPerConsumer = Cfg::kRowsPerConsumer;
     static constexpr int kSlabs = Cfg::kSlabs;
     static constexpr int kSlabCols = Cfg::kSlabCols;
@@ -173,20 +184,73 @@ struct Sm90Mainloop {
                           Cfg::kSwizzleAtomBytes <= Cfg::kSmemBytes,
                   "kSmemBytes too small for this tile configuration");
 
-    static __device__ __forceinline__ Info block_info(const FwdParams& p) {
-        return Info(p.seqlen_q, p.seqlen_k, kCausal);
+    // The lengths of the tile's sequence: the call's, or in serving builds the sequence's own.
+    static __device__ __forceinline__ SeqLens seq_lens(const FwdParams& p, int batch) {
+        if constexpr (kServing) {
+            return SeqLens::of(p, batch);
+        } else {
+            return {p.seqlen_q, p.seqlen_k, 0, 0};
+        }
+    }
+
+    static __device__ __forceinline__ Info block_info(const FwdParams& p, const SeqLens& lens) {
+        if constexpr (kServing) {
+            return Info(lens.seqlen_q, lens.seqlen_k, kCausal, p.window_left, p.window_right);
+        } else {
+            return Info(p.seqlen_q, p.seqlen_k, kCausal);
+        }
+    }
+
+    // Split-KV (serving builds): tile numbers count (query block, head x split, batch) tiles,
+    // TileOrder's heads being heads_q * num_splits, split the minor part.
+    static __device__ __forceinline__ int splits(const FwdParams& p) {
+        return kServing ? p.num_splits : 1;
+    }
+    static __device__ __forceinline__ TileCoord tile_coord(const FwdParams& p,
+                                                           const TileOrder& order, int tile) {
+        TileCoord c = order.decode(tile);
+        if constexpr (kServing) {
+            c.split = c.head % p.num_splits;
+            c.head /= p.num_splits;
+        }
+        return c;
+    }
+
+    // The key blocks [n_begin, n_end) the tile visits (n_begin == n_end: none, as for a serving
+    // tile past its sequence's end, or a split left without blocks). Split s of S takes the s-th
+    // of S runs of ceil(blocks / S) blocks.
+    static __device__ __forceinline__ int2 key_blocks(const FwdParams& p, const Info& info,
+                                                      const SeqLens& lens, const TileCoord& c) {
+        const int m_block = c.m_block;
+        if constexpr (kServing) {
+            if (m_block * kBlockM >= lens.seqlen_q) return {0, 0};
+            const int n_end = info.n_max(m_block);
+            const int n_begin = min(info.n_min(m_block), n_end);
+            const int per_split = ceil_div(n_end - n_begin, p.num_splits);
+            const int lo = min(n_end, n_begin + c.split * per_split);
+            return {lo, min(n_end, lo + per_split)};
+        } else {
+            return {0, info.n_max(m_block)};
+        }
+    }
+
+    // The batch coordinate of the tensor maps: packed varlen arrays are one batch of all rows.
+    static __device__ __forceinline__ int q_batch(const FwdParams& p, int batch) {
+        return kServing && p.cu_seqlens_q != nullptr ? 0 : batch;
+    }
+    static __device__ __forceinline__ int kv_batch(const FwdParams& p, int batch) {
+        return kServing && p.cu_seqlens_k != nullptr ? 0 : batch;
     }
 
     // ---- Producer ---------------------------------------------------------------------------
 
     static __device__ __forceinline__ void load_kv_tile(uint8_t* tile, const TensorMap* map,
-                                                        MBarrier& full, int kv_head, int n_block,
+                                                        MBarrier& full, int kv_head, int row,
                                                         int batch) {
         full.arrive_expect_tx(kKVBytes);
 #pragma unroll
         for (int j = 0; j < kSlabs; ++j) {
-            tma_load_4d(tile + j * kKVSlabBytes, map, full, kSlabCols * j, kv_head,
-                        n_block * kBlockN, batch);
+            tma_load_4d(tile + j * kKVSlabBytes, map, full, kSlabCols * j, kv_head, row, batch);
         }
     }
 
@@ -197,41 +261,50 @@ struct Sm90Mainloop {
         tma_prefetch(&p.q_map);
         tma_prefetch(&p.k_map);
         tma_prefetch(&p.v_map);
-        const Info info = block_info(p);
+        // Fixed-length builds: every tile's, made once.
+        const Info call_info = block_info(p, seq_lens(p, 0));
         Ring k_ring;
         Ring v_ring;
         int q_loads = 0;
 #pragma unroll 1
         for (int tile = tiles.next(order.num_tiles()); tile < order.num_tiles();
              tile = tiles.next(order.num_tiles())) {
-            const TileCoord c = order.decode(tile);
-            const int n_end = info.n_max(c.m_block);
-            if (n_end == 0) continue;
+            const TileCoord c = tile_coord(p, order, tile);
+            const SeqLens lens = seq_lens(p, c.batch);
+            const int2 n_range =
+                key_blocks(p, kServing ? block_info(p, lens) : call_info, lens, c);
+            const int n_begin = n_range.x;
+            const int n_end = n_range.y;
+            if (n_end == n_begin) continue;
             const int kv_head = c.head / p.q_per_kv;
+            const int kv_b = kv_batch(p, c.batch);
             // The previous tile's Q is free once every consumer finished its last Q K^T.
             bars.q_empty.wait((q_loads & 1) ^ 1);
             bars.q_full.arrive_expect_tx(kQBytes);
 #pragma unroll
             for (int j = 0; j < kSlabs; ++j) {
                 tma_load_4d(smem + j * kQSlabBytes, &p.q_map, bars.q_full, kSlabCols * j, c.head,
-                            c.m_block * kBlockM, c.batch);
+                            lens.offset_q + c.m_block * kBlockM, q_batch(p, c.batch));
             }
             ++q_loads;
             bars.k.producer_acquire(k_ring);
             load_kv_tile(smem + kKOffset + k_ring.stage() * kKVBytes, &p.k_map,
-                         bars.k.full_barrier(k_ring), kv_head, n_end - 1, c.batch);
+                         bars.k.full_barrier(k_ring), kv_head,
+                         lens.offset_k + (n_end - 1) * kBlockN, kv_b);
             ++k_ring.count;
 #pragma unroll 1
-            for (int n_block = n_end - 1; n_block >= 0; --n_block) {
-                if (n_block > 0) {
+            for (int n_block = n_end - 1; n_block >= n_begin; --n_block) {
+                if (n_block > n_begin) {
                     bars.k.producer_acquire(k_ring);
                     load_kv_tile(smem + kKOffset + k_ring.stage() * kKVBytes, &p.k_map,
-                                 bars.k.full_barrier(k_ring), kv_head, n_block - 1, c.batch);
+                                 bars.k.full_barrier(k_ring), kv_head,
+                                 lens.offset_k + (n_block - 1) * kBlockN, kv_b);
                     ++k_ring.count;
                 }
                 bars.v.producer_acquire(v_ring);
                 load_kv_tile(smem + kVOffset + v_ring.stage() * kKVBytes, &p.v_map,
-                             bars.v.full_barrier(v_ring), kv_head, n_block, c.batch);
+                             bars.v.full_barrier(v_ring), kv_head,
+                             lens.offset_k + n_block * kBlockN, kv_b);
                 ++v_ring.count;
             }
         }
@@ -334,6 +407,7 @@ struct Sm90Mainloop {
         int lane;
         float scale_log2;  // softmax_scale * log2(e), times q's descale with FP8
         int row0;  // query row of this thread's first accumulator row in the tile (second: + 8)
+        SeqLens lens;  // the tile's sequence (serving builds; fixed-length builds fold it away)
         // FP8: this tile's k descales (one per 128 keys, k_descale_step apart) and v descale.
         const float* k_descale = nullptr;
         int64_t k_descale_step = 0;
@@ -371,6 +445,7 @@ struct Sm90Mainloop {
                                                    int row_in_tile) {
             const int m0 = c.m_block * kBlockM;
             row0 = m0 + row_in_tile;
+            lens = seq_lens(p, c.batch);
             if constexpr (kFp8) {
                 const int kv_head = c.head / p.q_per_kv;
                 // This warpgroup's 64 rows lie in one 128-row q descale block.
@@ -477,7 +552,7 @@ struct Sm90Mainloop {
         // the register cap, up to 10% (docs/hopper-tuning.md, session 12).
         __device__ __forceinline__ void mask(const FwdParams& p, float (&s)[kBlockN / 2],
                                              int n_block) const {
-            apply_mask<16>(reinterpret_cast<ScoreTiles&>(s), block_info(p).mask, row0,
+            apply_mask<16>(reinterpret_cast<ScoreTiles&>(s), block_info(p, lens).mask, row0,
                            n_block * kBlockN + 2 * (lane % 4), AccumulatorColumns{});
         }
 
@@ -533,12 +608,39 @@ struct Sm90Mainloop {
             if (rescale_o) scale_rows(reinterpret_cast<OutTiles&>(o), rescale);
         }
 
-        // Runs key blocks n_max-1 .. 0 of tile m_block; leaves the ring past its last slot.
-        __device__ __forceinline__ void mainloop(const FwdParams& params, int m_block) {
-            const Info info = block_info(params);
-            const int n_end = info.n_max(m_block);
-            if (n_end == 0) return;
+        // Serving builds: zeroes the rows of the V tile at `stage` from key `valid` on (the
+        // block holding the last key), before any P V reads it. Each thread zeroes 16-byte
+        // chunks of whole 128-byte slab rows, which the swizzle only permutes within the row;
+        // both consumer warpgroups may write the same zeros, and each makes its own writes
+        // visible to its wgmmas (fence.proxy.async, then the warpgroup's barrier).
+        __device__ __forceinline__ void zero_v_rows(int stage, int valid) const {
+            uint8_t* tile = smem + kVOffset + stage * kKVBytes;
+            constexpr int kChunksPerRow = kSlabRowBytes / 16;
+            const int chunks = (kBlockN - valid) * kChunksPerRow;
+#pragma unroll 1
+            for (int i = threadIdx.x % 128; i < chunks * kSlabs; i += 128) {
+                const int slab = i / chunks;
+                const int in_slab = i % chunks;
+                *reinterpret_cast<uint4*>(tile + slab * kKVSlabBytes +
+                                          (valid + in_slab / kChunksPerRow) * kSlabRowBytes +
+                                          (in_slab % kChunksPerRow) * 16) = make_uint4(0, 0, 0, 0);
+            }
+            fence_proxy_async();
+            named_barrier_sync(kVoteBarrier + wg, 128);
+        }
+
+        // Runs key blocks n_end-1 .. n_begin of tile c; leaves the ring past its last slot.
+        __device__ __forceinline__ void mainloop(const FwdParams& params, const TileCoord& c) {
+            const int m_block = c.m_block;
+            const Info info = block_info(params, lens);
+            const int2 n_range = key_blocks(params, info, lens, c);
+            const int n_begin = n_range.x;
+            const int n_end = n_range.y;
+            if (n_end == n_begin) return;
             const int n_first_masked = info.n_right_masked(m_block);
+            // Blocks below n_left_unmasked need the window's left mask (serving builds); the
+            // unmasked run also ends at the split's first block.
+            const int n_left = kServing ? max(info.n_left_unmasked(m_block), n_begin) : 0;
             float s[kScoreAccs][kBlockN / 2];
             float rescale[1][2];
             const float first_scale = block_scale_log2(n_end - 1);
@@ -552,25 +654,39 @@ struct Sm90Mainloop {
             wgmma_wait<0>();
             finish_qk(s);
             release(bars.k.empty[ring.stage()]);
-            if (n_end - 1 >= n_first_masked) mask(params, s[0], n_end - 1);
+            if (n_end - 1 >= n_first_masked || (kServing && n_end - 1 < n_left)) {
+                mask(params, s[0], n_end - 1);
+            }
             // O is still zero, so whether it would need rescaling does not matter.
             softmax.update(reinterpret_cast<ScoreTiles&>(s[0]), first_scale, rescale);
             accumulator_to_p<kBlockN>(p, s[0]);
+            if constexpr (kServing) {
+                // Keys past the sequence's last lie only in the first block visited.
+                const int valid = lens.seqlen_k - (n_end - 1) * kBlockN;
+                if (valid < kBlockN) {
+                    bars.v.consumer_wait(ring);
+                    zero_v_rows(ring.stage(), valid);
+                }
+            }
 
             int n_block = n_end - 2;
 #pragma unroll 1
-            for (; n_block >= 0 && n_block >= n_first_masked; --n_block) {
+            for (; n_block >= n_begin && n_block >= n_first_masked; --n_block) {
                 step<true>(params, n_block, s, rescale);
             }
             if constexpr (Cfg::kStaleMaxFirst) {
                 // The masked blocks and the first unmasked one go through the max pass: that is
                 // where a row max still grows (a causal row that saw few keys on the diagonal).
-                if (n_block >= 0) step<false>(params, n_block--, s, rescale);
+                if (n_block >= n_left) step<false>(params, n_block--, s, rescale);
 #pragma unroll 1
-                for (; n_block >= 0; --n_block) step<false, true>(params, n_block, s, rescale);
+                for (; n_block >= n_left; --n_block) step<false, true>(params, n_block, s, rescale);
             } else {
 #pragma unroll 1
-                for (; n_block >= 0; --n_block) step<false>(params, n_block, s, rescale);
+                for (; n_block >= n_left; --n_block) step<false>(params, n_block, s, rescale);
+            }
+            if constexpr (kServing) {
+#pragma unroll 1
+                for (; n_block >= n_begin; --n_block) step<true>(params, n_block, s, rescale);
             }
             // Every Q K^T of this tile has completed: the producer may load the next tile's Q
             // (with Q in registers, load_q freed it already).

@@ -221,6 +221,18 @@ struct OnlineSoftmax {
     }
 };
 
+// An attention sink: a per-head logit `sink` (natural log; -inf: none) that joins a finished
+// row's softmax denominator. The row's log-sum-exp becomes log(e^lse + e^sink) and its output
+// scales by e^(lse - lse'), which `factor` is multiplied by.
+__device__ __forceinline__ void fold_sink(float& lse, float& factor, float sink) {
+    if (sink > -__int_as_float(0x7f800000)) {
+        const float top = fmaxf(lse, sink);
+        const float with_sink = top + logf(expf(lse - top) + expf(sink - top));
+        factor *= expf(lse - with_sink);
+        lse = with_sink;
+    }
+}
+
 // The backward's softmax, in two steps so that S and dP need not be live together:
 //   recompute_probabilities: P = 2^(scale_log2 S - lse_log2) in place of S, from the forward's
 //     log-sum-exp (lse_log2 = LSE log2(e); +inf for a row that sees no key or lies past

@@ -27,6 +27,7 @@ struct TileCoord {
     int m_block;
     int head;
     int batch;
+    int split = 0;  // split-KV: which share of the keys (Sm90Mainloop::tile_coord)
 };
 
 struct TileOrder {

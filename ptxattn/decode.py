@@ -144,8 +144,6 @@ def forward(problem, q, k, v, out, lse, *, seqused_k=None, block_table=None, cu_
     into ``out`` and ``lse``. q and out are (batch, seqlen_q, heads_q, D) and lse (batch,
     heads_q, seqlen_q), or with cu_seqlens_q (1, total_q, heads_q, D) and (1, heads_q, total_q);
     k, v the caches (kv_cache.cuh)."""
-    import cupy
-
     arch = runtime.device_arch()
     tile = tile or tile_for(problem.head_dim, arch)
     kernel = runtime.load(spec(problem.format, problem.head_dim, tile, (arch,)))
@@ -183,24 +181,36 @@ def forward(problem, q, k, v, out, lse, *, seqused_k=None, block_table=None, cu_
         p.page_size = k.shape[1]
     accum = None
     if splits > 1:
-        accum = (cupy.empty((splits, problem.total_q, problem.heads_q, problem.head_dim),
-                            dtype=cupy.float32),
-                 cupy.empty((splits, problem.heads_q, problem.total_q), dtype=cupy.float32))
+        accum = split_accumulators(splits, problem.total_q, problem.heads_q, problem.head_dim)
         p.out_accum, p.lse_accum = accum
     grid = (m_blocks * splits, problem.heads_kv, problem.batch)
     runtime.PreparedLaunch(kernel, grid=grid, block=(32 * tile.warps,), args=[p])()
     if accum is not None:
-        # the partials as (part, batch, seqlen, heads, D) and (part, batch, heads, seqlen)
-        parts, lse_parts = accum
-        if cu_seqlens_q is None:
-            parts = parts.reshape(splits, problem.batch, problem.seqlen_q, problem.heads_q,
-                                  problem.head_dim)
-            lse_parts = lse_parts.reshape(splits, problem.heads_q, problem.batch,
-                                          problem.seqlen_q).transpose(0, 2, 1, 3)
-        else:
-            parts = parts[:, None]
-            lse_parts = lse_parts[:, None]
-        combine(parts, lse_parts, out, lse, sinks)
+        combine_splits(accum, out, lse, sinks, problem.batch, problem.seqlen_q,
+                       packed=cu_seqlens_q is not None)
+
+
+def split_accumulators(splits: int, total_q: int, heads_q: int, head_dim: int):
+    """The float32 partial outputs and LSEs of a split-KV launch, dense [split][total_q][heads_q]
+    [head_dim] and [split][heads_q][total_q] (FwdParams::out_accum, lse_accum)."""
+    import cupy
+    return (cupy.empty((splits, total_q, heads_q, head_dim), dtype=cupy.float32),
+            cupy.empty((splits, heads_q, total_q), dtype=cupy.float32))
+
+
+def combine_splits(accum, out, lse, sinks, batch: int, seqlen_q: int, packed: bool) -> None:
+    """out, lse <- the merge of a split-KV launch's partials (split_accumulators); ``packed``:
+    the rows are a varlen batch's (out (1, total_q, heads_q, D)), else (batch, seqlen_q)."""
+    parts, lse_parts = accum
+    splits, _, heads_q, head_dim = parts.shape
+    # the partials as (part, batch, seqlen, heads, D) and (part, batch, heads, seqlen)
+    if packed:
+        parts = parts[:, None]
+        lse_parts = lse_parts[:, None]
+    else:
+        parts = parts.reshape(splits, batch, seqlen_q, heads_q, head_dim)
+        lse_parts = lse_parts.reshape(splits, heads_q, batch, seqlen_q).transpose(0, 2, 1, 3)
+    combine(parts, lse_parts, out, lse, sinks)
 
 
 def combine(parts, lse_parts, out, lse, sinks=None) -> None:

@@ -21,10 +21,12 @@ from . import archs
 # masking, "gqa" (fewer k/v heads than q heads), "backward" (the gradients), and the serving
 # features: a local "window", a logit "softcap", attention "sinks", and the layouts "varlen"
 # (packed sequences of their own lengths), "kvcache" (keys up to each sequence's filled length),
-# "paged" (a paged cache). A route lists those its family handles and select() passes over the
-# others.
+# "paged" (a paged cache), and "decode": a serving call with few query rows a sequence
+# (problem.DECODE_QUERIES), which the decode launcher alone serves well. A route lists those its
+# family handles and select() passes over the others.
 FORWARD = frozenset({"causal", "gqa"})
-SERVING = FORWARD | {"window", "softcap", "sinks", "varlen", "kvcache", "paged"}
+SERVING = FORWARD | {"window", "softcap", "sinks", "varlen", "kvcache", "paged", "decode"}
+PREFILL = FORWARD | {"window", "sinks", "varlen", "kvcache"}
 FEATURES = FORWARD | SERVING | {"backward"}
 SIXTEEN_BIT = ("bfloat16", "float16")
 BLOCK_SCALED = ("mxfp8", "nvfp4")
@@ -60,6 +62,7 @@ class Route:
 
 TABLE: tuple[Route, ...] = (
     Route("hopper", "hopper", SIXTEEN_BIT, (64, 128, 256)),
+    Route("hopper", "hopper", SIXTEEN_BIT, (64, 128, 256), features=PREFILL, launcher="prefill"),
     Route("portable", "portable", SIXTEEN_BIT, (64, 128, 256),
           features=FORWARD | {"backward"}),
     Route("portable", "portable", SIXTEEN_BIT, (64, 128, 256), features=SERVING,

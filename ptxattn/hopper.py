@@ -86,6 +86,13 @@ SCHEDULES_FP8 = {  # from scripts/check_fp8.py --sweep and its throughput table 
     (256, False): Schedule(64, 3, persistent=True, l2_sections=False),
     (256, True): Schedule(64, 3, persistent=False, l2_sections=False),
 }
+# The serving build: as the fixed-length one, except that head_dim 64 runs two consumer
+# warpgroups, since at three (160 registers each) the per-sequence bookkeeping spills.
+SCHEDULES_SERVING = {
+    **SCHEDULES,
+    (64, False): Schedule(128, 2, persistent=True, l2_sections=False, stale_max_first=True),
+    (64, True): Schedule(128, 2, persistent=True, l2_sections=False),
+}
 # FP8 with k descales that vary per 128 keys: a key block must lie inside one descale block, so
 # block_n divides 128 (keys per tile, stages) per head_dim.
 FP8_KEY_BLOCK_SCALED_TILES = {64: (128, 4), 128: (128, 2), 256: (64, 3)}
@@ -126,6 +133,7 @@ class Variant:
     stale_max_first: bool
     q_in_registers: bool
     smem_bytes: int
+    serving: bool = False
 
     @property
     def block_m(self) -> int:
@@ -137,7 +145,7 @@ class Variant:
 
     def template_args(self) -> str:
         flags = (self.fp8, self.bf16, self.causal)
-        later = (self.staged_out, self.stale_max_first, self.q_in_registers)
+        later = (self.staged_out, self.stale_max_first, self.q_in_registers, self.serving)
         return ", ".join([str(self.head_dim), str(self.block_n), str(self.stages)] +
                          [str(f).lower() for f in flags] + [str(self.consumers)] +
                          [str(f).lower() for f in later] + [str(self.smem_bytes)])
@@ -145,11 +153,13 @@ class Variant:
 
 def variant(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | None = None,
             out_dtype: str = "bfloat16", consumers: int | None = None,
-            stale_max_first: bool | None = None, q_in_registers: bool | None = None) -> Variant:
+            stale_max_first: bool | None = None, q_in_registers: bool | None = None,
+            serving: bool = False) -> Variant:
     """The kernel variant for inputs of ``dtype`` (bfloat16, float16 or float8_e4m3fn; FP8
-    writes ``out_dtype``, 16-bit inputs their own type)."""
+    writes ``out_dtype``, 16-bit inputs their own type); ``serving``: the build that takes
+    per-sequence lengths and the window (ptxattn.prefill)."""
     fp8 = dtype == FP8
-    schedule = (SCHEDULES_FP8 if fp8 else SCHEDULES)[head_dim, causal]
+    schedule = _schedules(fp8, serving)[head_dim, causal]
     block_n, stages = tiles or (schedule.block_n, schedule.stages)
     consumers = consumers or schedule.consumers
     if stale_max_first is None:
@@ -161,7 +171,7 @@ def variant(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | No
     staged_out = (_smem_bytes(head_dim, block_n, stages, fp8, True, consumers) <= SMEM_LIMIT)
     smem = _smem_bytes(head_dim, block_n, stages, fp8, staged_out, consumers)
     return Variant(head_dim, block_n, stages, fp8, bool(DTYPES[out]), causal, consumers,
-                   staged_out, stale_max_first, q_in_registers, smem)
+                   staged_out, stale_max_first, q_in_registers, smem, serving)
 
 
 def spec_of(v: Variant, out_dtype: str) -> runtime.KernelSpec:
@@ -169,7 +179,7 @@ def spec_of(v: Variant, out_dtype: str) -> runtime.KernelSpec:
         name=(f"fwd_sm90_{'e4m3_' + out_dtype if v.fp8 else out_dtype}_d{v.head_dim}"
               f"_n{v.block_n}_s{v.stages}{'_c3' if v.consumers == 3 else ''}"
               f"{'_smf' if v.stale_max_first else ''}{'_qr' if v.q_in_registers else ''}"
-              f"{'_causal' if v.causal else ''}"),
+              f"{'_causal' if v.causal else ''}{'_serving' if v.serving else ''}"),
         source="fwd_sm90.cu",
         entry=f"ptxattn::attn_fwd_sm90<ptxattn::Sm90Config<{v.template_args()}>>",
         smem_bytes=v.smem_bytes,
@@ -190,6 +200,10 @@ def variants() -> list[runtime.KernelSpec]:
             [spec(FP8, head_dim, causal, tiles, out_dtype=out)
              for out in DTYPES for head_dim in HEAD_DIMS for causal in (False, True)
              for tiles in dict.fromkeys([None, _fp8_key_block_scaled_tiles(head_dim, causal)])])
+
+
+def _schedules(fp8: bool, serving: bool) -> dict:
+    return SCHEDULES_FP8 if fp8 else SCHEDULES_SERVING if serving else SCHEDULES
 
 
 def _fp8_key_block_scaled_tiles(head_dim: int, causal: bool) -> tuple[int, int] | None:
@@ -230,6 +244,28 @@ def _tile_counter(device_id: int):
 _launches = runtime.LaunchCache()
 
 
+@dataclasses.dataclass(frozen=True)
+class Sequences:
+    """The sequences of a serving call, for the serving build: ``batch`` sequences of at most
+    ``seqlen_q`` queries and ``seqlen_k`` keys, located by cu_seqlens_q / cu_seqlens_k (int32
+    cumulative lengths: the arrays are packed, passed as one batch of all rows) and cut at
+    seqused_k (int32 filled lengths of a KV cache), each None where the call has none; the
+    window (left, right) as mask.cuh takes it; ``total_q`` query rows in all; float32 sinks
+    (heads_q,) or None. forward_serving() fills in the split-KV fields: ``num_splits`` and the
+    partials' accumulators (decode.split_accumulators) when it is above 1."""
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    total_q: int
+    window: tuple[int, int] = (-1, -1)
+    cu_seqlens_q: object = None
+    cu_seqlens_k: object = None
+    seqused_k: object = None
+    sinks: object = None
+    num_splits: int = 1
+    accum: tuple | None = None
+
+
 def launcher(q, k, v, out, lse, *, causal: bool, softmax_scale: float, descales=None,
              **overrides) -> Callable[[], None]:
     """Everything forward() does except the launch itself, which the returned callable performs
@@ -253,9 +289,12 @@ def _prepare(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
              tiles: tuple[int, int] | None = None, sections: int | None = None,
              persistent: bool | None = None, grid_blocks: int | None = None, descales=None,
              consumers: int | None = None, stale_max_first: bool | None = None,
-             q_in_registers: bool | None = None) -> runtime.PreparedLaunch:
+             q_in_registers: bool | None = None,
+             seqs: Sequences | None = None) -> runtime.PreparedLaunch:
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    if seqs is not None:
+        batch, seqlen_q, seqlen_k = seqs.batch, seqs.seqlen_q, seqs.seqlen_k
     fp8 = descales is not None
     if fp8 and descales[1].stride_block:
         if tiles is None:
@@ -265,13 +304,14 @@ def _prepare(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
                              f"got {tiles[0]}")
     v_info = variant(FP8 if fp8 else str(q.dtype), head_dim, causal, tiles,
                      out_dtype=str(out.dtype), consumers=consumers,
-                     stale_max_first=stale_max_first, q_in_registers=q_in_registers)
+                     stale_max_first=stale_max_first, q_in_registers=q_in_registers,
+                     serving=seqs is not None)
     kernel = runtime.load(spec_of(v_info, str(out.dtype)))
     box_cols = min(head_dim, 128) if fp8 else BOX_COLS
     swizzle = box_cols * q.itemsize
     num_m_blocks = math.ceil(seqlen_q / v_info.block_m)
-    num_tiles = batch * heads_q * num_m_blocks
-    schedule = (SCHEDULES_FP8 if fp8 else SCHEDULES)[head_dim, causal]
+    num_tiles = batch * heads_q * num_m_blocks * (seqs.num_splits if seqs is not None else 1)
+    schedule = _schedules(fp8, seqs is not None)[head_dim, causal]
     if sections is None:
         sections = (section_heads(batch, heads_q, heads_kv, seqlen_k, head_dim, q.itemsize)
                     if schedule.l2_sections else 1)
@@ -295,6 +335,14 @@ def _prepare(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
         tile_counter=_tile_counter(q.device.id) if persistent and causal else 0)
     (p.out_stride_b, p.out_stride_s, p.out_stride_h) = params.strides(out)
     (p.lse_stride_b, p.lse_stride_h) = params.strides(lse, 2)
+    if seqs is not None:
+        p.window_left, p.window_right = seqs.window
+        p.total_q, p.num_splits = seqs.total_q, seqs.num_splits
+        for name in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "sinks"):
+            if getattr(seqs, name) is not None:
+                setattr(p, name, getattr(seqs, name))
+        if seqs.accum is not None:
+            p.out_accum, p.lse_accum = seqs.accum
     if fp8:
         q_d, k_d, v_d = descales
         p.q_descale, p.k_descale, p.v_descale = q_d.array, k_d.array, v_d.array
@@ -309,6 +357,35 @@ def _prepare(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
 
 def forward(q, k, v, out, lse, *, causal: bool, softmax_scale: float, **overrides) -> None:
     launcher(q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, **overrides)()
+
+
+def forward_serving(q, k, v, out, lse, seqs: Sequences, *, causal: bool, softmax_scale: float,
+                    num_splits: int = 0, **overrides) -> None:
+    """The serving build over ``seqs`` (ptxattn.prefill), prepared per call, since a KV cache's
+    filled lengths are a new array on every step. When its tiles cannot fill the GPU, the keys
+    of each are split over several (``num_splits``, 0: decode.choose_splits) and combine.cu
+    merges the partial states."""
+    from . import decode
+
+    if not (seqs.batch and seqs.seqlen_q):
+        return
+    head_dim, heads_q = q.shape[3], q.shape[2]
+    v_info = variant(str(q.dtype), head_dim, causal, serving=True)
+    tiles = seqs.batch * heads_q * math.ceil(seqs.seqlen_q / v_info.block_m)
+    keys = seqs.seqlen_k
+    if seqs.window[0] >= 0:  # a tile's rows see at most its height plus the window's width
+        keys = min(keys, v_info.block_m + seqs.window[0] + max(seqs.window[1], 0))
+    key_blocks = max(1, math.ceil(keys / v_info.block_n))
+    splits = min(num_splits or decode.choose_splits(tiles, key_blocks, _sm_count(q.device.id)),
+                 key_blocks)
+    if splits > 1:
+        seqs = dataclasses.replace(seqs, num_splits=splits, accum=decode.split_accumulators(
+            splits, seqs.total_q, heads_q, head_dim))
+    _prepare(q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, seqs=seqs,
+             **overrides)()
+    if splits > 1:
+        decode.combine_splits(seqs.accum, out, lse, seqs.sinks, seqs.batch, seqs.seqlen_q,
+                              packed=seqs.cu_seqlens_q is not None)
 
 
 def forward_fp8(q, k, v, out, lse, descales, *, causal: bool, softmax_scale: float,

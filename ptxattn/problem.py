@@ -36,6 +36,9 @@ ALIGN_BYTES = 16
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 FP8_OUT_DTYPES = ("bfloat16", "float16")
 SCALE_BLOCK_ROWS = 128  # rows (of one batch and head) that share an FP8 "block" descale
+# A serving call with fewer query rows than this per sequence (max_seqlen_q for varlen) is a
+# decode step: its K and V reads, once per kv head in the decode kernel, cost more than its GEMMs.
+DECODE_QUERIES = 64
 
 
 # ---------------------------------------------------------------------------------------------
@@ -419,6 +422,8 @@ class AttentionProblem:
             needs.add("softcap")
         if self.sinks:
             needs.add("sinks")
+        if self.layouts and self.seqlen_q < DECODE_QUERIES:
+            needs.add("decode")
         return frozenset(needs) | self.layouts
 
     @property

@@ -615,7 +615,13 @@ def _encode_tensor_map(array, box: Sequence[int], swizzle: int, oob_zero: bool) 
         raise ValueError("tensor_map: the innermost dimension must have unit stride")
     if array.data.ptr % 16:
         raise ValueError("tensor_map: the array's base address must be 16-byte aligned")
-    if any(s % 16 or s <= 0 for s in array.strides[:-1]):
+    # A dimension of extent 1 is never stepped over, so its stride (0 for a broadcast new axis)
+    # is replaced by one the driver accepts.
+    array_strides = list(array.strides)
+    for i in range(array.ndim - 2, -1, -1):
+        if array.shape[i] == 1:
+            array_strides[i] = array_strides[i + 1] * array.shape[i + 1]
+    if any(s % 16 or s <= 0 for s in array_strides[:-1]):
         raise ValueError(f"tensor_map: strides {array.strides} must be positive multiples of 16 bytes")
     if any(not 1 <= b <= 256 for b in box):
         raise ValueError(f"tensor_map: box entries must be in [1, 256], got {tuple(box)}")
@@ -623,7 +629,7 @@ def _encode_tensor_map(array, box: Sequence[int], swizzle: int, oob_zero: bool) 
         raise ValueError(f"tensor_map: inner box of {box[-1] * item} bytes exceeds the "
                          f"{swizzle}-byte swizzle span")
     dims = [driver.cuuint64_t(int(n)) for n in reversed(array.shape)]
-    strides = [driver.cuuint64_t(int(s)) for s in reversed(array.strides[:-1])]
+    strides = [driver.cuuint64_t(int(s)) for s in reversed(array_strides[:-1])]
     boxes = [driver.cuuint32_t(int(b)) for b in reversed(box)]
     ones = [driver.cuuint32_t(1)] * array.ndim
     fill = (driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)

@@ -460,18 +460,42 @@ def serving_main(args) -> int:
                                                                  2048, causal=True)
     report("varlen 8 x 2048 causal", calls, 8 * visible_pairs(2048, 2048, True))
 
-    # chunked prefill: 256 new tokens over a 16k cache
-    q = normal((1, 256, 32, 128))
+    # chunked prefill: new tokens over a 16k cache. "ptxattn" is what dispatch picks (the
+    # decode kernel below problem.DECODE_QUERIES tokens, the Hopper serving build from there);
+    # the two kernels are also timed by name, to show where the crossover lies.
+    from ptxattn import prefill, problem as problem_module
+
     k, v = normal((1, 16384, 8, 128)), normal((1, 16384, 8, 128))
     lengths = cupy.full(1, 16384, dtype=cupy.int32)
-    calls = {"ptxattn": lambda: ptxattn.attention_with_kvcache(q, k, v, cache_seqlens=lengths,
-                                                               check_contents=False)}
-    if fa3 is not None:
-        tq, tk, tv = as_torch(q, k, v)
-        tlen = torch.from_dlpack(lengths)
-        calls["fa3"] = lambda: fa3.flash_attn_with_kvcache(tq, tk, tv, cache_seqlens=tlen,
-                                                           causal=True)
-    report("chunked prefill 256 over 16384", calls, visible_pairs(256, 16384, True))
+    kp, table = paged(k, 64)
+    vp, _ = paged(v, 64)
+    for chunk in (1, 4, 16, 64, 256):
+        q = normal((1, chunk, 32, 128))
+        calls = {"ptxattn": lambda: ptxattn.attention_with_kvcache(
+                     q, k, v, cache_seqlens=lengths, check_contents=False),
+                 "ptxattn-decode-kernel": lambda: ptxattn.attention_with_kvcache(
+                     q, k, v, cache_seqlens=lengths, check_contents=False, backend="portable")}
+        if arch in prefill.ARCHS:
+            chunk_problem = problem_module.AttentionProblem.from_kvcache(
+                q, k, v, cache_seqlens=lengths)
+            out = cupy.empty_like(q)
+            lse = cupy.empty(chunk_problem.lse_shape, dtype=cupy.float32)
+            calls["ptxattn-hopper-serving"] = lambda p=chunk_problem, q=q, out=out, lse=lse: (
+                prefill.forward(p, q, k, v, out, lse, seqused_k=lengths))
+        if chunk == 256:
+            calls["ptxattn-paged64"] = lambda: ptxattn.attention_with_kvcache(
+                q, kp, vp, cache_seqlens=lengths, block_table=table, check_contents=False)
+        if fa3 is not None:
+            tq, tk, tv = as_torch(q, k, v)
+            tlen = torch.from_dlpack(lengths)
+            calls["fa3"] = lambda tq=tq, tk=tk, tv=tv: fa3.flash_attn_with_kvcache(
+                tq, tk, tv, cache_seqlens=tlen, causal=True)
+            if chunk == 256:
+                tkp, tvp, ttable = as_torch(kp, vp, table)
+                calls["fa3-paged64"] = lambda: fa3.flash_attn_with_kvcache(
+                    tq, tkp, tvp, cache_seqlens=tlen, page_table=ttable, causal=True)
+        report(f"chunked prefill {chunk} over 16384", calls, visible_pairs(chunk, 16384, True))
+    del k, v, kp, vp
 
     # sliding window 4096 over 32k, against the whole causal sequence
     q, k, v = (normal((32768, h, 128)) for h in (32, 8, 8))

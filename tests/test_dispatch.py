@@ -129,12 +129,29 @@ def test_unknown_backends_formats_and_archs_are_named():
         dispatch.select("sm_75", "bfloat16", 128)
 
 
+def test_serving_calls_route_by_their_query_rows():
+    """On Hopper, prefill (varlen, a cache, a window, sinks) runs the Hopper kernel's serving
+    build and decode steps the decode kernel; paged caches and softcap take the decode kernel."""
+    prefill = dispatch.select("sm_90a", "bfloat16", 128, features={"varlen", "causal", "gqa"})
+    assert prefill.module_name == "ptxattn.prefill"
+    assert dispatch.select("sm_90a", "float16", 64,
+                           features={"kvcache", "window"}).module_name == "ptxattn.prefill"
+    assert dispatch.select("sm_90a", "bfloat16", 256,
+                           features={"kvcache", "sinks"}).module_name == "ptxattn.prefill"
+    for extra in ("decode", "paged", "softcap"):
+        route = dispatch.select("sm_90a", "bfloat16", 128, features={"kvcache", extra})
+        assert route.module_name == "ptxattn.decode", extra
+    assert dispatch.select("sm_80", "bfloat16", 128,
+                           features={"varlen"}).module_name == "ptxattn.decode"
+
+
 def test_a_route_lacking_a_feature_is_passed_over(monkeypatch):
     """A kernel without GQA (say) listed first is skipped for GQA calls, and the error names
     the feature when no route has it."""
     no_gqa = dispatch.Route("hopper", "hopper", dispatch.SIXTEEN_BIT, (64, 128, 256),
                             features=frozenset({"causal"}))
-    monkeypatch.setattr(dispatch, "TABLE", (no_gqa, *dispatch.TABLE[1:]))
+    others = tuple(route for route in dispatch.TABLE if route.backend != "hopper")
+    monkeypatch.setattr(dispatch, "TABLE", (no_gqa, *others))
     assert dispatch.select("sm_90a", "bfloat16", 128, features={"causal"}).backend == "hopper"
     assert dispatch.select("sm_90a", "bfloat16", 128, features={"gqa"}).backend == "portable"
     with pytest.raises(ValueError, match=r"bfloat16 attention with causal, gqa at head_dim 128 "

@@ -182,24 +182,24 @@ def test_masks_softcap_sinks_over_a_cache(masks, splits, rng):
     _check_kvcache(q, k, v, lengths, out, lse, **masks)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
-def test_varlen_matches_each_sequence(causal, heads, rng):
+def _check_varlen(seqlens_q, seqlens_k, heads, head_dim, rng, backend=None, dtype="bfloat16",
+                  **masks):
+    """attention_varlen over sequences of these lengths against the reference, sequence by
+    sequence (``sinks=True``: random sinks)."""
     import cupy
     import ptxattn
 
     heads_q, heads_kv = heads
-    head_dim = 128
-    seqlens_q = [0, 1, 300, 5, 1000, 64]
-    seqlens_k = [7, 1, 300, 0, 1200, 64]
+    if masks.pop("sinks", False):
+        masks["sinks"] = cupy.asarray(rng.standard_normal(heads_q, dtype=np.float32) * 3)
     cu_q = np.concatenate([[0], np.cumsum(seqlens_q)]).astype(np.int32)
     cu_k = np.concatenate([[0], np.cumsum(seqlens_k)]).astype(np.int32)
-    q = _random((int(cu_q[-1]), heads_q, head_dim), rng)
-    k = _random((int(cu_k[-1]), heads_kv, head_dim), rng)
-    v = _random((int(cu_k[-1]), heads_kv, head_dim), rng)
+    q = _random((int(cu_q[-1]), heads_q, head_dim), rng, dtype)
+    k = _random((int(cu_k[-1]), heads_kv, head_dim), rng, dtype)
+    v = _random((int(cu_k[-1]), heads_kv, head_dim), rng, dtype)
     out, lse = ptxattn.attention_varlen(q, k, v, cupy.asarray(cu_q), cupy.asarray(cu_k),
-                                        max(seqlens_q), max(seqlens_k), causal=causal,
-                                        return_lse=True)
+                                        max(seqlens_q), max(seqlens_k), return_lse=True,
+                                        backend=backend, **masks)
     assert lse.shape == (heads_q, int(cu_q[-1]))
     for b in range(len(seqlens_q)):
         if seqlens_q[b] == 0:
@@ -207,10 +207,63 @@ def test_varlen_matches_each_sequence(causal, heads, rng):
         rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
         keys = slice(int(cu_k[b]), int(cu_k[b + 1]))
         args = (q[None, rows], k[None, keys], v[None, keys])
-        ref, ref_lse = _reference(*args, "float32", causal=causal)
-        naive, naive_lse = _reference(*args, "input", causal=causal)
+        ref, ref_lse = _reference(*args, "float32", **masks)
+        naive, naive_lse = _reference(*args, "input", **masks)
         assert_within_naive_error(out[None, rows], lse[None, :, rows], ref, ref_lse, naive,
                                   naive_lse, q.dtype)
+
+
+@pytest.mark.parametrize("backend", [None, "portable"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
+def test_varlen_matches_each_sequence(backend, causal, heads, rng):
+    """Zero-length, length-1 and very unequal sequences; on Hopper the default backend runs
+    the Hopper kernel's serving build, "portable" the decode kernel."""
+    _check_varlen([0, 1, 300, 5, 1000, 64], [7, 1, 300, 0, 1200, 64], heads, 128, rng,
+                  backend=backend, causal=causal)
+
+
+@pytest.mark.parametrize("masks", [
+    dict(causal=True),
+    dict(causal=False),
+    dict(causal=True, window=(100, -1)),
+    dict(causal=False, window=(50, 7)),
+    dict(causal=False, window=(300, 0)),
+    dict(causal=False, window=(-1, 20)),
+    dict(causal=True, sinks=True),
+    dict(causal=False, window=(200, 0), sinks=True),
+])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_varlen_prefill_with_windows(masks, head_dim, rng):
+    """Sequences of a tile and longer, partial tiles and windows narrower than a key block;
+    max_seqlen_q is large enough for the prefill route."""
+    _check_varlen([129, 64, 700, 1, 383], [129, 300, 700, 2000, 383], (8, 2), head_dim, rng,
+                  **masks)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_prefill_over_a_cache_reads_only_filled_rows(dtype, causal, head_dim, rng):
+    """Chunked prefill: new query tokens over a contiguous cache whose rows past each
+    sequence's filled length are NaN (an unwritten cache); those rows must not reach any
+    output. Lengths below the query count leave the causal rows above the diagonal empty."""
+    import cupy
+    import ptxattn
+
+    batch, capacity, heads_q, heads_kv = 4, 1100, 8, 2
+    lengths = [1100, 517, 200, 64]
+    q = _random((batch, 200, heads_q, head_dim), rng, dtype)
+    k = _random((batch, capacity, heads_kv, head_dim), rng, dtype)
+    v = _random((batch, capacity, heads_kv, head_dim), rng, dtype)
+    garbage_k, garbage_v = k.copy(), v.copy()
+    for b, length in enumerate(lengths):
+        garbage_k[b, length:] = cupy.nan
+        garbage_v[b, length:] = cupy.nan
+    out, lse = ptxattn.attention_with_kvcache(
+        q, garbage_k, garbage_v, cache_seqlens=cupy.asarray(np.array(lengths, dtype=np.int32)),
+        causal=causal, return_lse=True)
+    _check_kvcache(q, k, v, lengths, out, lse, causal=causal)
 
 
 def test_merge_attention_states_equals_attention_over_all_keys(rng):
@@ -237,6 +290,56 @@ def test_merge_attention_states_equals_attention_over_all_keys(rng):
     assert float(cupy.abs(lse - ref_lse).max()) < 1e-5
     again, _ = ptxattn.merge_attention_states(cupy.stack(outs), cupy.stack(lses))
     assert bool((again == out).all()), "the merge is not deterministic"
+
+
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_prefill_split_counts_agree(head_dim, rng):
+    """The Hopper serving build's split-KV (and the decode kernel's, on other GPUs): every
+    forced split count, and the automatic one, against the reference, sinks included."""
+    import cupy
+    import ptxattn
+
+    batch, capacity, heads_q, heads_kv = 2, 1500, 4, 1
+    lengths = [1500, 700]
+    q = _random((batch, 100, heads_q, head_dim), rng)
+    k = _random((batch, capacity, heads_kv, head_dim), rng)
+    v = _random((batch, capacity, heads_kv, head_dim), rng)
+    sinks = cupy.asarray(rng.standard_normal(heads_q, dtype=np.float32))
+    for splits in (0, 1, 2, 3, 7, 24):
+        out, lse = ptxattn.attention_with_kvcache(
+            q, k, v, cache_seqlens=cupy.asarray(np.array(lengths, dtype=np.int32)),
+            num_splits=splits, sinks=sinks, return_lse=True)
+        _check_kvcache(q, k, v, lengths, out, lse, causal=True, sinks=sinks)
+
+
+def test_decode_reads_only_filled_rows(rng):
+    """Single-token decode over a cache that is NaN past each filled length."""
+    import cupy
+    import ptxattn
+
+    batch, capacity, heads_q, heads_kv, head_dim = 3, 700, 8, 2, 128
+    lengths = [700, 333, 1]
+    q = _random((batch, 1, heads_q, head_dim), rng)
+    k = _random((batch, capacity, heads_kv, head_dim), rng)
+    v = _random((batch, capacity, heads_kv, head_dim), rng)
+    garbage_k, garbage_v = k.copy(), v.copy()
+    for b, length in enumerate(lengths):
+        garbage_k[b, length:] = cupy.nan
+        garbage_v[b, length:] = cupy.nan
+    out, lse = ptxattn.attention_with_kvcache(
+        q, garbage_k, garbage_v, cache_seqlens=cupy.asarray(np.array(lengths, dtype=np.int32)),
+        return_lse=True)
+    _check_kvcache(q, k, v, lengths, out, lse, causal=True)
+
+
+def test_attention_with_a_window_alone(rng):
+    import ptxattn
+
+    q = _random((2, 300, 8, 128), rng)
+    k = _random((2, 300, 2, 128), rng, scale=2.0)
+    v = _random((2, 300, 2, 128), rng)
+    out, lse = ptxattn.attention(q, k, v, return_lse=True, causal=True, window=(64, -1))
+    _check_kvcache(q, k, v, [300, 300], out, lse, causal=True, window=(64, -1))
 
 
 def test_attention_with_window_softcap_sinks(rng):

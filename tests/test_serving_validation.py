@@ -85,12 +85,12 @@ def test_good_kvcache_calls_pass():
     p = _kvcache()
     assert (p.format, p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, p.head_dim) == (
         "bfloat16", 2, 4, CAPACITY, 8, 2, 64)
-    assert p.features == {"causal", "gqa", "kvcache"}
+    assert p.features == {"causal", "gqa", "kvcache", "decode"}
     p = _kvcache(paged=True, cache_seqlens=_at(9, (2,), "int32"), k_new=_at(5, NEW),
                  v_new=_at(6, NEW), out=_at(7, Q), sinks=_at(8, (8,), "float32"), causal=False,
                  window=(16, 0), softcap=30.0, num_splits=4)
     assert p.seqlen_k == CAPACITY and p.num_splits == 4 and p.window == (16, 0)
-    assert p.features == {"gqa", "window", "softcap", "sinks", "kvcache", "paged"}
+    assert p.features == {"gqa", "window", "softcap", "sinks", "kvcache", "paged", "decode"}
 
 
 @pytest.mark.parametrize("paged,overrides", [
@@ -264,7 +264,7 @@ def test_a_good_varlen_call_passes():
     p = _varlen(out=Packed((Q_TOKENS, 8, 64), ptr=7 << 20), causal=True)
     assert (p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, p.total_q) == (
         2, 6, 16, 8, 2, Q_TOKENS)
-    assert p.features == {"causal", "gqa", "varlen"}
+    assert p.features == {"causal", "gqa", "varlen", "decode"}
 
 
 @pytest.mark.parametrize("overrides,error,match", [
