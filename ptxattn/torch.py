@@ -34,8 +34,7 @@ Outputs are allocated by torch's caching allocator, except the serving ops' lse,
 allocates from CuPy's pool (as its other temporaries; ptxattn.interop) and torch frees.
 """
 
-from collections.abc import Sequence
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
