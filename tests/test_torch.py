@@ -177,7 +177,8 @@ def test_kvcache_op_declares_the_caches_mutated():
 
 
 @pytest.mark.parametrize("op, args", [("attention_varlen_fwd", _varlen_args),
-                                      ("attention_with_kvcache_fwd", _kvcache_args)])
+                                      ("attention_with_kvcache_fwd", _kvcache_args)],
+                         ids=["varlen", "kvcache"])
 def test_opcheck_serving_ops_on_meta_tensors(op, args):
     """Schema (only the caches mutated), autograd (none registered: torch's), fake against the
     meta kernel, AOT dispatch with dynamic shapes."""
@@ -186,7 +187,8 @@ def test_opcheck_serving_ops_on_meta_tensors(op, args):
 
 @pytest.mark.filterwarnings("ignore:Error detected in GeneratedBackward")  # anomaly mode's
 @pytest.mark.parametrize("op, args", [("attention_varlen_fwd", _varlen_args),
-                                      ("attention_with_kvcache_fwd", _kvcache_args)])
+                                      ("attention_with_kvcache_fwd", _kvcache_args)],
+                         ids=["varlen", "kvcache"])
 def test_a_gradient_through_a_serving_op_raises(op, args):
     """No backward yet: the forward runs on tensors that require grad, a backward through it
     raises rather than giving zeros."""
