@@ -63,7 +63,7 @@ class ExecutionStage(enum.IntEnum):
     PREPARE = 1
     INITIALIZE = 2
     EXECUTE = 3
-    RECORD = 4  # API 0.4: CUDA-graph recording, never asked of a handler without that trait
+    RECORD = 4  # API 0.4: CUDA-graph recording, a bundle's record handler's (none here)
 
 
 class ErrorCode(enum.IntEnum):
