@@ -16,12 +16,16 @@ XLA's output buffers and queue their kernels on that stream.
 
 The handler speaks XLA's FFI C ABI (``xla/ffi/api/c_api.h``, shipped with jaxlib under
 ``jax.ffi.include_dir()``), declared below with ctypes: only the structs and fields this module
-reads or writes. It tells XLA that it was written against FFI API version 0.1 (every struct it
-touches is as in 0.1; later versions only append fields) and that it is not safe to capture in a
-CUDA graph (ptxattn allocates workspace from CuPy's memory pool on each call), so XLA calls it on
-every execution. Work goes through CuPy's pool, which shares the GPU with XLA's own allocator: by
-default XLA takes 75% of the memory up front (XLA_PYTHON_CLIENT_MEM_FRACTION), and the temporary
-lse and the backward's workspace (README: ``B*Hq*Sq*(D+1)*4`` bytes) come out of the rest.
+reads or writes. Each of them has kept its layout from FFI API 0.1 to 0.4 (jaxlib 0.10 speaks 0.3,
+jaxlib 0.11 speaks 0.4; types were renamed and other fields and functions added, none of these
+moved), so one declaration serves every jaxlib. When XLA registers the handler it asks which API
+version the handler speaks; the handler answers with XLA's own (up to 0.4, the newest whose header
+these declarations were checked against), refuses another major version (an ABI break), and says
+that it is not safe to capture in a CUDA graph (ptxattn allocates workspace from CuPy's memory
+pool on each call), so XLA calls it on every execution. Work goes through CuPy's pool, which
+shares the GPU with XLA's own allocator: by default XLA takes 75% of the memory up front
+(XLA_PYTHON_CLIENT_MEM_FRACTION), and the temporary lse and the backward's workspace (README:
+``B*Hq*Sq*(D+1)*4`` bytes) come out of the rest.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class ExecutionStage(enum.IntEnum):
     PREPARE = 1
     INITIALIZE = 2
     EXECUTE = 3
+    RECORD = 4  # API 0.4: CUDA-graph recording, a bundle's record handler's (none here)
 
 
 class ErrorCode(enum.IntEnum):
@@ -82,9 +87,10 @@ ARG_BUFFER = 1   # XLA_FFI_ArgType_BUFFER
 RET_BUFFER = 1   # XLA_FFI_RetType_BUFFER
 ATTR_SCALAR = 3  # XLA_FFI_AttrType_SCALAR
 
-# The FFI API version this handler implements, reported in its metadata: 0.1, the oldest XLA
-# accepts (kMinSupportedApiVersion), in which every struct below already had these fields.
-API_VERSION = (0, 1)
+# The FFI API versions whose c_api.h the declarations below match (the tests hold them to the
+# installed jaxlib's header): major 0, minors 1 (the oldest XLA accepts) to 4 (jaxlib 0.11).
+API_MAJOR = 0
+API_MINORS = range(1, 5)
 
 NUMPY_DTYPES = {
     DataType.PRED: np.dtype(np.bool_),
@@ -97,21 +103,22 @@ NUMPY_DTYPES = {
 }
 
 
-class XLA_FFI_Extension_Base(ctypes.Structure):
-    pass
+class XLA_FFI_InternalExtension(ctypes.Structure):
+    """XLA_FFI_Extension_Base before API 0.4, which renamed it when it added a generic
+    XLA_FFI_Extension for execution contexts (not used here)."""
 
 
-XLA_FFI_Extension_Base._fields_ = [
+XLA_FFI_InternalExtension._fields_ = [
     ("struct_size", ctypes.c_size_t),
-    ("type", ctypes.c_int),  # XLA_FFI_Extension_Type
-    ("next", ctypes.POINTER(XLA_FFI_Extension_Base)),
+    ("type", ctypes.c_int),  # XLA_FFI_InternalExtension_Type
+    ("next", ctypes.POINTER(XLA_FFI_InternalExtension)),
 ]
 
 
 class XLA_FFI_Api_Version(ctypes.Structure):
     _fields_ = [
         ("struct_size", ctypes.c_size_t),
-        ("extension_start", ctypes.POINTER(XLA_FFI_Extension_Base)),
+        ("extension_start", ctypes.POINTER(XLA_FFI_InternalExtension)),
         ("major_version", ctypes.c_int),
         ("minor_version", ctypes.c_int),
     ]
@@ -128,7 +135,7 @@ class XLA_FFI_Metadata(ctypes.Structure):
 
 class XLA_FFI_Metadata_Extension(ctypes.Structure):
     _fields_ = [
-        ("extension_base", XLA_FFI_Extension_Base),
+        ("extension_base", XLA_FFI_InternalExtension),
         ("metadata", ctypes.POINTER(XLA_FFI_Metadata)),
     ]
 
@@ -144,7 +151,7 @@ class XLA_FFI_Scalar(ctypes.Structure):
 class XLA_FFI_Buffer(ctypes.Structure):
     _fields_ = [
         ("struct_size", ctypes.c_size_t),
-        ("extension_start", ctypes.POINTER(XLA_FFI_Extension_Base)),
+        ("extension_start", ctypes.POINTER(XLA_FFI_InternalExtension)),
         ("dtype", ctypes.c_int),  # XLA_FFI_DataType
         ("data", ctypes.c_void_p),
         ("rank", ctypes.c_int64),
@@ -155,7 +162,7 @@ class XLA_FFI_Buffer(ctypes.Structure):
 class XLA_FFI_Args(ctypes.Structure):
     _fields_ = [
         ("struct_size", ctypes.c_size_t),
-        ("extension_start", ctypes.POINTER(XLA_FFI_Extension_Base)),
+        ("extension_start", ctypes.POINTER(XLA_FFI_InternalExtension)),
         ("size", ctypes.c_int64),
         ("types", ctypes.POINTER(ctypes.c_int)),  # XLA_FFI_ArgType[size]
         ("args", ctypes.POINTER(ctypes.c_void_p)),
@@ -165,7 +172,7 @@ class XLA_FFI_Args(ctypes.Structure):
 class XLA_FFI_Rets(ctypes.Structure):
     _fields_ = [
         ("struct_size", ctypes.c_size_t),
-        ("extension_start", ctypes.POINTER(XLA_FFI_Extension_Base)),
+        ("extension_start", ctypes.POINTER(XLA_FFI_InternalExtension)),
         ("size", ctypes.c_int64),
         ("types", ctypes.POINTER(ctypes.c_int)),  # XLA_FFI_RetType[size]
         ("rets", ctypes.POINTER(ctypes.c_void_p)),
@@ -175,7 +182,7 @@ class XLA_FFI_Rets(ctypes.Structure):
 class XLA_FFI_Attrs(ctypes.Structure):
     _fields_ = [
         ("struct_size", ctypes.c_size_t),
-        ("extension_start", ctypes.POINTER(XLA_FFI_Extension_Base)),
+        ("extension_start", ctypes.POINTER(XLA_FFI_InternalExtension)),
         ("size", ctypes.c_int64),
         ("types", ctypes.POINTER(ctypes.c_int)),  # XLA_FFI_AttrType[size]
         ("names", ctypes.POINTER(ctypes.POINTER(XLA_FFI_ByteSpan))),
@@ -186,7 +193,7 @@ class XLA_FFI_Attrs(ctypes.Structure):
 class XLA_FFI_Error_Create_Args(ctypes.Structure):
     _fields_ = [
         ("struct_size", ctypes.c_size_t),
-        ("extension_start", ctypes.POINTER(XLA_FFI_Extension_Base)),
+        ("extension_start", ctypes.POINTER(XLA_FFI_InternalExtension)),
         ("message", ctypes.c_char_p),
         ("errc", ctypes.c_int),  # XLA_FFI_Error_Code
     ]
@@ -195,7 +202,7 @@ class XLA_FFI_Error_Create_Args(ctypes.Structure):
 class XLA_FFI_Stream_Get_Args(ctypes.Structure):
     _fields_ = [
         ("struct_size", ctypes.c_size_t),
-        ("extension_start", ctypes.POINTER(XLA_FFI_Extension_Base)),
+        ("extension_start", ctypes.POINTER(XLA_FFI_InternalExtension)),
         ("ctx", ctypes.c_void_p),  # XLA_FFI_ExecutionContext*
         ("stream", ctypes.c_void_p),  # out: the CUstream
     ]
@@ -208,15 +215,16 @@ XLA_FFI_Stream_Get = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.POINTER(XLA_FFI_St
 
 
 class XLA_FFI_Api(ctypes.Structure):
-    """The head of XLA's function table, up to the last entry used here (the table only grows at
-    its end)."""
+    """The head of XLA's function table, up to the last entry used here: these slots have kept
+    their places since API 0.1 (later entries were inserted and renamed, which is why the table is
+    declared no further)."""
     _fields_ = [
         ("struct_size", ctypes.c_size_t),
-        ("extension_start", ctypes.POINTER(XLA_FFI_Extension_Base)),
+        ("extension_start", ctypes.POINTER(XLA_FFI_InternalExtension)),
         ("api_version", XLA_FFI_Api_Version),
         ("internal_api", ctypes.c_void_p),
         ("XLA_FFI_Error_Create", XLA_FFI_Error_Create),
-        ("XLA_FFI_Error_GetMessage", ctypes.c_void_p),
+        ("XLA_FFI_Error_GetDetails", ctypes.c_void_p),  # XLA_FFI_Error_GetMessage before 0.4
         ("XLA_FFI_Error_Destroy", ctypes.c_void_p),
         ("XLA_FFI_Handler_Register", ctypes.c_void_p),
         ("XLA_FFI_Stream_Get", XLA_FFI_Stream_Get),
@@ -226,7 +234,7 @@ class XLA_FFI_Api(ctypes.Structure):
 class XLA_FFI_CallFrame(ctypes.Structure):
     _fields_ = [
         ("struct_size", ctypes.c_size_t),
-        ("extension_start", ctypes.POINTER(XLA_FFI_Extension_Base)),
+        ("extension_start", ctypes.POINTER(XLA_FFI_InternalExtension)),
         ("api", ctypes.POINTER(XLA_FFI_Api)),
         ("ctx", ctypes.c_void_p),  # XLA_FFI_ExecutionContext*
         ("stage", ctypes.c_int),  # XLA_FFI_ExecutionStage
@@ -315,18 +323,44 @@ def _buffers(count: int, kinds, pointers, buffer_kind: int, what: str) -> list[X
     return buffers
 
 
-def _answer_metadata(frame: XLA_FFI_CallFrame) -> bool:
-    """Whether this call is XLA's metadata query (made when the target is registered), which the
-    handler answers with its API version and traits instead of running."""
+def _metadata_request(frame: XLA_FFI_CallFrame):
+    """The XLA_FFI_Metadata to fill in if this call is XLA's metadata query (made when the target
+    is registered: a metadata extension on the call frame's chain), else None."""
     extension = frame.extension_start
-    if not extension or extension.contents.type != ExtensionType.METADATA:
-        return False
-    metadata = ctypes.cast(extension, ctypes.POINTER(XLA_FFI_Metadata_Extension)).contents.metadata
-    metadata.contents.api_version = XLA_FFI_Api_Version(
+    while extension:
+        if extension.contents.type == ExtensionType.METADATA:
+            request = ctypes.cast(extension, ctypes.POINTER(XLA_FFI_Metadata_Extension))
+            return request.contents.metadata.contents
+        extension = extension.contents.next
+    return None
+
+
+def handler_api_version(xla_version: tuple[int, int] | None) -> tuple[int, int]:
+    """The FFI API version the handler speaks to an XLA that speaks ``xla_version``: XLA's own up
+    to the newest declared here (XLA accepts handlers of older minor versions, and keeps accepting
+    a minor version for at least a year after a newer one; answering with its own keeps ptxattn
+    registrable when it drops 0.1). ``None``, a query that carries no API table, gets the oldest.
+    Another major version is an ABI break: a ValueError."""
+    if xla_version is None:
+        return (API_MAJOR, API_MINORS[0])
+    major, minor = xla_version
+    if major != API_MAJOR or minor < API_MINORS[0]:
+        raise ValueError(f"XLA speaks FFI API {major}.{minor}; ptxattn.jax declares the C ABI of "
+                         f"{API_MAJOR}.{API_MINORS[0]} to {API_MAJOR}.{API_MINORS[-1]} only")
+    return (major, min(minor, API_MINORS[-1]))
+
+
+def _answer_metadata(frame: XLA_FFI_CallFrame, metadata: XLA_FFI_Metadata) -> None:
+    """Fills in the metadata query: the API version the handler speaks and no traits."""
+    xla_version = None
+    if frame.api:
+        version = frame.api.contents.api_version
+        xla_version = (version.major_version, version.minor_version)
+    major, minor = handler_api_version(xla_version)
+    metadata.api_version = XLA_FFI_Api_Version(
         struct_size=struct_size(XLA_FFI_Api_Version, "minor_version"),
-        major_version=API_VERSION[0], minor_version=API_VERSION[1])
-    metadata.contents.traits = 0
-    return True
+        major_version=major, minor_version=minor)
+    metadata.traits = 0
 
 
 def _error(frame: XLA_FFI_CallFrame, code: ErrorCode, message: str) -> int:
@@ -338,15 +372,17 @@ def _error(frame: XLA_FFI_CallFrame, code: ErrorCode, message: str) -> int:
 
 
 def ffi_handler(target: str, body) -> XLA_FFI_Handler:
-    """An XLA_FFI_Handler that answers the metadata query and runs ``body(FfiCall)`` at the
-    execute stage. Whatever ``body`` raises becomes an XLA error with the Python message (an
-    exception must not cross the C boundary: ctypes would print it and report success). The
-    caller keeps the returned object alive as long as XLA may call it."""
+    """An XLA_FFI_Handler that answers the metadata query (handler_api_version) and runs
+    ``body(FfiCall)`` at the execute stage. Whatever ``body`` raises becomes an XLA error with the
+    Python message (an exception must not cross the C boundary: ctypes would print it and report
+    success). The caller keeps the returned object alive as long as XLA may call it."""
 
     def handle(frame_pointer) -> int | None:
         frame = frame_pointer.contents
         try:
-            if _answer_metadata(frame):
+            metadata = _metadata_request(frame)
+            if metadata is not None:
+                _answer_metadata(frame, metadata)
                 return None
             if frame.stage != ExecutionStage.EXECUTE:
                 return _error(frame, ErrorCode.INTERNAL,

@@ -1,32 +1,44 @@
 """ptxattn for PyTorch: attention as torch.library custom ops, traceable by torch.compile and
-differentiable through ptxattn's backward. Imported only as ``ptxattn.torch``.
+differentiable through ptxattn's backward; the serving entry points as forward-only custom ops.
+Imported only as ``ptxattn.torch``.
 
     import ptxattn.torch
     out = ptxattn.torch.attention(q, k, v, causal=True)   # CUDA tensors (batch, seqlen, heads, dim)
     out.float().square().mean().backward()                 # q.grad, k.grad, v.grad
+    out = ptxattn.torch.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
+                                               k_new=k, v_new=v)   # appends k, v to the cache
 
-The ops, neither of which mutates its inputs:
+The ops:
 
 - ``ptxattn::attention_fwd(q, k, v, causal, softmax_scale, deterministic, backend) -> (out, lse)``
 - ``ptxattn::attention_bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic,
   backend) -> (dq, dk, dv)``
+- ``ptxattn::attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+  max_seqlen_k, causal, softmax_scale, window, softcap, sinks, check_contents, backend) ->
+  (out, lse)``
+- ``ptxattn::attention_with_kvcache_fwd(q, k_cache, v_cache, cache_seqlens, uniform_cache_seqlen,
+  block_table, k_new, v_new, causal, window, softcap, sinks, softmax_scale, num_splits,
+  check_contents, backend) -> (out, lse)``, which mutates k_cache and v_cache (declared, so that
+  torch.compile orders it and the caller sees the appended rows; they change only when k_new and
+  v_new are given).
 
 Each has a fake implementation (shapes and dtypes only, the strides the real one gives), so that
-torch.compile traces it without running it, and the forward's autograd formula calls the
-backward op. Both run on torch's current stream, with their outputs allocated by torch's caching
-allocator (ptxattn's own temporaries come from CuPy's pool; ptxattn.interop).
-
-Every entry point follows this pattern: an op pair ``<name>_fwd`` / ``<name>_bwd`` whose forward
-takes every argument its backward needs, a fake for each, one ``register_autograd`` joining them,
-and a public function. The varlen and KV-cache entry points (issue #16) are to be added as such
-pairs, beside attention's.
+torch.compile traces it without running it. attention's pair is joined by ``register_autograd``:
+its forward takes every argument its backward needs. The serving ops have no backward yet and no
+autograd formula: they run on tensors that require grad, but a backward through them raises
+torch's "no autograd formula was registered" error (at compile time under torch.compile, which
+traces the backward with the forward), never a silent zero gradient. (torch.library refuses an
+autograd formula for an op that mutates its inputs, so attention_with_kvcache's backward, when
+there is one, will be a functional op of its own.) Every op runs on torch's current stream.
+Outputs are allocated by torch's caching allocator, except the serving ops' lse, which ptxattn
+allocates from CuPy's pool (as its other temporaries; ptxattn.interop) and torch frees.
 """
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
-from . import api
+from . import api, serving
 
 _NO_GRAD = (None, None, None, None)  # for causal, softmax_scale, deterministic, backend
 
@@ -112,4 +124,113 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     bit-identical from run to run; ``backend`` picks the kernel family as in ptxattn.attention.
     """
     out, lse = attention_fwd(q, k, v, causal, softmax_scale, deterministic, backend)
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# Serving: variable-length batches and KV caches, forward only
+
+
+@torch.library.custom_op("ptxattn::attention_varlen_fwd", mutates_args=(), device_types="cuda")
+def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                         max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                         softmax_scale: Optional[float], window: Sequence[int], softcap: float,
+                         sinks: Optional[torch.Tensor], check_contents: bool,
+                         backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """ptxattn.attention_varlen's output and float32 log-sum-exp (heads_q, total_q)."""
+    return serving.attention_varlen(
+        q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        max_seqlen_k, causal=causal, softmax_scale=softmax_scale, window=tuple(window),
+        softcap=softcap, sinks=_detached(sinks), return_lse=True, out=q.new_empty(q.shape),
+        check_contents=check_contents, backend=backend)
+
+
+@attention_varlen_fwd.register_fake
+def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               causal, softmax_scale, window, softcap, sinks, check_contents,
+                               backend):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("ptxattn::attention_with_kvcache_fwd", mutates_args=("k_cache", "v_cache"),
+                         device_types="cuda")
+def attention_with_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               cache_seqlens: Optional[torch.Tensor], uniform_cache_seqlen: int,
+                               block_table: Optional[torch.Tensor], k_new: Optional[torch.Tensor],
+                               v_new: Optional[torch.Tensor], causal: bool,
+                               window: Sequence[int], softcap: float,
+                               sinks: Optional[torch.Tensor], softmax_scale: Optional[float],
+                               num_splits: int, check_contents: bool,
+                               backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """ptxattn.attention_with_kvcache's output and float32 log-sum-exp (batch, heads_q,
+    seqlen_q), k_new and v_new written into the caches first. ``cache_seqlens`` is the int32
+    (batch,) tensor of filled lengths, or None for one length of every sequence,
+    ``uniform_cache_seqlen`` (a schema takes no union of int and tensor)."""
+    lengths = uniform_cache_seqlen if cache_seqlens is None else cache_seqlens
+    return serving.attention_with_kvcache(
+        q.detach(), k_cache.detach(), v_cache.detach(), cache_seqlens=lengths,
+        block_table=block_table, k_new=_detached(k_new), v_new=_detached(v_new), causal=causal,
+        window=tuple(window), softcap=softcap, sinks=_detached(sinks),
+        softmax_scale=softmax_scale, num_splits=num_splits, return_lse=True,
+        out=q.new_empty(q.shape), check_contents=check_contents, backend=backend)
+
+
+@attention_with_kvcache_fwd.register_fake
+def _attention_with_kvcache_fwd_fake(q, k_cache, v_cache, cache_seqlens, uniform_cache_seqlen,
+                                     block_table, k_new, v_new, causal, window, softcap, sinks,
+                                     softmax_scale, num_splits, check_contents, backend):
+    return q.new_empty(q.shape), q.new_empty(_lse_shape(q), dtype=torch.float32)
+
+
+def _detached(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """x without its autograd history (ptxattn refuses tensors that require grad), or None."""
+    return None if x is None else x.detach()
+
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                     max_seqlen_k: int, *, causal: bool = False,
+                     softmax_scale: Optional[float] = None, window=(-1, -1),
+                     softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
+                     return_lse: bool = False, check_contents: bool = True,
+                     backend: Optional[str] = None):
+    """:func:`ptxattn.attention_varlen` on CUDA tensors, as a custom op (forward only).
+
+    q (total_q, heads_q, head_dim), k and v (total_k, heads_kv, head_dim) packed back to back;
+    cu_seqlens_q/k int32 (batch + 1,) cumulative lengths; every option as there (no ``out``:
+    the output comes from torch's allocator). Returns the output like q and, with
+    ``return_lse``, the float32 log-sum-exp (heads_q, total_q). A backward through it raises.
+    """
+    out, lse = attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, causal, softmax_scale, tuple(window), softcap,
+                                    sinks, check_contents, backend)
+    return (out, lse) if return_lse else out
+
+
+def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+                           cache_seqlens, block_table: Optional[torch.Tensor] = None,
+                           k_new: Optional[torch.Tensor] = None,
+                           v_new: Optional[torch.Tensor] = None, causal: bool = True,
+                           window=(-1, -1), softcap: float = 0.0,
+                           sinks: Optional[torch.Tensor] = None,
+                           softmax_scale: Optional[float] = None, num_splits: int = 0,
+                           return_lse: bool = False, check_contents: bool = True,
+                           backend: Optional[str] = None):
+    """:func:`ptxattn.attention_with_kvcache` on CUDA tensors, as a custom op (forward only).
+
+    q (batch, seqlen_q, heads_q, head_dim); a contiguous cache (batch, seqlen_cache, heads_kv,
+    head_dim) or a paged one (num_pages, page_size, heads_kv, head_dim) with an int32 (batch,
+    max_pages) ``block_table``; ``cache_seqlens`` an int or an int32 (batch,) tensor;
+    ``k_new``/``v_new`` (batch, seqlen_new, heads_kv, head_dim) are written into k_cache and
+    v_cache in place, visible to the caller, also under torch.compile. Every option as there (no
+    ``out``: the output comes from torch's allocator). Returns the output like q and, with
+    ``return_lse``, the float32 log-sum-exp (batch, heads_q, seqlen_q). A backward through it
+    raises.
+    """
+    tensor = isinstance(cache_seqlens, torch.Tensor)
+    out, lse = attention_with_kvcache_fwd(
+        q, k_cache, v_cache, cache_seqlens if tensor else None, 0 if tensor else cache_seqlens,
+        block_table, k_new, v_new, causal, tuple(window), softcap, sinks, softmax_scale,
+        num_splits, check_contents, backend)
     return (out, lse) if return_lse else out

@@ -2,20 +2,24 @@
 
 Without a GPU (JAX's CPU backend): importing ptxattn does not import JAX; the ctypes mirrors of
 XLA's FFI structs have the header's field offsets (a table derived from ``xla/ffi/api/c_api.h``
-and, where a C compiler is found, the header shipped with the installed jaxlib); the handler
-machinery (metadata answer, buffers, scalar attributes, errors) runs for real on XLA's CPU
-runtime through test targets; bad arguments fail at trace time; shapes, gradients' shapes, vmap
-and the lowered custom calls are right.
+of jaxlib 0.10 and 0.11 and, where a C compiler is found, the header shipped with the installed
+jaxlib, whichever names it uses); the metadata query is answered with the API version XLA speaks
+(a stand-in XLA_FFI_Api of each version), another major version is refused; the handler
+machinery (buffers, scalar attributes, errors) runs for real on XLA's CPU runtime through test
+targets, on JAX's CPU device even where a GPU is the default; bad arguments fail at trace time;
+shapes, gradients' shapes, vmap and the lowered custom calls are right.
 
 On the GPU, under jax.jit: outputs and gradients (jax.grad of a scalar loss) against FP32 attention,
 ``jax.nn.dot_product_attention`` on float32 copies at the highest matmul precision. Tolerance as in
 tests/test_backward.py: each result's max error against FP32 is at most twice the max error of
 ``jax.nn.dot_product_attention`` run on the same bf16/fp16 inputs (the same math in the input
 precision: FP32 logits and softmax, P rounded to the input dtype, as ptxattn does), plus twice the
-rounding noise of one value of that result in the input dtype.
+rounding noise of one value of that result in the input dtype. No GPU test can hang the run
+(GPU_TEST_TIMEOUT_S below).
 """
 
 import ctypes
+import faulthandler
 import importlib.util
 import os
 import shutil
@@ -45,10 +49,11 @@ def test_importing_ptxattn_does_not_import_jax():
 # ---------------------------------------------------------------------------------------------
 # The C ABI
 
-# (struct, field, offset) and (struct, size) on LP64, from c_api.h (XLA FFI API 0.3, jaxlib
-# 0.10; checked by compiling the header with gcc): every field ptxattn.jax reads or writes.
+# (struct, field, offset) and (struct, size) on LP64, from c_api.h, the same in FFI API 0.3
+# (jaxlib 0.10.2) and 0.4 (jaxlib 0.11.2), both checked by compiling the header with gcc: every
+# field ptxattn.jax reads or writes. Names are ptxattn.jax's, which are the 0.4 header's.
 C_OFFSETS = [
-    ("XLA_FFI_Extension_Base", "type", 8), ("XLA_FFI_Extension_Base", "next", 16),
+    ("XLA_FFI_InternalExtension", "type", 8), ("XLA_FFI_InternalExtension", "next", 16),
     ("XLA_FFI_Api_Version", "major_version", 16), ("XLA_FFI_Api_Version", "minor_version", 20),
     ("XLA_FFI_Metadata", "api_version", 8), ("XLA_FFI_Metadata", "traits", 32),
     ("XLA_FFI_Metadata_Extension", "metadata", 24),
@@ -69,7 +74,7 @@ C_OFFSETS = [
     ("XLA_FFI_CallFrame", "rets", 80), ("XLA_FFI_CallFrame", "attrs", 120),
     ("XLA_FFI_CallFrame", "future", 168),
 ]
-C_SIZES = [("XLA_FFI_Extension_Base", 24), ("XLA_FFI_Api_Version", 24),
+C_SIZES = [("XLA_FFI_InternalExtension", 24), ("XLA_FFI_Api_Version", 24),
            ("XLA_FFI_Metadata_Extension", 32), ("XLA_FFI_ByteSpan", 16), ("XLA_FFI_Scalar", 16),
            ("XLA_FFI_Buffer", 48), ("XLA_FFI_Args", 40), ("XLA_FFI_Rets", 40),
            ("XLA_FFI_Attrs", 48), ("XLA_FFI_Error_Create_Args", 32),
@@ -92,22 +97,42 @@ def test_struct_layouts_match_c_api_h():
         assert pj.struct_size(getattr(pj, struct), last) == size, struct
 
 
+def _header_names(header: str) -> dict[str, str]:
+    """ptxattn.jax's struct names as ``header`` (c_api.h's text) spells them: FFI API 0.4 (jaxlib
+    0.11) renamed XLA_FFI_Extension_Base to XLA_FFI_InternalExtension."""
+    if "XLA_FFI_InternalExtension" in header:
+        return {}
+    return {"XLA_FFI_InternalExtension": "XLA_FFI_Extension_Base"}
+
+
 @requires_jax
 def test_struct_layouts_match_the_installed_jaxlib_header(tmp_path):
-    """The same offsets, printed by a C program built against the c_api.h that this jaxlib
-    ships: a later jaxlib that moved a field fails here."""
+    """The same offsets, sizes and XLA_FFI_STRUCT_SIZEs, printed by a C program built against the
+    c_api.h that this jaxlib ships, and its major API version: a jaxlib that moved a field fails
+    here."""
     import jax
 
     import ptxattn.jax as pj
 
     compiler = shutil.which("cc") or shutil.which("gcc")
     header_dir = jax.ffi.include_dir()
+    header_path = os.path.join(header_dir, "xla", "ffi", "api", "c_api.h")
     if compiler is None:
         pytest.skip("no C compiler to build the layout probe")
-    if not os.path.isfile(os.path.join(header_dir, "xla", "ffi", "api", "c_api.h")):
+    if not os.path.isfile(header_path):
         pytest.skip(f"this jaxlib ships no xla/ffi/api/c_api.h under {header_dir}")
-    lines = [f'printf("{s}.{f} %zu\\n", offsetof({s}, {f}));' for s, f, _ in C_OFFSETS]
-    lines += [f'printf("{s} %zu\\n", sizeof({s}));' for s, _ in C_SIZES]
+    with open(header_path) as f:
+        names = _header_names(f.read())
+
+    def c(struct):
+        return names.get(struct, struct)
+
+    lines = [f'printf("{s}.{f} %zu\\n", offsetof({c(s)}, {f}));' for s, f, _ in C_OFFSETS]
+    lines += [f'printf("{s} %zu\\n", sizeof({c(s)}));' for s, _ in C_SIZES]
+    lines += [f'printf("XLA_FFI_STRUCT_SIZE({s}, {f}) %zu\\n", '
+              f'(size_t)XLA_FFI_STRUCT_SIZE({c(s)}, {f}));' for s, f, _ in C_STRUCT_SIZES]
+    lines += ['printf("XLA_FFI_API_MAJOR %d\\n", XLA_FFI_API_MAJOR);',
+              'printf("XLA_FFI_API_MINOR %d\\n", XLA_FFI_API_MINOR);']
     source = tmp_path / "layout.c"
     source.write_text(textwrap.dedent("""\
         #include <stddef.h>
@@ -123,36 +148,141 @@ def test_struct_layouts_match_the_installed_jaxlib_header(tmp_path):
     printed = dict(line.rsplit(" ", 1)
                    for line in subprocess.run([str(binary)], capture_output=True, text=True,
                                               check=True).stdout.splitlines())
+    version = f"FFI API {printed['XLA_FFI_API_MAJOR']}.{printed['XLA_FFI_API_MINOR']}"
+    assert int(printed["XLA_FFI_API_MAJOR"]) == pj.API_MAJOR, version
     for struct, field, _ in C_OFFSETS:
         assert getattr(getattr(pj, struct), field).offset == int(printed[f"{struct}.{field}"]), \
-            (struct, field)
+            (version, struct, field)
     for struct, _ in C_SIZES:
-        assert ctypes.sizeof(getattr(pj, struct)) == int(printed[struct]), struct
+        assert ctypes.sizeof(getattr(pj, struct)) == int(printed[struct]), (version, struct)
+    for struct, last, _ in C_STRUCT_SIZES:
+        assert pj.struct_size(getattr(pj, struct), last) == int(
+            printed[f"XLA_FFI_STRUCT_SIZE({struct}, {last})"]), (version, struct)
+
+
+class _FakeXla:
+    """What a handler uses of XLA before it runs anything, made here: an XLA_FFI_Api of a chosen
+    version whose XLA_FFI_Error_Create records the error and returns a dummy address."""
+
+    ERROR = 0xE0
+
+    def __init__(self, version):
+        import ptxattn.jax as pj
+
+        self.errors = []
+
+        def create(args):
+            self.errors.append((args.contents.errc, args.contents.message.decode()))
+            return self.ERROR
+
+        self._create = pj.XLA_FFI_Error_Create(create)  # kept alive with the table
+        self.api = pj.XLA_FFI_Api(struct_size=ctypes.sizeof(pj.XLA_FFI_Api),
+                                  XLA_FFI_Error_Create=self._create)
+        self.api.api_version.major_version, self.api.api_version.minor_version = version
+
+
+def _metadata_frame(xla, extensions):
+    """A call frame as XLA's metadata query makes it: ``extensions`` (XLA_FFI_InternalExtension
+    heads, the metadata one among them) chained in order, ``xla``'s table (None: no table)."""
+    import ptxattn.jax as pj
+
+    for extension, following in zip(extensions, extensions[1:]):
+        extension.next = ctypes.pointer(following)
+    frame = pj.XLA_FFI_CallFrame(struct_size=ctypes.sizeof(pj.XLA_FFI_CallFrame),
+                                 stage=pj.ExecutionStage.EXECUTE)
+    frame.extension_start = ctypes.pointer(extensions[0])
+    if xla is not None:
+        frame.api = ctypes.pointer(xla.api)
+    return frame
+
+
+def _metadata_extension(metadata):
+    import ptxattn.jax as pj
+
+    extension = pj.XLA_FFI_Metadata_Extension(metadata=ctypes.pointer(metadata))
+    extension.extension_base = pj.XLA_FFI_InternalExtension(
+        struct_size=ctypes.sizeof(extension), type=pj.ExtensionType.METADATA)
+    return extension
 
 
 @requires_jax
-def test_metadata_query_is_answered_with_version_0_1_and_no_traits():
+@pytest.mark.parametrize("xla_version, answer", [
+    ((0, 1), (0, 1)), ((0, 3), (0, 3)), ((0, 4), (0, 4)), ((0, 9), (0, 4)), (None, (0, 1))],
+    ids=["0.1", "0.3-jaxlib-0.10", "0.4-jaxlib-0.11", "0.9-newer", "no-table"])
+def test_metadata_query_is_answered_with_xla_s_version_and_no_traits(xla_version, answer):
+    """The handler speaks XLA's API version, up to the newest declared (0.4), and says it is not
+    safe to capture in a CUDA graph: ptxattn allocates workspace per call."""
     import ptxattn.jax as pj
 
+    xla = _FakeXla(xla_version) if xla_version is not None else None
     metadata = pj.XLA_FFI_Metadata(struct_size=ctypes.sizeof(pj.XLA_FFI_Metadata), traits=7)
-    extension = pj.XLA_FFI_Metadata_Extension(metadata=ctypes.pointer(metadata))
-    extension.extension_base = pj.XLA_FFI_Extension_Base(
-        struct_size=ctypes.sizeof(extension), type=pj.ExtensionType.METADATA)
-    frame = pj.XLA_FFI_CallFrame(struct_size=ctypes.sizeof(pj.XLA_FFI_CallFrame))
-    frame.extension_start = ctypes.cast(ctypes.pointer(extension),
-                                        ctypes.POINTER(pj.XLA_FFI_Extension_Base))
+    extension = _metadata_extension(metadata)
+    frame = _metadata_frame(xla, [extension.extension_base])
     ran = []
     handler = pj.ffi_handler("metadata_probe", ran.append)
     assert handler(ctypes.pointer(frame)) is None
     assert not ran
     version = metadata.api_version
-    assert (version.major_version, version.minor_version) == pj.API_VERSION == (0, 1)
-    assert metadata.traits == 0  # not CUDA-graph safe: ptxattn allocates workspace per call
+    assert (version.major_version, version.minor_version) == answer
+    assert version.struct_size == ctypes.sizeof(pj.XLA_FFI_Api_Version)
+    assert metadata.traits == 0
+
+
+@requires_jax
+def test_metadata_extension_is_found_behind_another_one():
+    import ptxattn.jax as pj
+
+    metadata = pj.XLA_FFI_Metadata(struct_size=ctypes.sizeof(pj.XLA_FFI_Metadata))
+    extension = _metadata_extension(metadata)
+    other = pj.XLA_FFI_InternalExtension(struct_size=ctypes.sizeof(pj.XLA_FFI_InternalExtension),
+                                         type=99)
+    frame = _metadata_frame(_FakeXla((0, 4)), [other, extension.extension_base])
+    ran = []
+    assert pj.ffi_handler("metadata_probe", ran.append)(ctypes.pointer(frame)) is None
+    assert not ran
+    assert (metadata.api_version.major_version, metadata.api_version.minor_version) == (0, 4)
+
+
+@requires_jax
+def test_metadata_query_of_another_major_version_is_refused():
+    """An XLA of FFI API 1.x may have moved every field: registration fails with the versions
+    named, rather than the handler reading one struct as another."""
+    import ptxattn.jax as pj
+
+    xla = _FakeXla((1, 0))
+    metadata = pj.XLA_FFI_Metadata(struct_size=ctypes.sizeof(pj.XLA_FFI_Metadata))
+    extension = _metadata_extension(metadata)
+    frame = _metadata_frame(xla, [extension.extension_base])
+    assert pj.ffi_handler("metadata_probe", None)(ctypes.pointer(frame)) == _FakeXla.ERROR
+    assert xla.errors == [(pj.ErrorCode.INVALID_ARGUMENT,
+                           "metadata_probe: ValueError: XLA speaks FFI API 1.0; ptxattn.jax "
+                           "declares the C ABI of 0.1 to 0.4 only")]
+
+
+@requires_jax
+@pytest.mark.parametrize("stage", ["INSTANTIATE", "PREPARE", "INITIALIZE", "RECORD"])
+def test_a_stage_other_than_execute_is_an_error(stage):
+    """Only an execute handler is registered (and no CUDA-graph trait, so no RECORD call): a call
+    at another stage runs nothing and says so."""
+    import ptxattn.jax as pj
+
+    xla = _FakeXla((0, 4))
+    frame = pj.XLA_FFI_CallFrame(struct_size=ctypes.sizeof(pj.XLA_FFI_CallFrame),
+                                 api=ctypes.pointer(xla.api), stage=pj.ExecutionStage[stage])
+    ran = []
+    assert pj.ffi_handler("stage_probe", ran.append)(ctypes.pointer(frame)) == _FakeXla.ERROR
+    assert not ran
+    assert xla.errors == [(pj.ErrorCode.INTERNAL,
+                           f"stage_probe: called at stage {pj.ExecutionStage[stage].value}; "
+                           "ptxattn registers an execute handler only")]
 
 
 # ---------------------------------------------------------------------------------------------
 # The handler on XLA's CPU runtime: a test target that reads its float32 input buffer and scalar
-# attributes and writes its output, the way the CUDA targets do with device buffers.
+# attributes and writes its output, the way the CUDA targets do with device buffers. Its inputs are
+# placed on JAX's CPU device: where JAX has a GPU, that is its default device, and the test targets
+# are registered for the CPU only.
+
 
 _cpu_targets = {}
 
@@ -183,13 +313,18 @@ def _affine_target():
     return "ptxattn_test_affine"
 
 
+def _on_cpu(x):
+    import jax
+    return jax.device_put(x, jax.devices("cpu")[0])
+
+
 def _affine(x, fail=0):
     import jax
 
     target = _affine_target()
     return jax.jit(lambda x: jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(x.shape, x.dtype))(
         x, scale=np.float64(0.5), shift=np.int32(3), fail=np.int64(fail),
-        flag=np.bool_(True)))(x)
+        flag=np.bool_(True)))(_on_cpu(x))
 
 
 @requires_jax
@@ -197,7 +332,9 @@ def test_handler_reads_buffers_and_attributes_on_xla_cpu():
     import jax.numpy as jnp
 
     x = jnp.arange(12, dtype=jnp.float32).reshape(3, 4)
-    np.testing.assert_array_equal(np.asarray(_affine(x)), np.asarray(x) * 0.5 + 3)
+    out = _affine(x)
+    assert {d.platform for d in out.devices()} == {"cpu"}
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(x) * 0.5 + 3)
 
 
 @requires_jax
@@ -223,10 +360,11 @@ def test_stream_request_on_cpu_passes_xla_error_on():
     if "stream" not in _cpu_targets:
         _cpu_targets["stream"] = pj.ffi_handler("ptxattn_test_stream", lambda call: call.stream())
         pj.register("ptxattn_test_stream", _cpu_targets["stream"], platform="cpu")
-    x = jnp.ones(4, jnp.float32)
-    with pytest.raises(jax.errors.JaxRuntimeError, match="context is not available"):
+    x = _on_cpu(jnp.ones(4, jnp.float32))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="context is not available") as error:
         jax.ffi.ffi_call("ptxattn_test_stream", jax.ShapeDtypeStruct(x.shape, x.dtype))(
             x).block_until_ready()
+    assert "ptxattn_test_stream:" not in str(error.value)  # XLA's error, not one made of it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,14 +462,62 @@ def test_lowered_calls_carry_the_static_attributes():
 # On the GPU
 
 
-@pytest.fixture
-def jax_gpu():
+# No GPU test may hang the run. One that has not finished after GPU_TEST_TIMEOUT_S seconds
+# (PTXATTN_TEST_TIMEOUT_S; kernels compiled on first use count) ends pytest, printing every thread's
+# stack (faulthandler). The tests whose kernels wait on one another (the deterministic backward's
+# blocks take turns, atomics.cuh) run in a child process instead, which is killed at the deadline
+# while the run goes on: a kernel that never finishes cannot be stopped from inside its process.
+GPU_TEST_TIMEOUT_S = float(os.environ.get("PTXATTN_TEST_TIMEOUT_S", "240"))
+
+
+def _jax_with_gpu():
     jax = pytest.importorskip("jax", reason="jax is not installed (pip install jax[cuda13])")
     try:
         jax.devices("gpu")
     except RuntimeError as e:
         pytest.skip(f"JAX has no GPU backend here: {e}")
     return jax
+
+
+@pytest.fixture
+def jax_gpu():
+    """JAX with a GPU, for a test that runs in this process, under the deadline."""
+    jax = _jax_with_gpu()
+    faulthandler.dump_traceback_later(GPU_TEST_TIMEOUT_S, exit=True)
+    yield jax
+    faulthandler.cancel_dump_traceback_later()
+
+
+def _run_in_child(check, rng):
+    """Runs ``check(rng)``, a function of this module, in a new Python process with a generator
+    seeded from ``rng``; fails this test with the child's output if it fails, and with its stacks
+    if it is still running at the deadline."""
+    _jax_with_gpu()
+    seed = int(rng.integers(2 ** 63))
+    grace = min(30.0, GPU_TEST_TIMEOUT_S / 10)  # for the child's stacks to be printed
+    code = textwrap.dedent(f"""\
+        import faulthandler, importlib.util
+        import numpy as np
+        faulthandler.dump_traceback_later({GPU_TEST_TIMEOUT_S - grace}, exit=True)
+        spec = importlib.util.spec_from_file_location("jax_adapter_checks", {__file__!r})
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        module.{check.__name__}(np.random.default_rng({seed}))
+        """)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        child = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True,
+                               text=True, timeout=GPU_TEST_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:  # its output comes as bytes, whatever text= says
+        output = b"\n".join(x for x in (e.stdout, e.stderr) if x).decode(errors="replace")
+        pytest.fail(f"{check.__name__} still ran after {GPU_TEST_TIMEOUT_S:.0f} s and was "
+                    f"killed:\n{output}")
+    if child.returncode != 0:
+        timed_out = "Timeout (" in child.stderr  # faulthandler's header
+        pytest.fail(f"{check.__name__} "
+                    + (f"still ran after {GPU_TEST_TIMEOUT_S - grace:.0f} s; its stacks:"
+                       if timed_out else f"failed (exit {child.returncode}):")
+                    + f"\n{child.stdout}\n{child.stderr}")
 
 
 def _bottom_right_causal_mask(seqlen_q, seqlen_k):
@@ -423,8 +609,7 @@ def test_float16_with_a_softmax_scale_and_non_causal_longer_queries(jax_gpu, cau
     _assert_matches_fp32(q, k, v, dout, causal=causal, softmax_scale=0.2)
 
 
-@pytest.mark.gpu
-def test_deterministic_gradients_are_bitwise_reproducible(jax_gpu, rng):
+def _check_deterministic_gradients_are_bitwise_reproducible(rng):
     import jax.numpy as jnp
 
     import ptxattn.jax as pj
@@ -441,7 +626,11 @@ def test_deterministic_gradients_are_bitwise_reproducible(jax_gpu, rng):
 
 
 @pytest.mark.gpu
-def test_vmap_folds_into_batch(jax_gpu, rng):
+def test_deterministic_gradients_are_bitwise_reproducible(rng):
+    _run_in_child(_check_deterministic_gradients_are_bitwise_reproducible, rng)
+
+
+def _check_vmap_folds_into_batch(rng):
     """vmap over a leading axis gives, bit for bit, the call on the batch-flattened arrays."""
     import jax
     import jax.numpy as jnp
@@ -461,3 +650,8 @@ def test_vmap_folds_into_batch(jax_gpu, rng):
                             dout.reshape(6, *dout.shape[2:]))
     for a, b in zip(vmapped, flat):
         assert bool(jnp.all(a.reshape(b.shape).view(jnp.uint16) == b.view(jnp.uint16)))
+
+
+@pytest.mark.gpu
+def test_vmap_folds_into_batch(rng):
+    _run_in_child(_check_vmap_folds_into_batch, rng)

@@ -1,8 +1,10 @@
 """ptxattn.torch: the custom ops, their fakes, autograd, torch.compile.
 
 CPU (fake and meta tensors, no GPU): the fakes give the real ops' shapes, dtypes and strides,
-autograd reaches the backward op, torch.library.opcheck accepts both ops' registrations, and
-torch.compile traces forward and backward with fullgraph=True.
+autograd reaches the backward op, torch.library.opcheck accepts every op's registration, and
+torch.compile traces forward and backward with fullgraph=True. The serving ops (varlen, KV cache):
+the same, plus the cache op's schema naming k_cache and v_cache as mutated, and a gradient through
+either raising (they have no backward), eagerly and under torch.compile.
 
 GPU: values and gradients against torch SDPA and against FP32 attention, bf16, causal or not,
 GQA. Tolerance, the rule of tests/test_attention.py and tests/test_backward.py (whose checks are
@@ -10,7 +12,10 @@ reused): against the FP32 reference (ptxattn.reference), each result's max error
 twice the max error of the same math done naively in bf16, plus twice the rounding noise of one
 bf16 value. Against SDPA the same bound holds for the difference: both are fused kernels that
 accumulate in FP32 and round far less than the naive computation, each at most about the naive
-error away from FP32, so at most about twice that from each other.
+error away from FP32, so at most about twice that from each other. The serving ops give,
+bit for bit, what ptxattn's CuPy entry points give (tests/test_serving.py holds those to FP32),
+append k_new/v_new into the caller's caches, eagerly and under torch.compile (inductor,
+fullgraph), and pass opcheck with the real kernels.
 """
 
 import numpy as np
@@ -85,6 +90,133 @@ def test_compile_traces_forward_and_backward_in_one_graph():
 
     loss(q, k, v).backward()
     assert q.grad.shape == q.shape and v.grad.shape == v.shape
+
+
+# ---------------------------------------------------------------------------------------------
+# The serving ops on fake and meta tensors
+
+# varlen: three sequences of 5, 0 and 11 queries over 7, 3 and 20 keys, GQA 8/2, head_dim 128
+VARLEN = {"lengths_q": [5, 0, 11], "lengths_k": [7, 3, 20], "heads": (8, 2), "head_dim": 128}
+# kvcache: batch 3, 2 new queries and 2 new keys a sequence, a paged cache of 10 pages of 16
+KVCACHE = {"batch": 3, "seqlen_q": 2, "heads": (8, 2), "head_dim": 128, "pages": (10, 16),
+           "block_table": [[5, 0, 3], [1, 9, 4], [8, 2, 6]]}
+
+
+def _bf16(shape, device, rng, requires_grad):
+    """Zeros (on meta or fake devices, where values do not matter), or standard normal values
+    drawn from ``rng``."""
+    if rng is None:
+        x = torch.zeros(shape, dtype=torch.bfloat16, device=device)
+    else:
+        x = _normal(rng, shape)[0]
+    return x.requires_grad_(requires_grad)
+
+
+def _varlen_args(device, requires_grad=False, rng=None, causal=True, window=(-1, -1),
+                 softcap=0.0, sinks=None):
+    """attention_varlen_fwd's arguments on ``device`` (default scale, contents checked, default
+    backend)."""
+    heads_q, heads_kv = VARLEN["heads"]
+    d = VARLEN["head_dim"]
+    total_q, total_k = sum(VARLEN["lengths_q"]), sum(VARLEN["lengths_k"])
+    q = _bf16((total_q, heads_q, d), device, rng, requires_grad)
+    k, v = (_bf16((total_k, heads_kv, d), device, rng, requires_grad) for _ in range(2))
+    cu_q, cu_k = (torch.tensor(np.cumsum([0] + VARLEN[name]), dtype=torch.int32, device=device)
+                  for name in ("lengths_q", "lengths_k"))
+    return (q, k, v, cu_q, cu_k, max(VARLEN["lengths_q"]), max(VARLEN["lengths_k"]), causal,
+            None, window, softcap, sinks, True, None)
+
+
+def _kvcache_args(device, requires_grad=False, rng=None, cache_seqlens=(3, 0, 40)):
+    """attention_with_kvcache_fwd's arguments on ``device``: a paged cache whose block_table
+    gives each sequence 3 of the 10 pages, in no order, k_new/v_new appended at
+    ``cache_seqlens`` (a tuple: a tensor of lengths; an int: one length for all), causal."""
+    batch, seqlen_q = KVCACHE["batch"], KVCACHE["seqlen_q"]
+    heads_q, heads_kv = KVCACHE["heads"]
+    d = KVCACHE["head_dim"]
+    num_pages, page_size = KVCACHE["pages"]
+    q = _bf16((batch, seqlen_q, heads_q, d), device, rng, requires_grad)
+    k_cache, v_cache = (_bf16((num_pages, page_size, heads_kv, d), device, rng, False)
+                        for _ in range(2))
+    k_new, v_new = (_bf16((batch, seqlen_q, heads_kv, d), device, rng, requires_grad)
+                    for _ in range(2))
+    table = torch.tensor(KVCACHE["block_table"], dtype=torch.int32, device=device)
+    lengths, uniform = ((torch.tensor(cache_seqlens, dtype=torch.int32, device=device), 0)
+                        if isinstance(cache_seqlens, tuple) else (None, cache_seqlens))
+    return (q, k_cache, v_cache, lengths, uniform, table, k_new, v_new, True, (-1, -1), 0.0,
+            None, None, 0, True, None)
+
+
+def test_fake_serving_ops_have_the_real_shapes_dtypes_and_strides():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k, v, cu_q, cu_k, max_q, max_k, *_ = _varlen_args("cuda")
+        out, lse = ptxattn.torch.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k,
+                                                  causal=True, return_lse=True)
+        assert (out.shape, out.dtype, out.device.type) == (q.shape, torch.bfloat16, "cuda")
+        assert (lse.shape, lse.dtype) == ((q.shape[1], q.shape[0]), torch.float32)
+        assert out.is_contiguous() and lse.is_contiguous()
+
+        q, k_cache, v_cache, lengths, _, table, k_new, v_new, *_ = _kvcache_args("cuda")
+        for cache_seqlens in (lengths, 7):
+            out, lse = ptxattn.torch.attention_with_kvcache(
+                q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=table, k_new=k_new,
+                v_new=v_new, return_lse=True)
+            assert (out.shape, out.dtype) == (q.shape, torch.bfloat16)
+            assert (lse.shape, lse.dtype) == ((3, 8, 2), torch.float32)
+            assert out.is_contiguous() and lse.is_contiguous()
+
+
+def test_kvcache_op_declares_the_caches_mutated():
+    schema = torch.ops.ptxattn.attention_with_kvcache_fwd.default._schema
+    mutated = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
+    assert mutated == ["k_cache", "v_cache"]
+    varlen = torch.ops.ptxattn.attention_varlen_fwd.default._schema
+    assert not any(a.alias_info for a in varlen.arguments)
+
+
+@pytest.mark.parametrize("op, args", [("attention_varlen_fwd", _varlen_args),
+                                      ("attention_with_kvcache_fwd", _kvcache_args)],
+                         ids=["varlen", "kvcache"])
+def test_opcheck_serving_ops_on_meta_tensors(op, args):
+    """Schema (only the caches mutated), autograd (none registered: torch's), fake against the
+    meta kernel, AOT dispatch with dynamic shapes."""
+    torch.library.opcheck(getattr(torch.ops.ptxattn, op).default, args("meta"))
+
+
+@pytest.mark.filterwarnings("ignore:Error detected in GeneratedBackward")  # anomaly mode's
+@pytest.mark.parametrize("op, args", [("attention_varlen_fwd", _varlen_args),
+                                      ("attention_with_kvcache_fwd", _kvcache_args)],
+                         ids=["varlen", "kvcache"])
+def test_a_gradient_through_a_serving_op_raises(op, args):
+    """No backward yet: the forward runs on tensors that require grad, a backward through it
+    raises rather than giving zeros."""
+    call = getattr(torch.ops.ptxattn, op)
+    out, lse = call(*args("meta", requires_grad=True))
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match=f"ptxattn.{op}.* no autograd formula"):
+        out.sum().backward()
+    # torch.compile traces the backward with the forward: there it fails when compiling
+    with pytest.raises(Exception, match="no autograd formula"):
+        torch.compile(lambda *a: call(*a)[0].sum(), backend="aot_eager", fullgraph=True)(
+            *args("meta", requires_grad=True))
+
+
+def test_compile_traces_the_serving_ops_in_one_graph():
+    """fullgraph=True fails on a graph break; aot_eager runs the functionalized graph (the cache
+    mutation as auto_functionalized) on meta tensors, through the fakes."""
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def step(varlen, kvcache, uniform_seqlen):
+        q, k, v, cu_q, cu_k, max_q, max_k, *_ = varlen
+        packed = ptxattn.torch.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)
+        q, k_cache, v_cache, _, _, table, k_new, v_new, *_ = kvcache
+        decoded = ptxattn.torch.attention_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=uniform_seqlen, block_table=table, k_new=k_new,
+            v_new=v_new, window=(64, 0), softcap=30.0)
+        return packed.float().sum() + decoded.float().sum()
+
+    assert step(_varlen_args("meta"), _kvcache_args("meta"), 5).shape == ()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,3 +362,134 @@ def test_torch_compile_fullgraph_on_the_gpu(rng):
     for eager, traced in zip(*results):
         torch.testing.assert_close(traced, eager)
     assert np.isfinite(float(results[1][0]))
+
+
+# ---------------------------------------------------------------------------------------------
+# The serving ops on the GPU: the same kernels as ptxattn's CuPy entry points (whose values
+# tests/test_serving.py holds to the FP32 reference), so the same bits
+
+
+def _varlen_through_cupy(args):
+    """ptxattn.attention_varlen (the CuPy entry point) on CuPy views of the op's arguments."""
+    import ptxattn
+
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, softcap, sinks, check, backend = args
+    return ptxattn.attention_varlen(
+        *(_cupy(x) for x in (q, k, v, cu_q, cu_k)), max_q, max_k, causal=causal,
+        softmax_scale=scale, window=window, softcap=softcap,
+        sinks=None if sinks is None else _cupy(sinks), return_lse=True, check_contents=check,
+        backend=backend)
+
+
+def _kvcache_through_cupy(args):
+    """ptxattn.attention_with_kvcache on CuPy views of the op's arguments, its caches clones
+    (returned after the call, with the appended rows)."""
+    import ptxattn
+
+    (q, k_cache, v_cache, lengths, uniform, table, k_new, v_new, causal, window, softcap, sinks,
+     scale, splits, check, backend) = args
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    out, lse = ptxattn.attention_with_kvcache(
+        _cupy(q), _cupy(k_cache), _cupy(v_cache),
+        cache_seqlens=uniform if lengths is None else _cupy(lengths), block_table=_cupy(table),
+        k_new=_cupy(k_new), v_new=_cupy(v_new), causal=causal, window=window, softcap=softcap,
+        sinks=sinks, softmax_scale=scale, num_splits=splits, return_lse=True,
+        check_contents=check, backend=backend)
+    return out, lse, k_cache, v_cache
+
+
+def _same_bits(torch_tensor, cupy_array) -> bool:
+    return torch.equal(torch_tensor, torch.from_dlpack(cupy_array))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("masks", [{}, {"causal": False, "window": (6, 2), "softcap": 20.0,
+                                        "sinks": True}], ids=["causal", "window-softcap-sinks"])
+def test_varlen_op_gives_the_cupy_entry_points_bits(masks, rng):
+    masks = dict(masks)
+    if masks.pop("sinks", False):
+        masks["sinks"] = torch.tensor(rng.standard_normal(VARLEN["heads"][0], dtype=np.float32)
+                                      * 3, device="cuda")
+    args = _varlen_args("cuda", rng=rng, **masks)
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, _, window, softcap, sinks, *_ = args
+    out, lse = ptxattn.torch.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
+                                              window=window, softcap=softcap, sinks=sinks,
+                                              return_lse=True)
+    expected_out, expected_lse = _varlen_through_cupy(args)
+    assert (out.dtype, lse.dtype, lse.shape) == (torch.bfloat16, torch.float32,
+                                                 (q.shape[1], q.shape[0]))
+    assert _same_bits(out, expected_out) and _same_bits(lse, expected_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_seqlens", [(3, 0, 40), 30], ids=["tensor", "int"])
+def test_kvcache_op_appends_in_the_callers_caches_and_gives_the_cupy_entry_points_bits(
+        cache_seqlens, rng):
+    args = _kvcache_args("cuda", rng=rng, cache_seqlens=cache_seqlens)
+    q, k_cache, v_cache, lengths, uniform, table, k_new, v_new, *_ = args
+    expected_out, expected_lse, expected_k, expected_v = _kvcache_through_cupy(args)
+    out, lse = ptxattn.torch.attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=uniform if lengths is None else lengths,
+        block_table=table, k_new=k_new, v_new=v_new, return_lse=True)
+    assert (out.dtype, lse.dtype, lse.shape) == (torch.bfloat16, torch.float32,
+                                                 (q.shape[0], q.shape[2], q.shape[1]))
+    assert _same_bits(out, expected_out) and _same_bits(lse, expected_lse)
+    assert _same_bits(k_cache, expected_k) and _same_bits(v_cache, expected_v)
+    # the caller's own tensors hold the new rows where the page table puts them
+    for b, length in enumerate(cache_seqlens if lengths is not None else [uniform] * 3):
+        for cache, new in ((k_cache, k_new), (v_cache, v_new)):
+            rows = cache[table[b].long()].reshape(-1, *cache.shape[2:])
+            assert torch.equal(rows[length:length + new.shape[1]], new[b])
+
+
+@pytest.mark.gpu
+def test_serving_ops_under_torch_compile_fullgraph(rng):
+    """Two decode steps and a varlen call in one inductor graph (no graph break): eager's bits,
+    and the caller's caches hold both steps' rows, the second step having seen the first's."""
+    args = _kvcache_args("cuda", rng=rng, cache_seqlens=10)
+    q, k_cache, v_cache, _, _, table, k_new, v_new, *_ = args
+    varlen = _varlen_args("cuda", rng=rng)
+
+    def steps(q, k_cache, v_cache, k_new, v_new, length):
+        first = ptxattn.torch.attention_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=length, block_table=table, k_new=k_new,
+            v_new=v_new)
+        second = ptxattn.torch.attention_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=length + 2, block_table=table, k_new=v_new,
+            v_new=k_new)
+        packed = ptxattn.torch.attention_varlen(*varlen[:7], causal=True)
+        return first, second, packed
+
+    eager_caches = (k_cache.clone(), v_cache.clone())
+    eager = steps(q, *eager_caches, k_new, v_new, 10)
+    compiled = torch.compile(steps, fullgraph=True)(q, k_cache, v_cache, k_new, v_new, 10)
+    for a, b in zip(compiled, eager):
+        assert torch.equal(a, b)
+    assert torch.equal(k_cache, eager_caches[0]) and torch.equal(v_cache, eager_caches[1])
+    rows = k_cache[table[0].long()].reshape(-1, *k_cache.shape[2:])
+    assert torch.equal(rows[10:12], k_new[0]) and torch.equal(rows[12:14], v_new[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:Error detected in GeneratedBackward")
+def test_a_gradient_through_a_serving_op_raises_on_the_gpu(rng):
+    q, k, v, cu_q, cu_k, max_q, max_k, *_ = _varlen_args("cuda", requires_grad=True, rng=rng)
+    out = ptxattn.torch.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)
+    with pytest.raises(RuntimeError, match="attention_varlen_fwd.* no autograd formula"):
+        out.float().square().sum().backward()
+    q, k_cache, v_cache, lengths, _, table, k_new, v_new, *_ = _kvcache_args(
+        "cuda", requires_grad=True, rng=rng)
+    out = ptxattn.torch.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
+                                               block_table=table, k_new=k_new, v_new=v_new)
+    with pytest.raises(RuntimeError, match="attention_with_kvcache_fwd.* no autograd formula"):
+        out.float().square().sum().backward()
+
+
+@pytest.mark.gpu
+def test_opcheck_serving_ops_on_the_gpu(rng):
+    """The real kernels' outputs against the fakes' metadata, the caches' mutation against the
+    schema, eager against AOT-compiled (appending the same rows again is idempotent)."""
+    torch.library.opcheck(torch.ops.ptxattn.attention_varlen_fwd.default,
+                          _varlen_args("cuda", rng=rng))
+    torch.library.opcheck(torch.ops.ptxattn.attention_with_kvcache_fwd.default,
+                          _kvcache_args("cuda", rng=rng))
