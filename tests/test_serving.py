@@ -248,12 +248,17 @@ def test_prefill_over_a_cache_reads_only_filled_rows(dtype, causal, head_dim, rn
     """Chunked prefill: new query tokens over a contiguous cache whose rows past each
     sequence's filled length are NaN (an unwritten cache); those rows must not reach any
     output. Lengths below the query count leave the causal rows above the diagonal empty."""
+    _check_unfilled_rows_unread([1100, 517, 200, 64], 1100, 200, head_dim, rng, dtype, causal)
+
+
+def _check_unfilled_rows_unread(lengths, capacity, seqlen_q, head_dim, rng, dtype, causal):
+    """attention_with_kvcache over caches that are NaN past each sequence's filled length (an
+    unwritten cache) against the reference over the filled rows: no NaN may reach an output."""
     import cupy
     import ptxattn
 
-    batch, capacity, heads_q, heads_kv = 4, 1100, 8, 2
-    lengths = [1100, 517, 200, 64]
-    q = _random((batch, 200, heads_q, head_dim), rng, dtype)
+    batch, heads_q, heads_kv = len(lengths), 8, 2
+    q = _random((batch, seqlen_q, heads_q, head_dim), rng, dtype)
     k = _random((batch, capacity, heads_kv, head_dim), rng, dtype)
     v = _random((batch, capacity, heads_kv, head_dim), rng, dtype)
     garbage_k, garbage_v = k.copy(), v.copy()
@@ -314,22 +319,7 @@ def test_prefill_split_counts_agree(head_dim, rng):
 
 def test_decode_reads_only_filled_rows(rng):
     """Single-token decode over a cache that is NaN past each filled length."""
-    import cupy
-    import ptxattn
-
-    batch, capacity, heads_q, heads_kv, head_dim = 3, 700, 8, 2, 128
-    lengths = [700, 333, 1]
-    q = _random((batch, 1, heads_q, head_dim), rng)
-    k = _random((batch, capacity, heads_kv, head_dim), rng)
-    v = _random((batch, capacity, heads_kv, head_dim), rng)
-    garbage_k, garbage_v = k.copy(), v.copy()
-    for b, length in enumerate(lengths):
-        garbage_k[b, length:] = cupy.nan
-        garbage_v[b, length:] = cupy.nan
-    out, lse = ptxattn.attention_with_kvcache(
-        q, garbage_k, garbage_v, cache_seqlens=cupy.asarray(np.array(lengths, dtype=np.int32)),
-        return_lse=True)
-    _check_kvcache(q, k, v, lengths, out, lse, causal=True)
+    _check_unfilled_rows_unread([700, 333, 1], 700, 1, 128, rng, "bfloat16", causal=True)
 
 
 def test_attention_with_a_window_alone(rng):
