@@ -163,11 +163,7 @@ def forward(problem, q, k, v, out, lse, *, seqused_k=None, block_table=None, cu_
         window_left=problem.window[0], window_right=problem.window[1],
         total_q=problem.total_q, num_splits=splits,
         softcap_scale=problem.softmax_scale / softcap if softcap > 0 else 0.0)
-    (p.q_stride_b, p.q_stride_s, p.q_stride_h) = params.strides(q)
-    (p.k_stride_b, p.k_stride_s, p.k_stride_h) = params.strides(k)
-    (p.v_stride_b, p.v_stride_s, p.v_stride_h) = params.strides(v)
-    (p.out_stride_b, p.out_stride_s, p.out_stride_h) = params.strides(out)
-    (p.lse_stride_b, p.lse_stride_h) = params.strides(lse, 2)
+    params.set_strides(p, q, k, v, out, lse)
     for name, value in (("seqused_k", seqused_k), ("cu_seqlens_q", cu_seqlens_q),
                         ("cu_seqlens_k", cu_seqlens_k), ("sinks", sinks)):
         if value is not None:

@@ -333,8 +333,7 @@ def _prepare(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
         scale_log2=softmax_scale * math.log2(math.e), causal=int(causal),
         num_m_blocks=num_m_blocks, section_heads=sections,
         tile_counter=_tile_counter(q.device.id) if persistent and causal else 0)
-    (p.out_stride_b, p.out_stride_s, p.out_stride_h) = params.strides(out)
-    (p.lse_stride_b, p.lse_stride_h) = params.strides(lse, 2)
+    params.set_strides(p, q, k, v, out, lse)
     if seqs is not None:
         p.window_left, p.window_right = seqs.window
         p.total_q, p.num_splits = seqs.total_q, seqs.num_splits

@@ -133,6 +133,15 @@ def strides(x, dims: int = 3) -> list[int]:
     return [s // x.itemsize for s in x.strides[:dims]]
 
 
+def set_strides(p: "FwdParams", q, k, v, out, lse) -> None:
+    """p's element strides of q, k, v, out (batch, seqlen, heads) and lse (batch, heads)."""
+    (p.q_stride_b, p.q_stride_s, p.q_stride_h) = strides(q)
+    (p.k_stride_b, p.k_stride_s, p.k_stride_h) = strides(k)
+    (p.v_stride_b, p.v_stride_s, p.v_stride_h) = strides(v)
+    (p.out_stride_b, p.out_stride_s, p.out_stride_h) = strides(out)
+    (p.lse_stride_b, p.lse_stride_h) = strides(lse, 2)
+
+
 def layout_check_source(struct: str = "FwdParams") -> str:
     """CUDA source asserting that params.cuh's ``struct`` (FwdParams, BwdParams or
     CombineParams) has this module's layout."""

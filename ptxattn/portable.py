@@ -192,11 +192,7 @@ def _prepare(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
         heads_q=heads_q, heads_kv=heads_kv, q_per_kv=heads_q // heads_kv,
         scale_log2=softmax_scale * math.log2(math.e), causal=int(causal),
         num_m_blocks=num_m_blocks, section_heads=1)
-    (p.q_stride_b, p.q_stride_s, p.q_stride_h) = params.strides(q)
-    (p.k_stride_b, p.k_stride_s, p.k_stride_h) = params.strides(k)
-    (p.v_stride_b, p.v_stride_s, p.v_stride_h) = params.strides(v)
-    (p.out_stride_b, p.out_stride_s, p.out_stride_h) = params.strides(out)
-    (p.lse_stride_b, p.lse_stride_h) = params.strides(lse, 2)
+    params.set_strides(p, q, k, v, out, lse)
     return runtime.PreparedLaunch(kernel, grid=(num_m_blocks * batch * heads_q,),
                                   block=(32 * tile.warps,), args=[p])
 
