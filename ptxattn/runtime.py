@@ -287,14 +287,16 @@ def _nvrtc_compile(spec: KernelSpec, arch: str) -> tuple[bytes, str, str]:
         (result,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         err, size = nvrtc.nvrtcGetProgramLogSize(prog)
         _check_nvrtc(err, "nvrtcGetProgramLogSize")
-        log = b" " * size
+        # NVRTC writes into the buffer: a bytearray, never bytes, which CPython shares (b" " * 1
+        # is the one b" " of the whole process).
+        log = bytearray(size)
         (err,) = nvrtc.nvrtcGetProgramLog(prog, log)
         log_text = log.rstrip(b"\0 ").decode(errors="replace")
         if int(result) != 0:
             raise CompileError(spec.name, arch, log_text)
         err, size = nvrtc.nvrtcGetCUBINSize(prog)
         _check_nvrtc(err, "nvrtcGetCUBINSize")
-        cubin = b" " * size
+        cubin = bytearray(size)
         (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
         _check_nvrtc(err, "nvrtcGetCUBIN")
         symbol = spec.entry
@@ -320,7 +322,7 @@ def check_source(text: str, name: str, arch: str) -> None:
         (result,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         if int(result) != 0:
             err, size = nvrtc.nvrtcGetProgramLogSize(prog)
-            log = b" " * size
+            log = bytearray(size)
             nvrtc.nvrtcGetProgramLog(prog, log)
             raise CompileError(name, arch, log.rstrip(b"\0 ").decode(errors="replace"))
     finally:

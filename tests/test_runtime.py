@@ -1,6 +1,8 @@
 """The runtime on its own: NVRTC compile, ptxas reports, TMA descriptors, launches (the disk
 cache: test_cache.py)."""
 
+import ctypes
+
 import numpy as np
 import pytest
 
@@ -37,6 +39,33 @@ def test_compile_error_carries_log_and_kernel_name(tmp_path, monkeypatch, cache)
     assert info.value.kernel == "broken_variant"
     assert "not_declared" in info.value.log
     assert "broken_variant" in str(info.value)
+
+
+def test_an_empty_nvrtc_log_leaves_shared_one_byte_objects_intact(cache, monkeypatch):
+    # NVRTC writes its log, NUL-terminated, into the buffer it is given. NVRTC 13.0 sometimes
+    # gives an empty log (a lone NUL), which once went into `b" " * 1`: CPython's shared b" ".
+    # Every later b" " then read as NUL, and `import torch` failed on a mangled op schema.
+    real = runtime._nvrtc()
+
+    class EmptyLog:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def nvrtcGetProgramLogSize(self, prog):
+            return real.nvrtcResult.NVRTC_SUCCESS, 1
+
+        def nvrtcGetProgramLog(self, prog, buffer):
+            if isinstance(buffer, bytes):  # where NVRTC would write: the object's own bytes
+                address = ctypes.cast(ctypes.c_char_p(buffer), ctypes.c_void_p).value
+            else:
+                address = ctypes.addressof((ctypes.c_char * len(buffer)).from_buffer(buffer))
+            ctypes.memset(address, 0, 1)
+            return (real.nvrtcResult.NVRTC_SUCCESS,)
+
+    monkeypatch.setattr(runtime, "_nvrtc", EmptyLog)
+    assert runtime.compile(PROBE, "sm_90a").cubin[:4] == b"\x7fELF"
+    space = b" "  # not `b" "[0]`, which the compiler would fold to 32
+    assert space[0] == 0x20
 
 
 def test_spec_refuses_arch_it_is_not_built_for(cache):
