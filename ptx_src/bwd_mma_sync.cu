@@ -43,9 +43,8 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
     const BwdWalk walk = BwdWalk::make(blockIdx.x, gridDim.x, Cfg::kCausal,
                                        p.dq_semaphore != nullptr);
     const int n_block = walk.n_block;
-    const int m_first = info.m_min(n_block);
-    const int m_count = max(0, info.m_max() - m_first);
-    const int steps = m_count * p.q_per_kv;  // (q head, query tile) pairs, head-major
+    const BwdSteps walk_steps = BwdSteps::make(info, n_block, p.q_per_kv);
+    const int steps = walk_steps.count;
     const int first_key = n_block * kBlockN;
 
     const uint32_t k_tile = smem_addr(smem);
@@ -67,8 +66,8 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
 
     // Q and dO of step `step` into ring stage `stage`.
     const auto load_step = [&](int step, int stage) {
-        const int head = kv_head * p.q_per_kv + step / m_count;
-        const int row0 = (m_first + step % m_count) * kBlockM;
+        const int head = walk_steps.head(step, kv_head, p.q_per_kv);
+        const int row0 = walk_steps.m_block(step) * kBlockM;
         const uint32_t q_dst = ring + stage * Cfg::kStageBytes;
         Mainloop::template load_rows<kBlockM>(
             q_dst,
@@ -115,8 +114,8 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
             cp_async_wait<0>();
             __syncthreads();
         }
-        const int head = kv_head * p.q_per_kv + step / m_count;
-        const int m_block = m_first + step % m_count;
+        const int head = walk_steps.head(step, kv_head, p.q_per_kv);
+        const int m_block = walk_steps.m_block(step);
         const int first_row = m_block * kBlockM;
         const uint32_t q_tile = ring + stage * Cfg::kStageBytes;
         const uint32_t do_tile = q_tile + Cfg::kQTileBytes;

@@ -73,4 +73,29 @@ __device__ __forceinline__ void apply_mask(float (&s)[kRowGroups][kTiles][4], co
     }
 }
 
+// The transposed tile of the Hopper backward, S^T = K Q^T: rows are keys, columns queries. Sets
+// s[j][2h + e] to -inf where query query0 + 8 j + e may not see key first_key + 8 h (the thread's
+// two key rows), in the accumulator layout of one 16-row group.
+template <int kTiles>
+__device__ __forceinline__ void apply_mask_transposed(float (&s)[kTiles][4], const SeqMask& mask,
+                                                      int first_key, int query0) {
+    const float neg_inf = -__int_as_float(0x7f800000);
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int query = query0 + 8 * j + e;
+            const int end = mask.key_end(query);
+            const int begin = mask.key_begin(query);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int key = first_key + 8 * h;
+                if (key >= end || (mask.window_left >= 0 && key < begin)) {
+                    s[j][2 * h + e] = neg_inf;
+                }
+            }
+        }
+    }
+}
+
 }  // namespace ptxattn

@@ -37,6 +37,15 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t
                  ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
 }
 
+// stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 (sm_90+): as stmatrix_x4, each matrix stored
+// transposed: the row that lane 8i + r addresses receives column r of matrix i. An accumulator
+// tile [rows x cols] so lands in shared memory as [cols x rows] (the backward's dS^T -> dS).
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1,
+                                                  uint32_t r2, uint32_t r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
+                 ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+
 // For an x4 ldmatrix / stmatrix over a warp's 16-row tile whose matrices are (rows 0-7, chunk
 // c), (rows 8-15, c), (rows 0-7, c + 1), (rows 8-15, c + 1): the row (0-15) this lane
 // addresses; its chunk is c + lane / 16. Registers 0-3 are then the A fragment (or accumulator

@@ -121,7 +121,14 @@ struct CombineParams {
 // ptxattn/params.py's BwdParams like FwdParams. Strides are in elements per (batch, seqlen,
 // head) with unit stride in head_dim; the workspace arrays are dense, indexed by
 // (batch * heads_q + head) * seqlen_q + row (times head_dim for dq_accum).
-struct BwdParams {
+struct alignas(64) BwdParams {
+    // Hopper only (bwd_sm90.cu): 4-d TMA maps of q, k, v and dout, coordinates (d, head, row,
+    // batch), boxes of 64 columns x the kernel's rows; the portable kernel leaves them zero.
+    TensorMap q_map;
+    TensorMap k_map;
+    TensorMap v_map;
+    TensorMap dout_map;
+
     const void* q;
     const void* k;
     const void* v;

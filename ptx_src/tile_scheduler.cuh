@@ -142,5 +142,25 @@ struct BwdWalk {
     }
 };
 
+// The (q head, query tile) steps of a backward key block, head-major: every q head that shares
+// its kv head, each over the query tiles [m_first, m_first + m_count) holding a row that sees one
+// of its keys (BlockInfo::m_min, m_max). Both backward kernels walk them in this order.
+struct BwdSteps {
+    int m_first;
+    int m_count;
+    int count;
+
+    template <class Info>
+    __device__ __forceinline__ static BwdSteps make(const Info& info, int n_block, int q_per_kv) {
+        const int m_first = info.m_min(n_block);
+        const int m_count = max(0, info.m_max() - m_first);
+        return {m_first, m_count, m_count * q_per_kv};
+    }
+    __device__ __forceinline__ int head(int step, int kv_head, int q_per_kv) const {
+        return kv_head * q_per_kv + step / m_count;
+    }
+    __device__ __forceinline__ int m_block(int step) const { return m_first + step % m_count; }
+};
+
 }  // namespace ptxattn
 

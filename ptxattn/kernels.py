@@ -30,7 +30,8 @@ from . import archs, runtime
 
 # Every module that ships kernels; each has variants() -> list[KernelSpec].
 FAMILY_MODULES = ("ptxattn.portable", "ptxattn.backward", "ptxattn.decode", "ptxattn.hopper",
-                  "ptxattn.prefill", "ptxattn.fp8", "ptxattn.blockscaled", "ptxattn.quant")
+                  "ptxattn.prefill", "ptxattn.hopper_backward", "ptxattn.fp8",
+                  "ptxattn.blockscaled", "ptxattn.quant")
 # ptxas's info line (C7510-C7520) when it makes every wgmma of a kernel wait for the previous.
 WGMMA_SERIALIZED = "wgmma.mma_async instructions are serialized"
 

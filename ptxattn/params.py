@@ -55,6 +55,8 @@ _P = ctypes.c_uint64  # a device pointer
 _STRIDES = [(f"{name}_stride_{dim}", ctypes.c_int64)
             for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv") for dim in "bsh"]
 _BWD_FIELDS = [
+    ("q_map", _TENSOR_MAP), ("k_map", _TENSOR_MAP), ("v_map", _TENSOR_MAP),
+    ("dout_map", _TENSOR_MAP),
     ("q", _P), ("k", _P), ("v", _P), ("out", _P), ("dout", _P), ("dq", _P), ("dk", _P),
     ("dv", _P), ("lse", _P), ("dq_accum", _P), ("dpsum", _P), ("dq_semaphore", _P),
     *_STRIDES, ("lse_stride_b", ctypes.c_int64), ("lse_stride_h", ctypes.c_int64),
@@ -74,16 +76,16 @@ _COMBINE_FIELDS = [
 ]
 
 
-def _padded_fields() -> list:
-    """_FIELDS with the tail padding that alignas(64) gives the device struct (ctypes cannot
+def _padded_fields(fields: list) -> list:
+    """``fields`` with the tail padding that alignas(64) gives the device struct (ctypes cannot
     express the alignment; every tensor map sits at a multiple of 64 from the start)."""
 
     class Unpadded(ctypes.Structure):
-        _fields_ = _FIELDS
+        _fields_ = fields
 
     size = ctypes.sizeof(Unpadded)
     pad = math.ceil(size / _ALIGN) * _ALIGN - size
-    return _FIELDS + ([("_tail_padding", ctypes.c_ubyte * pad)] if pad else [])
+    return fields + ([("_tail_padding", ctypes.c_ubyte * pad)] if pad else [])
 
 
 class _Params(ctypes.Structure):
@@ -112,14 +114,14 @@ class _Params(ctypes.Structure):
 class FwdParams(_Params):
     """``FwdParams`` by value; the window defaults to unbounded (-1)."""
 
-    _fields_ = _padded_fields()
+    _fields_ = _padded_fields(_FIELDS)
     _defaults = {"window_left": -1, "window_right": -1}
 
 
 class BwdParams(_Params):
     """``BwdParams`` by value."""
 
-    _fields_ = _BWD_FIELDS
+    _fields_ = _padded_fields(_BWD_FIELDS)
 
 
 class CombineParams(_Params):

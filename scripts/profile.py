@@ -264,8 +264,11 @@ def backward_main(args) -> int:
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     print(f"# {props['name'].decode()} ({arch}), dtype {args.dtype}, backward, median of "
           f"{repeats} runs")
-    backends = [r.backend for r in dispatch.TABLE if "backward" in r.features
-                and "bfloat16" in r.formats and arch in r.archs]
+    # backend -> the head dims its backward takes here
+    backends: dict[str, set] = {}
+    for r in dispatch.TABLE:
+        if "backward" in r.features and "bfloat16" in r.formats and arch in r.archs:
+            backends.setdefault(r.backend, set()).update(r.head_dims)
     results, notes = [], set()
     rows = backward_configs(args.quick, args.shapes)
     for index, cfg in enumerate(rows, 1):
@@ -278,7 +281,7 @@ def backward_main(args) -> int:
                          for _ in range(4))
         out, lse = ptxattn.attention(q, k, v, causal=causal, return_lse=True)
         calls = {}
-        for backend in backends:
+        for backend in [b for b, dims in backends.items() if cfg["head_dim"] in dims]:
             for deterministic in (False, True):
                 name = f"ptxattn-{backend}{'-det' if deterministic else ''}"
                 calls[name] = (

@@ -12,16 +12,20 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-BACKENDS = ("portable",)
+BACKENDS = ("portable", "hopper")
 
 
-def _backend(backend):
+def _backend(backend, head_dim):
     from ptxattn import dispatch
     from ptxattn.runtime import device_arch
 
     module = dispatch.backend_module(backend)
     if device_arch() not in module.ARCHS:
         pytest.skip(f"backend {backend} does not run on {device_arch()}")
+    dims = {d for route in dispatch.TABLE if route.backend == backend
+            and "backward" in route.features for d in route.head_dims}
+    if head_dim not in dims:
+        pytest.skip(f"backend {backend} has no backward at head_dim {head_dim}")
     return backend
 
 
@@ -64,7 +68,7 @@ def _assert_close(grads, dout, q, k, v, *, causal, softmax_scale=None):
 @pytest.mark.parametrize("seqlens", [(1, 1), (17, 17), (129, 129), (1000, 1000), (17, 1000),
                                      (1000, 17), (129, 300)], ids=lambda p: f"{p[0]}x{p[1]}")
 def test_matches_fp32_reference(backend, causal, head_dim, seqlens, rng):
-    backend = _backend(backend)
+    backend = _backend(backend, head_dim)
     seqlen_q, seqlen_k = seqlens
     q = _random((2, seqlen_q, 4, head_dim), "bfloat16", rng)
     k = _random((2, seqlen_k, 4, head_dim), "bfloat16", rng)
@@ -78,7 +82,7 @@ def test_matches_fp32_reference(backend, causal, head_dim, seqlens, rng):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_float16(backend, head_dim, causal, rng):
-    backend = _backend(backend)
+    backend = _backend(backend, head_dim)
     q = _random((1, 300, 2, head_dim), "float16", rng)
     k = _random((1, 300, 2, head_dim), "float16", rng)
     v = _random((1, 300, 2, head_dim), "float16", rng)
@@ -92,7 +96,7 @@ def test_float16(backend, head_dim, causal, rng):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_grouped_query_heads(backend, group, head_dim, causal, rng):
-    backend = _backend(backend)
+    backend = _backend(backend, head_dim)
     q = _random((2, 257, 8, head_dim), "bfloat16", rng)
     k = _random((2, 200, 8 // group, head_dim), "bfloat16", rng)
     v = _random((2, 200, 8 // group, head_dim), "bfloat16", rng)
@@ -108,7 +112,7 @@ def test_strided_inputs_gradients_and_dout(backend, causal, rng):
     wider buffer, laid out unlike out; gradients written into strided slices."""
     import cupy
 
-    backend = _backend(backend)
+    backend = _backend(backend, 128)
     qkv = _random((2, 333, 3, 4, 128), "bfloat16", rng)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     dout = _random((2, 4, 333, 256), "bfloat16", rng)[..., 64:192].transpose(0, 2, 1, 3)
@@ -124,7 +128,7 @@ def test_strided_inputs_gradients_and_dout(backend, causal, rng):
 def test_deterministic_is_bitwise_reproducible(backend, head_dim, rng):
     import cupy
 
-    backend = _backend(backend)
+    backend = _backend(backend, head_dim)
     q = _random((2, 1000, 8, head_dim), "bfloat16", rng)
     k = _random((2, 1000, 2, head_dim), "bfloat16", rng)
     v = _random((2, 1000, 2, head_dim), "bfloat16", rng)
@@ -142,7 +146,7 @@ def test_rows_that_see_no_key_have_zero_gradients(backend, rng):
     """Bottom-right causal with seqlen_q > seqlen_k: the first rows see no key (LSE -inf)."""
     import cupy
 
-    backend = _backend(backend)
+    backend = _backend(backend, 64)
     q = _random((1, 300, 2, 64), "bfloat16", rng)
     k = _random((1, 100, 2, 64), "bfloat16", rng)
     v = _random((1, 100, 2, 64), "bfloat16", rng)
@@ -196,7 +200,7 @@ def test_kernel_gradients_match_finite_differences(backend, rng):
 
     from ptxattn import reference
 
-    backend = _backend(backend)
+    backend = _backend(backend, 64)
     q = _random((1, 3, 1, 64), "float16", rng)
     k = _random((1, 4, 1, 64), "float16", rng)
     v = _random((1, 4, 1, 64), "float16", rng)
@@ -228,17 +232,18 @@ def test_kernel_gradients_match_finite_differences(backend, rng):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_deterministic_with_more_key_blocks_than_fit_on_the_gpu(backend, causal, rng):
+def test_deterministic_with_more_key_blocks_than_fit_on_the_gpu(backend, head_dim, causal, rng):
     """Hundreds of key blocks per (batch, kv head), more than the GPU holds at once: a block must
     never wait for one launched after it, or this hangs."""
     import cupy
 
-    backend = _backend(backend)
-    q = _random((1, 300, 2, 256), "bfloat16", rng)
-    k = _random((1, 20000, 1, 256), "bfloat16", rng)
-    v = _random((1, 20000, 1, 256), "bfloat16", rng)
-    dout = _random((1, 300, 2, 256), "bfloat16", rng)
+    backend = _backend(backend, head_dim)
+    q = _random((1, 300, 2, head_dim), "bfloat16", rng)
+    k = _random((1, 20000, 1, head_dim), "bfloat16", rng)
+    v = _random((1, 20000, 1, head_dim), "bfloat16", rng)
+    dout = _random((1, 300, 2, head_dim), "bfloat16", rng)
     first = _gradients(dout, q, k, v, causal=causal, backend=backend, deterministic=True)
     again = _gradients(dout, q, k, v, causal=causal, backend=backend, deterministic=True)
     for a, b in zip(first, again):

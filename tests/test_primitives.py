@@ -10,10 +10,13 @@ kernel (ptx_src/*_probe.cu) held against a NumPy model of what its header promis
   swizzle_probe.cu         tma.cuh: swizzled_offset against the layout TMA writes.
   mma_probe.cu             mma_sync.cuh: mma.sync, ldmatrix(.trans), C -> A fragment packing.
   wgmma_probe.cu           wgmma.cuh, wgmma_fp8.cuh: SS and RS wgmma with the descriptors the
-                           Hopper kernel builds.
+                           Hopper kernel builds; the backward's dQ = dS K (SS with transposed
+                           B) on a dS written by mma_sync.cuh's stmatrix_x4_trans.
 
 CPU: every probe variant compiles for its architecture. GPU: the probes run; the GEMM inputs are
-small integers, so every product is exact and the results are compared for equality.
+small integers, so every product is exact and the results are compared for equality, except in
+the dQ probe, whose random inputs show the 16-bit rounding of the dS it stores (compared bit for
+bit) and whose dQ is held to the bound of FP32 accumulation.
 """
 
 import math
@@ -38,6 +41,8 @@ SWIZZLE_CASES = [(128, 64), (64, 48)]  # (row bytes = swizzle span, box rows)
 MAX_SWIZZLE_ROWS = 64
 WGMMA16_SHAPES = [(64, 128), (128, 64)]  # (head_dim = N of P V, kBlockN = N of Q K^T)
 E4M3_SHAPES = [(64, 128), (128, 64), (256, 128)]  # (head_dim = K, N)
+DQ_HEAD_DIMS = [64, 128]  # one 64-column slab of K, and two
+DQ_KEYS = 128  # keys of the dQ probe's dS tile: two 64-key K-major slabs
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
@@ -76,6 +81,13 @@ def wgmma16_spec(head_dim, block_n, dtype):
                   smem_bytes=(64 + 2 * block_n) * head_dim * 2 + 1024)
 
 
+def wgmma16_dq_spec(head_dim, dtype):
+    bf16 = str(dtype == "bfloat16").lower()
+    return _probe(f"wgmma16_dq_probe_d{head_dim}_{dtype}", "wgmma_probe.cu",
+                  f"ptxattn::probe::wgmma16_dq_probe<{head_dim}, {bf16}>", SM90,
+                  smem_bytes=(64 + head_dim) * DQ_KEYS * 2 + 1024)
+
+
 def e4m3_spec(head_dim, n):
     return _probe(f"wgmma_e4m3_probe_d{head_dim}_n{n}", "wgmma_probe.cu",
                   f"ptxattn::probe::wgmma_e4m3_probe<{head_dim}, {n}>", SM90,
@@ -88,6 +100,7 @@ ALL_PROBES = ([block_info_spec(*shape) for shape in BLOCK_SHAPES]
               + [swizzle_spec(row_bytes) for row_bytes, _ in SWIZZLE_CASES]
               + [mma_spec(dtype) for dtype in DTYPES]
               + [wgmma16_spec(d, n, dtype) for d, n in WGMMA16_SHAPES for dtype in DTYPES]
+              + [wgmma16_dq_spec(d, dtype) for d in DQ_HEAD_DIMS for dtype in DTYPES]
               + [e4m3_spec(d, n) for d, n in E4M3_SHAPES])
 
 
@@ -472,6 +485,41 @@ def test_wgmma16_ss_and_rs(head_dim, block_n, dtype, rng):
     np.testing.assert_array_equal(s.get(), expected_s, err_msg=f"Wgmma16<{block_n}>::ss")
     np.testing.assert_array_equal(o.get(), 1 + expected_s @ v,
                                   err_msg=f"Wgmma16<{head_dim}>::rs")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("head_dim", DQ_HEAD_DIMS)
+def test_wgmma16_dq_stmatrix_trans_and_transposed_b(head_dim, dtype, rng):
+    """The backward's dQ = dS K. dS^T [128 keys x 64 queries], random FP32, goes through the
+    accumulator layout, pack_f32x2 and stmatrix_x4_trans into two swizzled K-major slabs; read
+    back, dS must be the transpose of the inputs rounded to 16 bits, bit for bit (cvt.rn and
+    NumPy / ml_dtypes both round to nearest even). dQ = dS K (Wgmma16<64>::ss with transposed B
+    over each 64-column slab of K, random 16-bit) against the float64 product of the same
+    16-bit operands: their products are exact in FP32, and the tensor cores add the 128 of them
+    in FP32 truncating (aligned to the largest exponent) rather than rounding, each addition
+    within 2^-23 of the magnitudes summed so far, so |error| <= 128 * 2^-23 = 2^-16 of the
+    largest sum of magnitudes; one k-step misplaced by 16 keys is far outside that."""
+    import cupy
+    kernel = _load(wgmma16_dq_spec(head_dim, dtype))
+    st = rng.standard_normal((DQ_KEYS, 64)).astype(np.float32)
+    k = rng.standard_normal((DQ_KEYS, head_dim)).astype(np.float32).astype(DTYPES[dtype])
+    ds = cupy.zeros((64, DQ_KEYS), cupy.uint16)
+    dq = cupy.full((head_dim // 64, 64, 64), np.nan, cupy.float32)
+    runtime.launch(kernel, (1,), (128,),
+                   [cupy.asarray(st), cupy.asarray(k.view(np.uint16)), ds, dq])
+    ds16 = np.ascontiguousarray(st.T).astype(DTYPES[dtype])
+    wrong = np.argwhere(ds.get() != ds16.view(np.uint16))
+    assert wrong.size == 0, (f"stmatrix_x4_trans: {len(wrong)} of dS's 16-bit values differ, "
+                             f"first (query, key) {wrong[:4].tolist()}")
+
+    a, b = ds16.astype(np.float64), k.astype(np.float64)
+    got = dq.get().transpose(1, 0, 2).reshape(64, head_dim)  # the slabs side by side
+    tolerance = float((np.abs(a) @ np.abs(b)).max()) * 2.0 ** -16
+    np.testing.assert_allclose(got, a @ b, rtol=0, atol=tolerance,
+                               err_msg="Wgmma16<64>::ss<kBf16, true>")
+    assert not np.allclose(got, a @ np.roll(b, 16, axis=0), rtol=0, atol=tolerance), \
+        "the check would not notice K read one k-step off"
 
 
 @pytest.mark.gpu

@@ -1,0 +1,432 @@
+// Mainloop of the Hopper (sm_90a) backward: the producer's TMA loads and the consumer
+// warpgroups' five GEMMs per query tile, on wgmma.
+//
+// A block owns kBlockN = 128 keys of one (batch, kv head); each of its two consumer warpgroups
+// holds 64 of them (one wgmma M) and keeps their dK and dV in registers. The producer thread
+// loads K and V once, then the (Q, dO) tile pair of every step (BwdSteps: each q head sharing
+// the kv head, over the query tiles that see the block's keys) into a ring of kStages slots.
+// Per step a warpgroup computes, with rows = its keys and columns = the tile's 64 queries:
+//   S^T  = K Q^T                 SS, both K-major (as the forward's Q K^T)
+//   dP^T = V dO^T                SS, both K-major
+//   P^T  = exp2(S^T scale_log2 - LSE log2(e)) in registers (masked first where the tile needs it)
+//   dV  += P^T dO                RS: P^T as A fragments, dO MN-major (as the forward's P V)
+//   dS^T = P^T (dP^T - D)        in registers, P rounded to 16 bits as dV's GEMM saw it
+//   dK  += dS^T Q                RS: dS^T as A fragments, Q MN-major
+//   dQ   = dS K                  SS with transposed B: dS from shared memory, where each
+//                                warpgroup stores its dS^T transposed (stmatrix .trans), K
+//                                MN-major; then added into the FP32 accumulator (red.global)
+// Computing S^T rather than S keeps both dV's and dK's A operand in registers, straight from
+// the accumulators; only dQ needs dS in shared memory. For dQ each warpgroup takes 64 columns:
+// head_dim 128 splits the columns (each warpgroup reads both warpgroups' dS, so they meet at a
+// named barrier), head_dim 64 splits the keys (each reads its own dS and the two add into the
+// same accumulator rows). dS is double-buffered: a warpgroup writes step i's buffer only after
+// the barrier of step i - 1, which both passed after finishing step i - 2's dQ, the last reader.
+// LSE and D are read per column with __ldg ahead of the GEMMs that hide their latency.
+#pragma once
+#include "atomics.cuh"
+#include "block_info.cuh"
+#include "common.cuh"
+#include "epilogue.cuh"
+#include "mask.cuh"
+#include "mbarrier.cuh"
+#include "mma_sync.cuh"
+#include "params.cuh"
+#include "pipeline.cuh"
+#include "softmax.cuh"
+#include "tile_scheduler.cuh"
+#include "tma.cuh"
+#include "wgmma.cuh"
+
+namespace ptxattn {
+
+// The compile-time shape of a Hopper backward kernel: kHeadDim 64 or 128; kBf16 the 16-bit
+// type; kCausal; kStages the depth of the (Q, dO) ring; kSmemBytes the dynamic shared memory the
+// launcher requests (checked against the layout below).
+template <int HeadDim, bool Bf16, bool Causal, int Stages, int SmemBytes>
+struct BwdSm90Config {
+    static constexpr int kHeadDim = HeadDim;
+    static constexpr bool kBf16 = Bf16;
+    static constexpr bool kCausal = Causal;
+    static constexpr int kStages = Stages;
+    static constexpr uint32_t kSmemBytes = SmemBytes;
+
+    static constexpr int kConsumers = 2;
+    static constexpr int kKeysPerConsumer = 64;  // one wgmma M
+    static constexpr int kBlockN = kConsumers * kKeysPerConsumer;
+    static constexpr int kBlockM = 64;  // query rows per step: the N of S^T and dP^T
+    static constexpr int kThreads = 128 * (1 + kConsumers);
+    static constexpr int kConsumerWarps = 4 * kConsumers;
+
+    // Tiles in shared memory: rows of head_dim in 128-byte swizzled slabs of 64 columns, one TMA
+    // box each; dS [kBlockM x kBlockN] in slabs of 64 keys, each written by one warpgroup.
+    static constexpr int kSlabs = kHeadDim / 64;
+    static constexpr uint32_t kQSlabBytes = kBlockM * 128;
+    static constexpr uint32_t kQBytes = kQSlabBytes * kSlabs;
+    static constexpr uint32_t kKVSlabBytes = kBlockN * 128;
+    static constexpr uint32_t kKVBytes = kKVSlabBytes * kSlabs;
+    static constexpr uint32_t kDsSlabBytes = kBlockM * 128;
+    static constexpr uint32_t kDsBytes = kDsSlabBytes * (kBlockN / 64);
+    static constexpr uint32_t kSwizzleAtomBytes = 1024;
+
+    // dQ per warpgroup: 64 columns, over its own keys (head_dim 64) or all keys (128).
+    static constexpr bool kDqSplitKeys = kHeadDim == 64;
+    static constexpr int kDqCols = 64;
+    static constexpr int kDqKeys = kDqSplitKeys ? kKeysPerConsumer : kBlockN;
+
+    // Launched at 168 registers a thread; the producer keeps 24 and each consumer warpgroup
+    // takes 240: dK and dV (head_dim each), S^T and dP^T (32 each), dQ (32) and the A fragments.
+    static constexpr int kProducerRegs = 24;
+    static constexpr int kConsumerRegs = 240;
+
+    static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
+    static_assert(kDqSplitKeys ? kDqCols == kHeadDim : kDqCols * kConsumers == kHeadDim,
+                  "dQ: 64 columns a warpgroup");
+    static_assert((65536 / kThreads / 8 * 8) * (1 + kConsumers) >=
+                      kProducerRegs + kConsumers * kConsumerRegs,
+                  "setmaxnreg: the consumers take more than the block was launched with");
+};
+
+template <int kStages>
+struct BwdSm90Barriers {
+    MBarrier kv_full;         // K and V of the block, loaded once
+    Pipeline<kStages> q_do;   // the (Q, dO) ring: one TMA arrival, every consumer warp frees
+};
+
+template <class Cfg>
+struct BwdSm90Mainloop {
+    static constexpr int kHeadDim = Cfg::kHeadDim;
+    static constexpr int kBlockM = Cfg::kBlockM;
+    static constexpr int kBlockN = Cfg::kBlockN;
+    static constexpr int kStages = Cfg::kStages;
+    static constexpr bool kBf16 = Cfg::kBf16;
+    static constexpr int kSlabs = Cfg::kSlabs;
+    static constexpr uint32_t kQSlabBytes = Cfg::kQSlabBytes;
+    static constexpr uint32_t kQBytes = Cfg::kQBytes;
+    static constexpr uint32_t kKVSlabBytes = Cfg::kKVSlabBytes;
+    static constexpr uint32_t kKVBytes = Cfg::kKVBytes;
+    static constexpr uint32_t kDsSlabBytes = Cfg::kDsSlabBytes;
+    static constexpr uint32_t kDsBytes = Cfg::kDsBytes;
+
+    using Barriers = BwdSm90Barriers<kStages>;
+    using Ring = PipelineState<kStages>;
+    using Info = BlockInfo<kBlockM, kBlockN>;
+
+    // Shared memory: [K | V | Q stage 0..S-1 | dO stage 0..S-1 | dS x 2 | barriers], from a
+    // 1024-byte aligned base (the swizzle atom), which may cost up to 1024 bytes.
+    static constexpr uint32_t kKOffset = 0;
+    static constexpr uint32_t kVOffset = kKVBytes;
+    static constexpr uint32_t kQOffset = 2 * kKVBytes;
+    static constexpr uint32_t kDoOffset = kQOffset + kStages * kQBytes;
+    static constexpr uint32_t kDsOffset = kDoOffset + kStages * kQBytes;
+    static constexpr uint32_t kBarrierOffset = kDsOffset + 2 * kDsBytes;
+    static_assert(kBarrierOffset + sizeof(Barriers) + Cfg::kSwizzleAtomBytes <= Cfg::kSmemBytes,
+                  "kSmemBytes too small for this tile configuration");
+
+    // Named barriers (0 is __syncthreads): dS complete, for both warpgroups (head_dim 128) or
+    // per warpgroup (64); and the deterministic dQ sums' turn.
+    static constexpr uint32_t kDsBarrier = 1;      // + warpgroup when split by keys
+    static constexpr uint32_t kTurnBarrier = 3;
+
+    // ---- Producer ---------------------------------------------------------------------------
+
+    // The producer thread: K and V of the block, then (Q, dO) of every step.
+    static __device__ __forceinline__ void load(const BwdParams& p, uint8_t* smem, Barriers& bars,
+                                                const BwdSteps& steps, int n_block, int kv_head,
+                                                int batch) {
+        tma_prefetch(&p.q_map);
+        tma_prefetch(&p.k_map);
+        tma_prefetch(&p.v_map);
+        tma_prefetch(&p.dout_map);
+        bars.kv_full.arrive_expect_tx(2 * kKVBytes);
+#pragma unroll
+        for (int j = 0; j < kSlabs; ++j) {
+            tma_load_4d(smem + kKOffset + j * kKVSlabBytes, &p.k_map, bars.kv_full, 64 * j,
+                        kv_head, n_block * kBlockN, batch);
+            tma_load_4d(smem + kVOffset + j * kKVSlabBytes, &p.v_map, bars.kv_full, 64 * j,
+                        kv_head, n_block * kBlockN, batch);
+        }
+        Ring ring;
+#pragma unroll 1
+        for (int step = 0; step < steps.count; ++step, ++ring.count) {
+            const int head = steps.head(step, kv_head, p.q_per_kv);
+            const int row = steps.m_block(step) * kBlockM;
+            bars.q_do.producer_acquire(ring);
+            MBarrier& full = bars.q_do.full_barrier(ring);
+            full.arrive_expect_tx(2 * kQBytes);
+            uint8_t* q_tile = smem + kQOffset + ring.stage() * kQBytes;
+            uint8_t* do_tile = smem + kDoOffset + ring.stage() * kQBytes;
+#pragma unroll
+            for (int j = 0; j < kSlabs; ++j) {
+                tma_load_4d(q_tile + j * kQSlabBytes, &p.q_map, full, 64 * j, head, row, batch);
+                tma_load_4d(do_tile + j * kQSlabBytes, &p.dout_map, full, 64 * j, head, row,
+                            batch);
+            }
+        }
+    }
+
+    // ---- Consumer GEMMs -----------------------------------------------------------------------
+
+    // acc[64 x 64] = A B^T over head_dim: A the warpgroup's 64 rows of K or V, B the 64 rows of a
+    // Q or dO tile, both K-major (k-steps of 32 bytes, four per 128-byte slab).
+    static __device__ __forceinline__ void gemm_rows(float (&acc)[kBlockM / 2], uint32_t a_rows,
+                                                     uint32_t b_rows) {
+        const uint64_t a_desc = wgmma_desc_kmajor<128>(a_rows);
+        const uint64_t b_desc = wgmma_desc_kmajor<128>(b_rows);
+#pragma unroll
+        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+            const uint32_t slab = kk / 4;
+            const uint32_t step = (kk % 4) * 32;
+            Wgmma16<kBlockM>::template ss<kBf16>(
+                acc, wgmma_desc_advance(a_desc, slab * kKVSlabBytes + step),
+                wgmma_desc_advance(b_desc, slab * kQSlabBytes + step), kk > 0);
+        }
+    }
+
+    // acc[64 x head_dim] += A B over the tile's 64 queries: A as fragments (P^T or dS^T), B a Q or
+    // dO tile read MN-major (k-steps of 16 rows).
+    static __device__ __forceinline__ void gemm_fragments(float (&acc)[kHeadDim / 2],
+                                                          const uint32_t (&a)[kBlockM / 4],
+                                                          uint32_t b_tile) {
+        const uint64_t b_desc = wgmma_desc_sw128(b_tile, kQSlabBytes, Cfg::kSwizzleAtomBytes);
+#pragma unroll
+        for (int kk = 0; kk < kBlockM / 16; ++kk) {
+            Wgmma16<kHeadDim>::template rs<kBf16>(acc, a[4 * kk], a[4 * kk + 1], a[4 * kk + 2],
+                                                  a[4 * kk + 3],
+                                                  wgmma_desc_advance(b_desc, kk * 16 * 128), 1);
+        }
+    }
+
+    // dq[64 x 64] = dS[:, keys] K[keys, columns]: dS K-major from its buffer (slabs of 64 keys),
+    // K MN-major from its slab `col_slab` (16-key k-steps of 16 rows).
+    static __device__ __forceinline__ void gemm_dq(float (&dq)[Cfg::kDqCols / 2], uint32_t ds,
+                                                   uint32_t k_tile, int key0, int col_slab) {
+        const uint64_t a_desc = wgmma_desc_kmajor<128>(ds);
+        const uint64_t b_desc = wgmma_desc_sw128(k_tile + col_slab * kKVSlabBytes, kKVSlabBytes,
+                                                 Cfg::kSwizzleAtomBytes);
+#pragma unroll
+        for (int kk = 0; kk < Cfg::kDqKeys / 16; ++kk) {
+            const uint32_t key = key0 + 16 * kk;
+            Wgmma16<Cfg::kDqCols>::template ss<kBf16, true>(
+                dq, wgmma_desc_advance(a_desc, (key / 64) * kDsSlabBytes + (key % 64) * 2),
+                wgmma_desc_advance(b_desc, key * 128), kk > 0);
+        }
+    }
+
+    // ---- Consumer -----------------------------------------------------------------------------
+
+    struct Consumer {
+        using Tiles = float[kBlockM / 8][4];
+
+        uint8_t* smem;
+        Barriers& bars;
+        int wg;    // which consumer warpgroup: keys 64 wg.. of the block
+        int warp;  // warp within the warpgroup: keys 16 warp.. of the warpgroup's
+        int lane;
+        float dk[kHeadDim / 2];
+        float dv[kHeadDim / 2];
+        Ring ring;
+
+        __device__ __forceinline__ void release() const {
+            if (lane == 0) bars.q_do.consumer_release(ring);
+        }
+
+        // Query `query`'s LSE in log2 units, +inf for rows past the end or that see no key (so
+        // that their P is 0), and its D (0 past the end).
+        __device__ __forceinline__ static float lse_log2(const float* lse_row, int query,
+                                                         int seqlen_q) {
+            const float pos_inf = __int_as_float(0x7f800000);
+            const float lse = query < seqlen_q ? __ldg(lse_row + query) : -pos_inf;
+            return lse == -pos_inf ? pos_inf : lse * 1.4426950408889634f;
+        }
+
+        // One step: query tile m_block of q head `head` (its (Q, dO) in the ring's next slot).
+        __device__ __forceinline__ void step(const BwdParams& p, const Info& info,
+                                             const BwdWalk& walk, int head, int m_block,
+                                             int batch, int step_index) {
+            const int query0 = m_block * kBlockM + 2 * (lane % 4);  // the thread's first column
+            const int first_key = walk.n_block * kBlockN + 64 * wg + 16 * warp + lane / 4;
+            const int64_t row_base =
+                (static_cast<int64_t>(batch) * p.heads_q + head) * p.seqlen_q;
+            const float* lse_row = p.lse + batch * p.lse_stride_b + head * p.lse_stride_h;
+            float lse[kBlockM / 8][2];
+#pragma unroll
+            for (int i = 0; i < kBlockM / 8; ++i) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    lse[i][e] = lse_log2(lse_row, query0 + 8 * i + e, p.seqlen_q);
+                }
+            }
+            const uint32_t k_tile = smem_addr(smem + kKOffset);
+            const uint32_t v_tile = smem_addr(smem + kVOffset);
+            const uint32_t q_tile = smem_addr(smem + kQOffset + ring.stage() * kQBytes);
+            const uint32_t do_tile = smem_addr(smem + kDoOffset + ring.stage() * kQBytes);
+            const uint32_t rows = 64 * wg * 128;  // this warpgroup's keys within a K / V slab
+
+            float s[kBlockM / 2];
+            float dp[kBlockM / 2];
+            bars.q_do.consumer_wait(ring);
+            wgmma_fence();
+            gemm_rows(s, k_tile + rows, q_tile);
+            wgmma_commit();
+            gemm_rows(dp, v_tile + rows, do_tile);
+            wgmma_commit();
+            wgmma_wait<1>();
+            wgmma_fence_operand(s);
+
+            // P^T, rounded to the A fragments of dV's GEMM.
+            if (walk.n_block >= info.n_right_masked(m_block)) {
+                apply_mask_transposed(reinterpret_cast<Tiles&>(s), info.mask, first_key, query0);
+            }
+            uint32_t pt[kBlockM / 4];
+#pragma unroll
+            for (int i = 0; i < kBlockM / 8; ++i) {
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    s[4 * i + c] = exp2_approx(fmaf(s[4 * i + c], p.scale_log2, -lse[i][c % 2]));
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < kBlockM / 4; ++j) pt[j] = pack_f32x2<kBf16>(s[2 * j], s[2 * j + 1]);
+            wgmma_fence();
+            gemm_fragments(dv, pt, do_tile);
+            wgmma_commit();
+
+            float dpsum[kBlockM / 8][2];
+#pragma unroll
+            for (int i = 0; i < kBlockM / 8; ++i) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int query = query0 + 8 * i + e;
+                    dpsum[i][e] = query < p.seqlen_q ? __ldg(p.dpsum + row_base + query) : 0.0f;
+                }
+            }
+            wgmma_wait<1>();
+            wgmma_fence_operand(dp);
+            // dS^T = P^T (dP^T - D), as A fragments of dK's GEMM and, transposed, into dS.
+            uint32_t dst[kBlockM / 4];
+#pragma unroll
+            for (int i = 0; i < kBlockM / 8; ++i) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float2 pair = unpack_f32x2<kBf16>(pt[2 * i + h]);
+                    dst[2 * i + h] =
+                        pack_f32x2<kBf16>(pair.x * (dp[4 * i + 2 * h] - dpsum[i][0]),
+                                          pair.y * (dp[4 * i + 2 * h + 1] - dpsum[i][1]));
+                }
+            }
+            // dS^T's 8x8 matrices (keys 16 warp + 8 h.., queries 8 i..) land transposed in this
+            // warpgroup's slab of the step's dS buffer: stmatrix x4 number x takes i = 2x, 2x + 1.
+            const uint32_t ds = smem_addr(smem + kDsOffset + (step_index % 2) * kDsBytes);
+            {
+                const int matrix = lane / 8;
+                const uint32_t slab = ds + wg * kDsSlabBytes;
+#pragma unroll
+                for (int x = 0; x < kBlockM / 16; ++x) {
+                    const int i = 2 * x + matrix / 2;
+                    stmatrix_x4_trans(slab + swizzled_offset<128>(8 * i + lane % 8,
+                                                                  2 * warp + matrix % 2),
+                                      dst[4 * x], dst[4 * x + 1], dst[4 * x + 2],
+                                      dst[4 * x + 3]);
+                }
+            }
+            fence_proxy_async();
+            wgmma_fence();
+            gemm_fragments(dk, dst, q_tile);
+            wgmma_commit();
+            if constexpr (Cfg::kDqSplitKeys) {
+                named_barrier_sync(kDsBarrier + wg, 128);
+            } else {
+                named_barrier_sync(kDsBarrier, 128 * Cfg::kConsumers);
+            }
+            float dq[Cfg::kDqCols / 2];
+            wgmma_fence();
+            gemm_dq(dq, ds, k_tile, Cfg::kDqSplitKeys ? 64 * wg : 0, Cfg::kDqSplitKeys ? 0 : wg);
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_fence_operand(dv);
+            wgmma_fence_operand(dk);
+            wgmma_fence_operand(dq);
+            release();
+            ++ring.count;
+            add_dq(p, info, walk, dq, row_base, m_block, head, batch);
+        }
+
+        // dQ of the step into the FP32 accumulator; rows past seqlen_q dropped. Deterministic
+        // sums wait for the tile's turn, and with keys split the first warpgroup adds first.
+        __device__ __forceinline__ void add_dq(const BwdParams& p, const Info& info,
+                                               const BwdWalk& walk,
+                                               const float (&dq)[Cfg::kDqCols / 2],
+                                               int64_t row_base, int m_block, int head,
+                                               int batch) const {
+            constexpr uint32_t kConsumerThreads = 128 * Cfg::kConsumers;
+            const bool is_turn_thread = threadIdx.x == 128;
+            int* turn = p.dq_semaphore == nullptr
+                            ? nullptr
+                            : p.dq_semaphore + (static_cast<int64_t>(batch) * p.heads_q + head) *
+                                                   p.num_m_blocks + m_block;
+            if (turn != nullptr) {
+                if (is_turn_thread) wait_turn(turn, walk.turn(info.n_max(m_block)));
+                named_barrier_sync(kTurnBarrier, kConsumerThreads);
+                if (Cfg::kDqSplitKeys && wg == 1) named_barrier_sync(kTurnBarrier, kConsumerThreads);
+            }
+            const int col0 = Cfg::kDqSplitKeys ? 0 : Cfg::kDqCols * wg;
+            float* rows = p.dq_accum + (row_base + m_block * kBlockM) * kHeadDim + col0;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = 16 * warp + lane / 4 + 8 * h;
+                if (m_block * kBlockM + row >= p.seqlen_q) continue;
+#pragma unroll
+                for (int i = 0; i < Cfg::kDqCols / 8; ++i) {
+                    red_add_f32x2(rows + row * kHeadDim + 8 * i + 2 * (lane % 4), dq[4 * i + 2 * h],
+                                  dq[4 * i + 2 * h + 1]);
+                }
+            }
+            if (turn != nullptr) {
+                if (Cfg::kDqSplitKeys && wg == 0) named_barrier_sync(kTurnBarrier, kConsumerThreads);
+                // Every consumer's adds precede the release, which is cumulative (atomics.cuh).
+                named_barrier_sync(kTurnBarrier, kConsumerThreads);
+                if (is_turn_thread) pass_turn(turn);
+            }
+        }
+
+        // dK (times softmax_scale) and dV of the warpgroup's keys, from registers; keys past
+        // seqlen_k dropped.
+        __device__ __forceinline__ void store(const BwdParams& p, int n_block, int kv_head,
+                                              int batch) const {
+            using Rows = float[kHeadDim / 8][4];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int key = n_block * kBlockN + 64 * wg + 16 * warp + lane / 4 + 8 * h;
+                if (key >= p.seqlen_k) continue;
+                store_accumulator_row<kBf16>(
+                    static_cast<uint16_t*>(p.dk) + batch * p.dk_stride_b + kv_head * p.dk_stride_h +
+                        key * p.dk_stride_s,
+                    reinterpret_cast<const Rows&>(dk), h, p.softmax_scale, lane);
+                store_accumulator_row<kBf16>(
+                    static_cast<uint16_t*>(p.dv) + batch * p.dv_stride_b + kv_head * p.dv_stride_h +
+                        key * p.dv_stride_s,
+                    reinterpret_cast<const Rows&>(dv), h, 1.0f, lane);
+            }
+        }
+
+        // Every step of the block's walk, then nothing pending in the ring. K and V are waited for
+        // even with no step, so no TMA load outlives the block.
+        __device__ __forceinline__ void run(const BwdParams& p, const Info& info,
+                                            const BwdWalk& walk, const BwdSteps& steps,
+                                            int kv_head, int batch) {
+#pragma unroll
+            for (int i = 0; i < kHeadDim / 2; ++i) {
+                dk[i] = 0.0f;
+                dv[i] = 0.0f;
+            }
+            bars.kv_full.wait(0);
+#pragma unroll 1
+            for (int i = 0; i < steps.count; ++i) {
+                step(p, info, walk, steps.head(i, kv_head, p.q_per_kv), steps.m_block(i), batch,
+                     i);
+            }
+        }
+    };
+};
+
+}  // namespace ptxattn

@@ -1,0 +1,84 @@
+"""Launcher of the Hopper (sm_90a) backward kernel, ``ptx_src/bwd_sm90.cu``, between the pre- and
+postprocess every backward family shares (ptxattn/backward.py).
+
+A block owns 128 keys of one (batch, kv head) and walks the query tiles of 64 rows that see them,
+for every q head sharing its kv head, so dK and dV are complete in its registers at the end and
+GQA needs no second reduction; dQ is summed into the FP32 accumulator across blocks. Q, dO, K and
+V arrive through 4-d TMA maps (batch, seqlen, heads, head_dim) with boxes of 64 head_dim columns
+(128 bytes, 128-byte swizzle) by 64 (Q, dO) or 128 (K, V) rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from . import archs, params, runtime
+from . import backward as shared_backward
+
+SOURCE = "bwd_sm90.cu"
+ARCHS = archs.running("hopper")
+HEAD_DIMS = (64, 128)
+DTYPES = {"bfloat16": 1, "float16": 0}
+BLOCK_M = 64    # query rows per step
+BLOCK_N = 128   # keys per block: 64 per consumer warpgroup
+BOX_COLS = 64   # head_dim columns per TMA box
+THREADS = 384   # the producer warpgroup and two consumer warpgroups
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """The template arguments of one ``attn_bwd_sm90<BwdSm90Config<...>>``
+    (ptx_src/mainloop_bwd_sm90.cuh documents each)."""
+    head_dim: int
+    bf16: bool
+    causal: bool
+    stages: int
+
+    @property
+    def smem_bytes(self) -> int:
+        k_v = 2 * BLOCK_N * self.head_dim * 2
+        q_do = 2 * self.stages * BLOCK_M * self.head_dim * 2
+        ds = 2 * BLOCK_M * BLOCK_N * 2  # double-buffered
+        barriers = 8 * (1 + 2 * self.stages)
+        return k_v + q_do + ds + barriers + 1024  # + aligning the base to the swizzle atom
+
+    def spec(self) -> runtime.KernelSpec:
+        dtype = "bfloat16" if self.bf16 else "float16"
+        args = (f"{self.head_dim}, {str(self.bf16).lower()}, {str(self.causal).lower()}, "
+                f"{self.stages}, {self.smem_bytes}")
+        return runtime.KernelSpec(
+            name=f"bwd_sm90_{dtype}_d{self.head_dim}_s{self.stages}"
+                 f"{'_causal' if self.causal else ''}",
+            source=SOURCE, entry=f"ptxattn::attn_bwd_sm90<ptxattn::BwdSm90Config<{args}>>",
+            smem_bytes=self.smem_bytes, archs=ARCHS)
+
+
+# (Q, dO) ring depth per head_dim: as deep as shared memory allows next to K, V and dS.
+STAGES = {64: 2, 128: 2}
+
+
+def variant(dtype: str, head_dim: int, causal: bool) -> Variant:
+    return Variant(head_dim, bool(DTYPES[dtype]), causal, STAGES[head_dim])
+
+
+def variants() -> list[runtime.KernelSpec]:
+    return [variant(dtype, head_dim, causal).spec()
+            for dtype in DTYPES for head_dim in HEAD_DIMS for causal in (False, True)]
+
+
+def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: bool):
+    """The gradients of the forward into dq, dk, dv; returns the workspace (for its size)."""
+    kernel = runtime.load(variant(problem.format, problem.head_dim, problem.causal).spec())
+    ws = shared_backward.Workspace.allocate(problem, BLOCK_M, deterministic)
+    p = shared_backward.make_params(problem, dout, q, k, v, out, lse, dq, dk, dv, ws, BLOCK_M)
+    swizzle = BOX_COLS * q.itemsize
+    p.q_map = runtime.tensor_map(q, (1, BLOCK_M, 1, BOX_COLS), swizzle=swizzle)
+    p.dout_map = runtime.tensor_map(dout, (1, BLOCK_M, 1, BOX_COLS), swizzle=swizzle)
+    p.k_map = runtime.tensor_map(k, (1, BLOCK_N, 1, BOX_COLS), swizzle=swizzle)
+    p.v_map = runtime.tensor_map(v, (1, BLOCK_N, 1, BOX_COLS), swizzle=swizzle)
+    grid = (math.ceil(problem.seqlen_k / BLOCK_N), problem.heads_kv, problem.batch)
+    shared_backward.preprocess(problem, p)()
+    runtime.PreparedLaunch(kernel, grid=grid, block=(THREADS,), args=[p])()
+    shared_backward.postprocess(problem, p)()
+    return ws
