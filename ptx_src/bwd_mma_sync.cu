@@ -159,7 +159,10 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
         Mainloop::store_scores(p_tile, pairs, score_row0, score_col0, lane);
         {
             float dpsum[Cfg::kScoreRows / 16][2];
-            load_rows(dpsum, p.dpsum + row_base, 0.0f);
+            load_rows(dpsum,
+                      p.dpsum + (static_cast<int64_t>(batch) * p.heads_q + head) *
+                                    p.seqlen_q_rounded,
+                      0.0f);
             float dp[Cfg::kScoreRows / 16][kScoreTiles][4];
             Mainloop::gemm_abt(dp, do_tile, v_tile, score_row0, score_col0, lanes);
             score_gradient<Cfg::kBf16>(dp, pairs, dpsum);

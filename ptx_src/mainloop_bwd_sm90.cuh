@@ -14,14 +14,19 @@
 //   dK  += dS^T Q                RS: dS^T as A fragments, Q MN-major
 //   dQ   = dS K                  SS with transposed B: dS from shared memory, where each
 //                                warpgroup stores its dS^T transposed (stmatrix .trans), K
-//                                MN-major; then added into the FP32 accumulator (red.global)
+//                                MN-major; then added into the FP32 accumulator: staged in
+//                                shared memory and added by a TMA reduce (cp.reduce.async.bulk),
+//                                which runs on while the next step computes, or, for
+//                                deterministic sums, by red.global in the tile's turn
 // Computing S^T rather than S keeps both dV's and dK's A operand in registers, straight from
 // the accumulators; only dQ needs dS in shared memory. For dQ each warpgroup takes 64 columns:
 // head_dim 128 splits the columns (each warpgroup reads both warpgroups' dS, so they meet at a
 // named barrier), head_dim 64 splits the keys (each reads its own dS and the two add into the
 // same accumulator rows). dS is double-buffered: a warpgroup writes step i's buffer only after
 // the barrier of step i - 1, which both passed after finishing step i - 2's dQ, the last reader.
-// LSE and D are read per column with __ldg ahead of the GEMMs that hide their latency.
+// Each step's LSE (in log2 units) and D arrive with its Q and dO: the producer copies their 64
+// rows from the workspace (bulk copies; the rows are padded to 64 there), so no consumer waits
+// on a global load (reading them with __ldg per thread cost 25% at head_dim 128).
 #pragma once
 #include "atomics.cuh"
 #include "block_info.cuh"
@@ -67,6 +72,12 @@ struct BwdSm90Config {
     static constexpr uint32_t kDsSlabBytes = kBlockM * 128;
     static constexpr uint32_t kDsBytes = kDsSlabBytes * (kBlockN / 64);
     static constexpr uint32_t kSwizzleAtomBytes = 1024;
+    // A step's LSE log2 and D: 64 floats each, after the ring's (Q, dO) tiles.
+    static constexpr uint32_t kRowValuesBytes = 2 * kBlockM * 4;
+    // dQ staging per consumer warpgroup: [64 x 64] float32 in two TMA boxes of 32 columns
+    // (128-byte rows, 128-byte swizzle), 8 KB each.
+    static constexpr uint32_t kDqBoxBytes = kBlockM * 128;
+    static constexpr uint32_t kDqStageBytes = 2 * kDqBoxBytes;
 
     // dQ per warpgroup: 64 columns, over its own keys (head_dim 64) or all keys (128).
     static constexpr bool kDqSplitKeys = kHeadDim == 64;
@@ -111,14 +122,18 @@ struct BwdSm90Mainloop {
     using Ring = PipelineState<kStages>;
     using Info = BlockInfo<kBlockM, kBlockN>;
 
-    // Shared memory: [K | V | Q stage 0..S-1 | dO stage 0..S-1 | dS x 2 | barriers], from a
-    // 1024-byte aligned base (the swizzle atom), which may cost up to 1024 bytes.
+    // Shared memory: [K | V | Q stage 0..S-1 | dO stage 0..S-1 | LSE, D stage 0..S-1 | dS x 2 |
+    // dQ staging per consumer | barriers], from a 1024-byte aligned base (the swizzle atom),
+    // which may cost up to 1024 bytes.
     static constexpr uint32_t kKOffset = 0;
     static constexpr uint32_t kVOffset = kKVBytes;
     static constexpr uint32_t kQOffset = 2 * kKVBytes;
     static constexpr uint32_t kDoOffset = kQOffset + kStages * kQBytes;
-    static constexpr uint32_t kDsOffset = kDoOffset + kStages * kQBytes;
-    static constexpr uint32_t kBarrierOffset = kDsOffset + 2 * kDsBytes;
+    static constexpr uint32_t kRowValuesOffset = kDoOffset + kStages * kQBytes;
+    static constexpr uint32_t kDsOffset =
+        (kRowValuesOffset + kStages * Cfg::kRowValuesBytes + 1023) / 1024 * 1024;
+    static constexpr uint32_t kDqOffset = kDsOffset + 2 * kDsBytes;
+    static constexpr uint32_t kBarrierOffset = kDqOffset + Cfg::kConsumers * Cfg::kDqStageBytes;
     static_assert(kBarrierOffset + sizeof(Barriers) + Cfg::kSwizzleAtomBytes <= Cfg::kSmemBytes,
                   "kSmemBytes too small for this tile configuration");
 
@@ -126,6 +141,7 @@ struct BwdSm90Mainloop {
     // per warpgroup (64); and the deterministic dQ sums' turn.
     static constexpr uint32_t kDsBarrier = 1;      // + warpgroup when split by keys
     static constexpr uint32_t kTurnBarrier = 3;
+    static constexpr uint32_t kDqBarrier = 4;      // + warpgroup: its dQ staged
 
     // ---- Producer ---------------------------------------------------------------------------
 
@@ -152,7 +168,13 @@ struct BwdSm90Mainloop {
             const int row = steps.m_block(step) * kBlockM;
             bars.q_do.producer_acquire(ring);
             MBarrier& full = bars.q_do.full_barrier(ring);
-            full.arrive_expect_tx(2 * kQBytes);
+            full.arrive_expect_tx(2 * kQBytes + Cfg::kRowValuesBytes);
+            const int64_t padded_row =
+                (static_cast<int64_t>(batch) * p.heads_q + head) * p.seqlen_q_rounded + row;
+            float* row_values = reinterpret_cast<float*>(smem + kRowValuesOffset +
+                                                         ring.stage() * Cfg::kRowValuesBytes);
+            bulk_load(row_values, p.lse_log2 + padded_row, kBlockM * 4, full);
+            bulk_load(row_values + kBlockM, p.dpsum + padded_row, kBlockM * 4, full);
             uint8_t* q_tile = smem + kQOffset + ring.stage() * kQBytes;
             uint8_t* do_tile = smem + kDoOffset + ring.stage() * kQBytes;
 #pragma unroll
@@ -230,15 +252,6 @@ struct BwdSm90Mainloop {
             if (lane == 0) bars.q_do.consumer_release(ring);
         }
 
-        // Query `query`'s LSE in log2 units, +inf for rows past the end or that see no key (so
-        // that their P is 0), and its D (0 past the end).
-        __device__ __forceinline__ static float lse_log2(const float* lse_row, int query,
-                                                         int seqlen_q) {
-            const float pos_inf = __int_as_float(0x7f800000);
-            const float lse = query < seqlen_q ? __ldg(lse_row + query) : -pos_inf;
-            return lse == -pos_inf ? pos_inf : lse * 1.4426950408889634f;
-        }
-
         // One step: query tile m_block of q head `head` (its (Q, dO) in the ring's next slot).
         __device__ __forceinline__ void step(const BwdParams& p, const Info& info,
                                              const BwdWalk& walk, int head, int m_block,
@@ -247,15 +260,9 @@ struct BwdSm90Mainloop {
             const int first_key = walk.n_block * kBlockN + 64 * wg + 16 * warp + lane / 4;
             const int64_t row_base =
                 (static_cast<int64_t>(batch) * p.heads_q + head) * p.seqlen_q;
-            const float* lse_row = p.lse + batch * p.lse_stride_b + head * p.lse_stride_h;
-            float lse[kBlockM / 8][2];
-#pragma unroll
-            for (int i = 0; i < kBlockM / 8; ++i) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    lse[i][e] = lse_log2(lse_row, query0 + 8 * i + e, p.seqlen_q);
-                }
-            }
+            // The step's LSE log2 (then D) at the thread's columns 8 i + 2 t, + 1.
+            const float* row_values = reinterpret_cast<const float*>(
+                smem + kRowValuesOffset + ring.stage() * Cfg::kRowValuesBytes) + 2 * (lane % 4);
             const uint32_t k_tile = smem_addr(smem + kKOffset);
             const uint32_t v_tile = smem_addr(smem + kVOffset);
             const uint32_t q_tile = smem_addr(smem + kQOffset + ring.stage() * kQBytes);
@@ -280,9 +287,11 @@ struct BwdSm90Mainloop {
             uint32_t pt[kBlockM / 4];
 #pragma unroll
             for (int i = 0; i < kBlockM / 8; ++i) {
+                const float2 lse = *reinterpret_cast<const float2*>(row_values + 8 * i);
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
-                    s[4 * i + c] = exp2_approx(fmaf(s[4 * i + c], p.scale_log2, -lse[i][c % 2]));
+                    s[4 * i + c] =
+                        exp2_approx(fmaf(s[4 * i + c], p.scale_log2, c % 2 ? -lse.y : -lse.x));
                 }
             }
 #pragma unroll
@@ -290,28 +299,20 @@ struct BwdSm90Mainloop {
             wgmma_fence();
             gemm_fragments(dv, pt, do_tile);
             wgmma_commit();
-
-            float dpsum[kBlockM / 8][2];
-#pragma unroll
-            for (int i = 0; i < kBlockM / 8; ++i) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int query = query0 + 8 * i + e;
-                    dpsum[i][e] = query < p.seqlen_q ? __ldg(p.dpsum + row_base + query) : 0.0f;
-                }
-            }
             wgmma_wait<1>();
             wgmma_fence_operand(dp);
             // dS^T = P^T (dP^T - D), as A fragments of dK's GEMM and, transposed, into dS.
             uint32_t dst[kBlockM / 4];
 #pragma unroll
             for (int i = 0; i < kBlockM / 8; ++i) {
+                const float2 dpsum =
+                    *reinterpret_cast<const float2*>(row_values + kBlockM + 8 * i);
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const float2 pair = unpack_f32x2<kBf16>(pt[2 * i + h]);
                     dst[2 * i + h] =
-                        pack_f32x2<kBf16>(pair.x * (dp[4 * i + 2 * h] - dpsum[i][0]),
-                                          pair.y * (dp[4 * i + 2 * h + 1] - dpsum[i][1]));
+                        pack_f32x2<kBf16>(pair.x * (dp[4 * i + 2 * h] - dpsum.x),
+                                          pair.y * (dp[4 * i + 2 * h + 1] - dpsum.y));
                 }
             }
             // dS^T's 8x8 matrices (keys 16 warp + 8 h.., queries 8 i..) land transposed in this
@@ -333,6 +334,9 @@ struct BwdSm90Mainloop {
             wgmma_fence();
             gemm_fragments(dk, dst, q_tile);
             wgmma_commit();
+            // The dS barrier also tells the warpgroup that its dQ staging is free again: its
+            // last TMA reduce has read it.
+            if (dq_issuer()) tma_store_wait_read<0>();
             if constexpr (Cfg::kDqSplitKeys) {
                 named_barrier_sync(kDsBarrier + wg, 128);
             } else {
@@ -348,27 +352,66 @@ struct BwdSm90Mainloop {
             wgmma_fence_operand(dq);
             release();
             ++ring.count;
-            add_dq(p, info, walk, dq, row_base, m_block, head, batch);
+            if (p.dq_semaphore != nullptr) {
+                add_dq_in_turn(p, info, walk, dq, row_base, m_block, head, batch);
+            } else {
+                reduce_dq(p, dq, m_block, head, batch);
+            }
         }
 
-        // dQ of the step into the FP32 accumulator; rows past seqlen_q dropped. Deterministic
-        // sums wait for the tile's turn, and with keys split the first warpgroup adds first.
-        __device__ __forceinline__ void add_dq(const BwdParams& p, const Info& info,
+        // The thread of each consumer warpgroup that issues its dQ reduces.
+        __device__ __forceinline__ bool dq_issuer() const {
+            return warp == 0 && lane == 0;
+        }
+
+        // dQ of the step staged in shared memory (the TMA box layout: 128-byte rows of 32
+        // floats, 16-byte chunks swizzled by row % 8, so a warp's stores hit distinct banks) and
+        // added into the accumulator by one TMA reduce a box; rows past seqlen_q are clipped.
+        __device__ __forceinline__ void reduce_dq(const BwdParams& p,
+                                                  const float (&dq)[Cfg::kDqCols / 2],
+                                                  int m_block, int head, int batch) const {
+            uint8_t* staging = smem + kDqOffset + wg * Cfg::kDqStageBytes;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = 16 * warp + lane / 4 + 8 * h;
+#pragma unroll
+                for (int i = 0; i < Cfg::kDqCols / 8; ++i) {
+                    const int col = 8 * i + 2 * (lane % 4);
+                    *reinterpret_cast<float2*>(staging + (col / 32) * Cfg::kDqBoxBytes +
+                                               swizzled_offset<128>(row, (col % 32) / 4) +
+                                               (col % 4) * 4) =
+                        make_float2(dq[4 * i + 2 * h], dq[4 * i + 2 * h + 1]);
+                }
+            }
+            fence_proxy_async();
+            named_barrier_sync(kDqBarrier + wg, 128);
+            if (dq_issuer()) {
+                const int col0 = Cfg::kDqSplitKeys ? 0 : Cfg::kDqCols * wg;
+#pragma unroll
+                for (int box = 0; box < Cfg::kDqCols / 32; ++box) {
+                    tma_reduce_add_3d(&p.dq_accum_map, staging + box * Cfg::kDqBoxBytes,
+                                      col0 + 32 * box, m_block * kBlockM,
+                                      batch * p.heads_q + head);
+                }
+                tma_store_commit();
+            }
+        }
+
+        // Deterministic sums: dQ of the step into the accumulator with red.global in the tile's
+        // turn (atomics.cuh), with keys split the first warpgroup first; rows past seqlen_q
+        // dropped.
+        __device__ __forceinline__ void add_dq_in_turn(const BwdParams& p, const Info& info,
                                                const BwdWalk& walk,
                                                const float (&dq)[Cfg::kDqCols / 2],
                                                int64_t row_base, int m_block, int head,
                                                int batch) const {
             constexpr uint32_t kConsumerThreads = 128 * Cfg::kConsumers;
             const bool is_turn_thread = threadIdx.x == 128;
-            int* turn = p.dq_semaphore == nullptr
-                            ? nullptr
-                            : p.dq_semaphore + (static_cast<int64_t>(batch) * p.heads_q + head) *
-                                                   p.num_m_blocks + m_block;
-            if (turn != nullptr) {
-                if (is_turn_thread) wait_turn(turn, walk.turn(info.n_max(m_block)));
-                named_barrier_sync(kTurnBarrier, kConsumerThreads);
-                if (Cfg::kDqSplitKeys && wg == 1) named_barrier_sync(kTurnBarrier, kConsumerThreads);
-            }
+            int* turn = p.dq_semaphore + (static_cast<int64_t>(batch) * p.heads_q + head) *
+                                             p.num_m_blocks + m_block;
+            if (is_turn_thread) wait_turn(turn, walk.turn(info.n_max(m_block)));
+            named_barrier_sync(kTurnBarrier, kConsumerThreads);
+            if (Cfg::kDqSplitKeys && wg == 1) named_barrier_sync(kTurnBarrier, kConsumerThreads);
             const int col0 = Cfg::kDqSplitKeys ? 0 : Cfg::kDqCols * wg;
             float* rows = p.dq_accum + (row_base + m_block * kBlockM) * kHeadDim + col0;
 #pragma unroll
@@ -381,12 +424,10 @@ struct BwdSm90Mainloop {
                                   dq[4 * i + 2 * h + 1]);
                 }
             }
-            if (turn != nullptr) {
-                if (Cfg::kDqSplitKeys && wg == 0) named_barrier_sync(kTurnBarrier, kConsumerThreads);
-                // Every consumer's adds precede the release, which is cumulative (atomics.cuh).
-                named_barrier_sync(kTurnBarrier, kConsumerThreads);
-                if (is_turn_thread) pass_turn(turn);
-            }
+            if (Cfg::kDqSplitKeys && wg == 0) named_barrier_sync(kTurnBarrier, kConsumerThreads);
+            // Every consumer's adds precede the release, which is cumulative (atomics.cuh).
+            named_barrier_sync(kTurnBarrier, kConsumerThreads);
+            if (is_turn_thread) pass_turn(turn);
         }
 
         // dK (times softmax_scale) and dV of the warpgroup's keys, from registers; keys past
@@ -425,6 +466,8 @@ struct BwdSm90Mainloop {
                 step(p, info, walk, steps.head(i, kv_head, p.q_per_kv), steps.m_block(i), batch,
                      i);
             }
+            // The last reduces must be done before the block exits (and the postprocess reads).
+            if (dq_issuer()) tma_store_wait<0>();
         }
     };
 };

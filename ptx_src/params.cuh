@@ -120,7 +120,9 @@ struct CombineParams {
 // The arguments of every backward kernel (preprocess, main, postprocess), mirrored by
 // ptxattn/params.py's BwdParams like FwdParams. Strides are in elements per (batch, seqlen,
 // head) with unit stride in head_dim; the workspace arrays are dense, indexed by
-// (batch * heads_q + head) * seqlen_q + row (times head_dim for dq_accum).
+// (batch * heads_q + head) * seqlen_q + row (times head_dim) for dq_accum and by
+// (batch * heads_q + head) * seqlen_q_rounded + row for dpsum and lse_log2, whose padding rows
+// let a kernel copy whole 64-row blocks.
 struct alignas(64) BwdParams {
     // Hopper only (bwd_sm90.cu): 4-d TMA maps of q, k, v and dout, coordinates (d, head, row,
     // batch), boxes of 64 columns x the kernel's rows; the portable kernel leaves them zero.
@@ -128,6 +130,7 @@ struct alignas(64) BwdParams {
     TensorMap k_map;
     TensorMap v_map;
     TensorMap dout_map;
+    TensorMap dq_accum_map;  // dq_accum as (batch * heads_q, seqlen_q, head_dim) float32
 
     const void* q;
     const void* k;
@@ -139,7 +142,8 @@ struct alignas(64) BwdParams {
     void* dv;
     const float* lse;   // the forward's, natural log, unit stride along seqlen_q
     float* dq_accum;    // float32 dQ summed over key blocks, before softmax_scale
-    float* dpsum;       // per row: sum over head_dim of dO * O
+    float* dpsum;       // per row: sum over head_dim of dO * O; 0 on padding rows
+    float* lse_log2;    // per row: LSE * log2(e), +inf where LSE is -inf and on padding rows
     int* dq_semaphore;  // deterministic order of the dQ sums: one zeroed int per (b, h, m block),
                         // or null (atomic adds in any order)
 
@@ -163,6 +167,7 @@ struct alignas(64) BwdParams {
     float scale_log2;  // softmax_scale * log2(e)
     int causal;
     int num_m_blocks;  // query blocks of the main kernel's tile
+    int seqlen_q_rounded;  // rows per (batch, head) in dpsum and lse_log2: seqlen_q padded to 64
 };
 
 }  // namespace ptxattn

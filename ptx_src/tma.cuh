@@ -56,6 +56,26 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const TensorMap* map, MBa
         : "memory");
 }
 
+// cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes: `bytes` contiguous bytes
+// (a multiple of 16, both addresses 16-byte aligned) from global to shared memory, no tensor map.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes,
+                                          MBarrier& bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+        ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(bar.addr()) : "memory");
+}
+
+// cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group: adds a shared-memory
+// box into global memory element-wise (float32 adds, performed at L2), clipped at the tensor's
+// edges; committed and waited for like a store.
+__device__ __forceinline__ void tma_reduce_add_3d(const TensorMap* map, const void* src, int c0,
+                                                  int c1, int c2) {
+    asm volatile(
+        "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group"
+        " [%0, {%2, %3, %4}], [%1];"
+        ::"l"(map), "r"(smem_addr(src)), "r"(c0), "r"(c1), "r"(c2) : "memory");
+}
+
 // cp.async.bulk.tensor.4d.global.shared::cta.bulk_group: shared -> global, clipped at the edges.
 // The writing threads must fence_proxy_async() and synchronise before one thread issues this.
 __device__ __forceinline__ void tma_store_4d(const TensorMap* map, const void* src,

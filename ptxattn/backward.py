@@ -8,9 +8,10 @@ A backward call runs three kernels on one stream:
 2. the family's main kernel: dK and dV written, dQ summed into the accumulator;
 3. ``bwd_postprocess``: dq = softmax_scale * accumulator, in the input dtype.
 
-The workspace is the FP32 accumulator (batch * heads_q * seqlen_q * head_dim floats), dpsum
-(batch * heads_q * seqlen_q floats) and, for ``deterministic=True``, one int per (batch, head,
-query tile): nothing of O(seqlen^2).
+The workspace is the FP32 accumulator (batch * heads_q * seqlen_q * head_dim floats), dpsum and
+the LSE in log2 units (batch * heads_q * seqlen_q floats each, seqlen_q padded to ROW_PADDING so
+that a kernel may copy whole blocks of rows) and, for ``deterministic=True``, one int per (batch,
+head, query tile): nothing of O(seqlen^2).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ SOURCE = "bwd_prepost.cu"
 HEAD_DIMS = (64, 128, 256)
 DTYPES = {"bfloat16": 1, "float16": 0}
 _THREADS = 256
+ROW_PADDING = 64  # dpsum and lse_log2 rows per (batch, head): seqlen_q rounded up to this
 # Every family's backward runs them, so they are built wherever one does.
 ARCHS = archs.running("portable")
 
@@ -39,40 +41,48 @@ def variants() -> list[runtime.KernelSpec]:
             for d in HEAD_DIMS]
 
 
+def rounded_rows(seqlen_q: int) -> int:
+    return -(-seqlen_q // ROW_PADDING) * ROW_PADDING
+
+
 @dataclasses.dataclass
 class Workspace:
     dq_accum: object
     dpsum: object
+    lse_log2: object
     dq_semaphore: object | None
 
     @classmethod
     def allocate(cls, problem, block_m: int, deterministic: bool) -> "Workspace":
         import cupy
-        rows = problem.batch * problem.heads_q * problem.seqlen_q
+        heads = problem.batch * problem.heads_q
+        padded_rows = heads * rounded_rows(problem.seqlen_q)
         semaphore = None
         if deterministic:
-            semaphore = cupy.zeros(problem.batch * problem.heads_q
-                                   * math.ceil(problem.seqlen_q / block_m), dtype=cupy.int32)
-        return cls(cupy.empty(rows * problem.head_dim, dtype=cupy.float32),
-                   cupy.empty(rows, dtype=cupy.float32), semaphore)
+            semaphore = cupy.zeros(heads * math.ceil(problem.seqlen_q / block_m),
+                                   dtype=cupy.int32)
+        return cls(cupy.empty(heads * problem.seqlen_q * problem.head_dim, dtype=cupy.float32),
+                   cupy.empty(padded_rows, dtype=cupy.float32),
+                   cupy.empty(padded_rows, dtype=cupy.float32), semaphore)
 
     @property
     def nbytes(self) -> int:
-        return sum(x.nbytes for x in (self.dq_accum, self.dpsum, self.dq_semaphore)
-                   if x is not None)
+        return sum(x.nbytes for x in (self.dq_accum, self.dpsum, self.lse_log2,
+                                      self.dq_semaphore) if x is not None)
 
 
 def make_params(problem, dout, q, k, v, out, lse, dq, dk, dv, workspace: Workspace,
                 block_m: int) -> params.BwdParams:
     p = params.BwdParams(
         q=q, k=k, v=v, out=out, dout=dout, dq=dq, dk=dk, dv=dv, lse=lse,
-        dq_accum=workspace.dq_accum, dpsum=workspace.dpsum,
+        dq_accum=workspace.dq_accum, dpsum=workspace.dpsum, lse_log2=workspace.lse_log2,
         dq_semaphore=workspace.dq_semaphore if workspace.dq_semaphore is not None else 0,
         batch=problem.batch, seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k,
         heads_q=problem.heads_q, heads_kv=problem.heads_kv, q_per_kv=problem.gqa_ratio,
         softmax_scale=problem.softmax_scale,
         scale_log2=problem.softmax_scale * math.log2(math.e), causal=int(problem.causal),
-        num_m_blocks=math.ceil(problem.seqlen_q / block_m))
+        num_m_blocks=math.ceil(problem.seqlen_q / block_m),
+        seqlen_q_rounded=rounded_rows(problem.seqlen_q))
     for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("dq", dq),
                     ("dk", dk), ("dv", dv)):
         for dim, stride in zip("bsh", params.strides(x)):
@@ -81,16 +91,18 @@ def make_params(problem, dout, q, k, v, out, lse, dq, dk, dv, workspace: Workspa
     return p
 
 
-def _row_grid(problem) -> tuple[int]:
-    chunks = problem.batch * problem.heads_q * problem.seqlen_q * (problem.head_dim // 8)
+def _row_grid(problem, rows_per_head: int) -> tuple[int]:
+    chunks = problem.batch * problem.heads_q * rows_per_head * (problem.head_dim // 8)
     return (math.ceil(chunks / _THREADS),)
 
 
 def preprocess(problem, p: params.BwdParams) -> runtime.PreparedLaunch:
     kernel = runtime.load(_spec("preprocess", problem.format, problem.head_dim))
-    return runtime.PreparedLaunch(kernel, grid=_row_grid(problem), block=(_THREADS,), args=[p])
+    return runtime.PreparedLaunch(kernel, grid=_row_grid(problem, rounded_rows(problem.seqlen_q)),
+                                  block=(_THREADS,), args=[p])
 
 
 def postprocess(problem, p: params.BwdParams) -> runtime.PreparedLaunch:
     kernel = runtime.load(_spec("postprocess", problem.format, problem.head_dim))
-    return runtime.PreparedLaunch(kernel, grid=_row_grid(problem), block=(_THREADS,), args=[p])
+    return runtime.PreparedLaunch(kernel, grid=_row_grid(problem, problem.seqlen_q),
+                                  block=(_THREADS,), args=[p])

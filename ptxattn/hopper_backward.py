@@ -3,9 +3,10 @@ postprocess every backward family shares (ptxattn/backward.py).
 
 A block owns 128 keys of one (batch, kv head) and walks the query tiles of 64 rows that see them,
 for every q head sharing its kv head, so dK and dV are complete in its registers at the end and
-GQA needs no second reduction; dQ is summed into the FP32 accumulator across blocks. Q, dO, K and
-V arrive through 4-d TMA maps (batch, seqlen, heads, head_dim) with boxes of 64 head_dim columns
-(128 bytes, 128-byte swizzle) by 64 (Q, dO) or 128 (K, V) rows.
+GQA needs no second reduction; dQ is summed into the FP32 accumulator across blocks by TMA
+reduces through a 3-d map of the accumulator. Q, dO, K and V arrive through 4-d TMA maps (batch,
+seqlen, heads, head_dim) with boxes of 64 head_dim columns (128 bytes, 128-byte swizzle) by 64
+(Q, dO) or 128 (K, V) rows.
 """
 
 from __future__ import annotations
@@ -39,9 +40,12 @@ class Variant:
     def smem_bytes(self) -> int:
         k_v = 2 * BLOCK_N * self.head_dim * 2
         q_do = 2 * self.stages * BLOCK_M * self.head_dim * 2
+        row_values = -(-self.stages * 2 * BLOCK_M * 4 // 1024) * 1024  # LSE and D, a step each
         ds = 2 * BLOCK_M * BLOCK_N * 2  # double-buffered
+        dq_staging = 2 * BLOCK_M * 64 * 4  # per consumer warpgroup
         barriers = 8 * (1 + 2 * self.stages)
-        return k_v + q_do + ds + barriers + 1024  # + aligning the base to the swizzle atom
+        # + aligning the base to the swizzle atom
+        return k_v + q_do + row_values + ds + dq_staging + barriers + 1024
 
     def spec(self) -> runtime.KernelSpec:
         dtype = "bfloat16" if self.bf16 else "float16"
@@ -77,6 +81,10 @@ def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: boo
     p.dout_map = runtime.tensor_map(dout, (1, BLOCK_M, 1, BOX_COLS), swizzle=swizzle)
     p.k_map = runtime.tensor_map(k, (1, BLOCK_N, 1, BOX_COLS), swizzle=swizzle)
     p.v_map = runtime.tensor_map(v, (1, BLOCK_N, 1, BOX_COLS), swizzle=swizzle)
+    # dQ sums: TMA reduces of [64 rows x 32 float32] boxes, clipped at each sequence's end.
+    p.dq_accum_map = runtime.tensor_map(
+        ws.dq_accum.reshape(problem.batch * problem.heads_q, problem.seqlen_q, problem.head_dim),
+        (1, BLOCK_M, 32), swizzle=128)
     grid = (math.ceil(problem.seqlen_k / BLOCK_N), problem.heads_kv, problem.batch)
     shared_backward.preprocess(problem, p)()
     runtime.PreparedLaunch(kernel, grid=grid, block=(THREADS,), args=[p])()

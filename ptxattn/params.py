@@ -56,14 +56,16 @@ _STRIDES = [(f"{name}_stride_{dim}", ctypes.c_int64)
             for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv") for dim in "bsh"]
 _BWD_FIELDS = [
     ("q_map", _TENSOR_MAP), ("k_map", _TENSOR_MAP), ("v_map", _TENSOR_MAP),
-    ("dout_map", _TENSOR_MAP),
+    ("dout_map", _TENSOR_MAP), ("dq_accum_map", _TENSOR_MAP),
     ("q", _P), ("k", _P), ("v", _P), ("out", _P), ("dout", _P), ("dq", _P), ("dk", _P),
-    ("dv", _P), ("lse", _P), ("dq_accum", _P), ("dpsum", _P), ("dq_semaphore", _P),
+    ("dv", _P), ("lse", _P), ("dq_accum", _P), ("dpsum", _P), ("lse_log2", _P),
+    ("dq_semaphore", _P),
     *_STRIDES, ("lse_stride_b", ctypes.c_int64), ("lse_stride_h", ctypes.c_int64),
     ("batch", ctypes.c_int32), ("seqlen_q", ctypes.c_int32), ("seqlen_k", ctypes.c_int32),
     ("heads_q", ctypes.c_int32), ("heads_kv", ctypes.c_int32), ("q_per_kv", ctypes.c_int32),
     ("softmax_scale", ctypes.c_float), ("scale_log2", ctypes.c_float),
     ("causal", ctypes.c_int32), ("num_m_blocks", ctypes.c_int32),
+    ("seqlen_q_rounded", ctypes.c_int32),
 ]
 _COMBINE_FIELDS = [
     ("parts", _P), ("lse_parts", _P), ("out", _P), ("lse", _P), ("sinks", _P),
