@@ -37,6 +37,7 @@
 #include "mma_sync.cuh"
 #include "params.cuh"
 #include "pipeline.cuh"
+#include "smem_tile.cuh"
 #include "softmax.cuh"
 #include "tile_scheduler.cuh"
 #include "tma.cuh"
@@ -45,20 +46,22 @@
 namespace ptxattn {
 
 // The compile-time shape of a Hopper backward kernel: kHeadDim 64 or 128; kBf16 the 16-bit
-// type; kCausal; kStages the depth of the (Q, dO) ring; kSmemBytes the dynamic shared memory the
-// launcher requests (checked against the layout below).
-template <int HeadDim, bool Bf16, bool Causal, int Stages, int SmemBytes>
+// type; kCausal; kBlockM query rows per step (64 or 128: the N of S^T and dP^T, whose SS wgmmas
+// read shared memory at the tensor cores' pace at N = 64 and at 3/4 of it at N = 128); kStages
+// the depth of the (Q, dO) ring; kSmemBytes the dynamic shared memory the launcher requests
+// (checked against the layout below).
+template <int HeadDim, bool Bf16, bool Causal, int BlockM, int Stages, int SmemBytes>
 struct BwdSm90Config {
     static constexpr int kHeadDim = HeadDim;
     static constexpr bool kBf16 = Bf16;
     static constexpr bool kCausal = Causal;
+    static constexpr int kBlockM = BlockM;
     static constexpr int kStages = Stages;
     static constexpr uint32_t kSmemBytes = SmemBytes;
 
     static constexpr int kConsumers = 2;
     static constexpr int kKeysPerConsumer = 64;  // one wgmma M
     static constexpr int kBlockN = kConsumers * kKeysPerConsumer;
-    static constexpr int kBlockM = 64;  // query rows per step: the N of S^T and dP^T
     static constexpr int kThreads = 128 * (1 + kConsumers);
     static constexpr int kConsumerWarps = 4 * kConsumers;
 
@@ -79,10 +82,14 @@ struct BwdSm90Config {
     static constexpr uint32_t kDqBoxBytes = kBlockM * 128;
     static constexpr uint32_t kDqStageBytes = 2 * kDqBoxBytes;
 
-    // dQ per warpgroup: 64 columns, over its own keys (head_dim 64) or all keys (128).
+    // dQ per warpgroup: 64 columns, over its own keys (head_dim 64) or all keys (128), in
+    // kBlockM / 64 wgmmas of 64 rows. Split by keys, a warpgroup reads only the dS it wrote, so
+    // one dS buffer serves; split by columns, both read both, and dS is double-buffered.
     static constexpr bool kDqSplitKeys = kHeadDim == 64;
     static constexpr int kDqCols = 64;
     static constexpr int kDqKeys = kDqSplitKeys ? kKeysPerConsumer : kBlockN;
+    static constexpr int kDqRowBlocks = kBlockM / 64;
+    static constexpr int kDsBuffers = kDqSplitKeys ? 1 : 2;
 
     // Launched at 168 registers a thread; the producer keeps 24 and each consumer warpgroup
     // takes 240: dK and dV (head_dim each), S^T and dP^T (32 each), dQ (32) and the A fragments.
@@ -90,6 +97,7 @@ struct BwdSm90Config {
     static constexpr int kConsumerRegs = 240;
 
     static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
+    static_assert(kBlockM == 64 || kBlockM == 128, "64 or 128 query rows a step");
     static_assert(kDqSplitKeys ? kDqCols == kHeadDim : kDqCols * kConsumers == kHeadDim,
                   "dQ: 64 columns a warpgroup");
     static_assert((65536 / kThreads / 8 * 8) * (1 + kConsumers) >=
@@ -122,7 +130,7 @@ struct BwdSm90Mainloop {
     using Ring = PipelineState<kStages>;
     using Info = BlockInfo<kBlockM, kBlockN>;
 
-    // Shared memory: [K | V | Q stage 0..S-1 | dO stage 0..S-1 | LSE, D stage 0..S-1 | dS x 2 |
+    // Shared memory: [K | V | Q stage 0..S-1 | dO stage 0..S-1 | LSE, D stage 0..S-1 | dS x 1-2 |
     // dQ staging per consumer | barriers], from a 1024-byte aligned base (the swizzle atom),
     // which may cost up to 1024 bytes.
     static constexpr uint32_t kKOffset = 0;
@@ -132,7 +140,7 @@ struct BwdSm90Mainloop {
     static constexpr uint32_t kRowValuesOffset = kDoOffset + kStages * kQBytes;
     static constexpr uint32_t kDsOffset =
         (kRowValuesOffset + kStages * Cfg::kRowValuesBytes + 1023) / 1024 * 1024;
-    static constexpr uint32_t kDqOffset = kDsOffset + 2 * kDsBytes;
+    static constexpr uint32_t kDqOffset = kDsOffset + Cfg::kDsBuffers * kDsBytes;
     static constexpr uint32_t kBarrierOffset = kDqOffset + Cfg::kConsumers * Cfg::kDqStageBytes;
     static_assert(kBarrierOffset + sizeof(Barriers) + Cfg::kSwizzleAtomBytes <= Cfg::kSmemBytes,
                   "kSmemBytes too small for this tile configuration");
@@ -218,19 +226,26 @@ struct BwdSm90Mainloop {
         }
     }
 
-    // dq[64 x 64] = dS[:, keys] K[keys, columns]: dS K-major from its buffer (slabs of 64 keys),
-    // K MN-major from its slab `col_slab` (16-key k-steps of 16 rows).
-    static __device__ __forceinline__ void gemm_dq(float (&dq)[Cfg::kDqCols / 2], uint32_t ds,
-                                                   uint32_t k_tile, int key0, int col_slab) {
+    // dq[64 r.. x 64] = dS[64 r.., keys] K[keys, columns] for each 64-row block r: dS K-major
+    // from its buffer (slabs of 64 keys), K MN-major from its slab `col_slab` (16-key k-steps of
+    // 16 rows).
+    using DqTiles = float[Cfg::kDqRowBlocks][Cfg::kDqCols / 2];
+    static __device__ __forceinline__ void gemm_dq(DqTiles& dq, uint32_t ds, uint32_t k_tile,
+                                                   int key0, int col_slab) {
         const uint64_t a_desc = wgmma_desc_kmajor<128>(ds);
         const uint64_t b_desc = wgmma_desc_sw128(k_tile + col_slab * kKVSlabBytes, kKVSlabBytes,
                                                  Cfg::kSwizzleAtomBytes);
 #pragma unroll
-        for (int kk = 0; kk < Cfg::kDqKeys / 16; ++kk) {
-            const uint32_t key = key0 + 16 * kk;
-            Wgmma16<Cfg::kDqCols>::template ss<kBf16, true>(
-                dq, wgmma_desc_advance(a_desc, (key / 64) * kDsSlabBytes + (key % 64) * 2),
-                wgmma_desc_advance(b_desc, key * 128), kk > 0);
+        for (int r = 0; r < Cfg::kDqRowBlocks; ++r) {
+#pragma unroll
+            for (int kk = 0; kk < Cfg::kDqKeys / 16; ++kk) {
+                const uint32_t key = key0 + 16 * kk;
+                Wgmma16<Cfg::kDqCols>::template ss<kBf16, true>(
+                    dq[r],
+                    wgmma_desc_advance(a_desc, r * 64 * 128 + (key / 64) * kDsSlabBytes +
+                                                   (key % 64) * 2),
+                    wgmma_desc_advance(b_desc, key * 128), kk > 0);
+            }
         }
     }
 
@@ -261,8 +276,8 @@ struct BwdSm90Mainloop {
             const int64_t row_base =
                 (static_cast<int64_t>(batch) * p.heads_q + head) * p.seqlen_q;
             // The step's LSE log2 (then D) at the thread's columns 8 i + 2 t, + 1.
-            const float* row_values = reinterpret_cast<const float*>(
-                smem + kRowValuesOffset + ring.stage() * Cfg::kRowValuesBytes) + 2 * (lane % 4);
+            const uint32_t row_values = smem_addr(smem + kRowValuesOffset) +
+                                        ring.stage() * Cfg::kRowValuesBytes + 8 * (lane % 4);
             const uint32_t k_tile = smem_addr(smem + kKOffset);
             const uint32_t v_tile = smem_addr(smem + kVOffset);
             const uint32_t q_tile = smem_addr(smem + kQOffset + ring.stage() * kQBytes);
@@ -287,7 +302,7 @@ struct BwdSm90Mainloop {
             uint32_t pt[kBlockM / 4];
 #pragma unroll
             for (int i = 0; i < kBlockM / 8; ++i) {
-                const float2 lse = *reinterpret_cast<const float2*>(row_values + 8 * i);
+                const float2 lse = ld_shared_f32x2(row_values + 32 * i);
 #pragma unroll
                 for (int c = 0; c < 4; ++c) {
                     s[4 * i + c] =
@@ -305,8 +320,7 @@ struct BwdSm90Mainloop {
             uint32_t dst[kBlockM / 4];
 #pragma unroll
             for (int i = 0; i < kBlockM / 8; ++i) {
-                const float2 dpsum =
-                    *reinterpret_cast<const float2*>(row_values + kBlockM + 8 * i);
+                const float2 dpsum = ld_shared_f32x2(row_values + 4 * kBlockM + 32 * i);
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const float2 pair = unpack_f32x2<kBf16>(pt[2 * i + h]);
@@ -317,7 +331,8 @@ struct BwdSm90Mainloop {
             }
             // dS^T's 8x8 matrices (keys 16 warp + 8 h.., queries 8 i..) land transposed in this
             // warpgroup's slab of the step's dS buffer: stmatrix x4 number x takes i = 2x, 2x + 1.
-            const uint32_t ds = smem_addr(smem + kDsOffset + (step_index % 2) * kDsBytes);
+            const uint32_t ds =
+                smem_addr(smem + kDsOffset + (step_index % Cfg::kDsBuffers) * kDsBytes);
             {
                 const int matrix = lane / 8;
                 const uint32_t slab = ds + wg * kDsSlabBytes;
@@ -342,14 +357,18 @@ struct BwdSm90Mainloop {
             } else {
                 named_barrier_sync(kDsBarrier, 128 * Cfg::kConsumers);
             }
-            float dq[Cfg::kDqCols / 2];
+            // dV's GEMM is done with P^T (only dK's may still run), so dQ's accumulators can
+            // take P^T's registers: at 128 rows a step, holding both spilled.
+            wgmma_wait<1>();
+            wgmma_fence_operand(dv);
+            DqTiles dq;
             wgmma_fence();
             gemm_dq(dq, ds, k_tile, Cfg::kDqSplitKeys ? 64 * wg : 0, Cfg::kDqSplitKeys ? 0 : wg);
             wgmma_commit();
             wgmma_wait<0>();
-            wgmma_fence_operand(dv);
             wgmma_fence_operand(dk);
-            wgmma_fence_operand(dq);
+#pragma unroll
+            for (int r = 0; r < Cfg::kDqRowBlocks; ++r) wgmma_fence_operand(dq[r]);
             release();
             ++ring.count;
             if (p.dq_semaphore != nullptr) {
@@ -367,20 +386,28 @@ struct BwdSm90Mainloop {
         // dQ of the step staged in shared memory (the TMA box layout: 128-byte rows of 32
         // floats, 16-byte chunks swizzled by row % 8, so a warp's stores hit distinct banks) and
         // added into the accumulator by one TMA reduce a box; rows past seqlen_q are clipped.
-        __device__ __forceinline__ void reduce_dq(const BwdParams& p,
-                                                  const float (&dq)[Cfg::kDqCols / 2],
+        __device__ __forceinline__ void reduce_dq(const BwdParams& p, const DqTiles& dq,
                                                   int m_block, int head, int batch) const {
             uint8_t* staging = smem + kDqOffset + wg * Cfg::kDqStageBytes;
+            // Row 64 r + 8 h + (16 warp + g) and columns 8 i + 2 t, + 1: every row of the thread
+            // has g = lane / 4 for row % 8, so its chunk (2 (i % 4) + t / 2) ^ g takes four
+            // values, and the rest are constants. (Left to swizzled_offset, ptxas kept one
+            // address per store live across the loop and spilled at 128 rows a step.)
+            const int g = lane / 4;
+            const uint32_t thread_row = smem_addr(staging) + (16 * warp + g) * 128 + 8 * (lane % 2);
+            uint32_t chunk[4];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = 16 * warp + lane / 4 + 8 * h;
+            for (int c = 0; c < 4; ++c) chunk[c] = 16 * ((2 * c + (lane % 4) / 2) ^ g);
 #pragma unroll
-                for (int i = 0; i < Cfg::kDqCols / 8; ++i) {
-                    const int col = 8 * i + 2 * (lane % 4);
-                    *reinterpret_cast<float2*>(staging + (col / 32) * Cfg::kDqBoxBytes +
-                                               swizzled_offset<128>(row, (col % 32) / 4) +
-                                               (col % 4) * 4) =
-                        make_float2(dq[4 * i + 2 * h], dq[4 * i + 2 * h + 1]);
+            for (int r = 0; r < Cfg::kDqRowBlocks; ++r) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+#pragma unroll
+                    for (int i = 0; i < Cfg::kDqCols / 8; ++i) {
+                        st_shared_f32x2(thread_row + chunk[i % 4] + (i / 4) * Cfg::kDqBoxBytes +
+                                            (64 * r + 8 * h) * 128,
+                                        dq[r][4 * i + 2 * h], dq[r][4 * i + 2 * h + 1]);
+                    }
                 }
             }
             fence_proxy_async();
@@ -401,8 +428,7 @@ struct BwdSm90Mainloop {
         // turn (atomics.cuh), with keys split the first warpgroup first; rows past seqlen_q
         // dropped.
         __device__ __forceinline__ void add_dq_in_turn(const BwdParams& p, const Info& info,
-                                               const BwdWalk& walk,
-                                               const float (&dq)[Cfg::kDqCols / 2],
+                                               const BwdWalk& walk, const DqTiles& dq,
                                                int64_t row_base, int m_block, int head,
                                                int batch) const {
             constexpr uint32_t kConsumerThreads = 128 * Cfg::kConsumers;
@@ -415,13 +441,16 @@ struct BwdSm90Mainloop {
             const int col0 = Cfg::kDqSplitKeys ? 0 : Cfg::kDqCols * wg;
             float* rows = p.dq_accum + (row_base + m_block * kBlockM) * kHeadDim + col0;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = 16 * warp + lane / 4 + 8 * h;
-                if (m_block * kBlockM + row >= p.seqlen_q) continue;
+            for (int r = 0; r < Cfg::kDqRowBlocks; ++r) {
 #pragma unroll
-                for (int i = 0; i < Cfg::kDqCols / 8; ++i) {
-                    red_add_f32x2(rows + row * kHeadDim + 8 * i + 2 * (lane % 4), dq[4 * i + 2 * h],
-                                  dq[4 * i + 2 * h + 1]);
+                for (int h = 0; h < 2; ++h) {
+                    const int row = 64 * r + 16 * warp + lane / 4 + 8 * h;
+                    if (m_block * kBlockM + row >= p.seqlen_q) continue;
+#pragma unroll
+                    for (int i = 0; i < Cfg::kDqCols / 8; ++i) {
+                        red_add_f32x2(rows + row * kHeadDim + 8 * i + 2 * (lane % 4),
+                                      dq[r][4 * i + 2 * h], dq[r][4 * i + 2 * h + 1]);
+                    }
                 }
             }
             if (Cfg::kDqSplitKeys && wg == 0) named_barrier_sync(kTurnBarrier, kConsumerThreads);

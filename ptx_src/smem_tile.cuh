@@ -29,6 +29,17 @@ __device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t value) {
     asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(value) : "memory");
 }
 
+// st.shared.v2.f32 / ld.shared.v2.f32: two adjacent floats at a 32-bit shared-window address.
+__device__ __forceinline__ void st_shared_f32x2(uint32_t addr, float a, float b) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(a), "f"(b) : "memory");
+}
+
+__device__ __forceinline__ float2 ld_shared_f32x2(uint32_t addr) {
+    float2 v;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+    return v;
+}
+
 template <int kRowBytes>
 struct SwizzledTile {
     static_assert(kRowBytes % 128 == 0, "the swizzle permutes 8 chunks of 16 bytes");

@@ -25,7 +25,7 @@ SOURCE = "bwd_prepost.cu"
 HEAD_DIMS = (64, 128, 256)
 DTYPES = {"bfloat16": 1, "float16": 0}
 _THREADS = 256
-ROW_PADDING = 64  # dpsum and lse_log2 rows per (batch, head): seqlen_q rounded up to this
+ROW_PADDING = 128  # dpsum and lse_log2 rows per (batch, head): seqlen_q rounded up to this
 # Every family's backward runs them, so they are built wherever one does.
 ARCHS = archs.running("portable")
 

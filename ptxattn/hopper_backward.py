@@ -1,7 +1,7 @@
 """Launcher of the Hopper (sm_90a) backward kernel, ``ptx_src/bwd_sm90.cu``, between the pre- and
 postprocess every backward family shares (ptxattn/backward.py).
 
-A block owns 128 keys of one (batch, kv head) and walks the query tiles of 64 rows that see them,
+A block owns 128 keys of one (batch, kv head) and walks the query tiles (64 or 128 rows) that see them,
 for every q head sharing its kv head, so dK and dV are complete in its registers at the end and
 GQA needs no second reduction; dQ is summed into the FP32 accumulator across blocks by TMA
 reduces through a 3-d map of the accumulator. Q, dO, K and V arrive through 4-d TMA maps (batch,
@@ -21,7 +21,6 @@ SOURCE = "bwd_sm90.cu"
 ARCHS = archs.running("hopper")
 HEAD_DIMS = (64, 128)
 DTYPES = {"bfloat16": 1, "float16": 0}
-BLOCK_M = 64    # query rows per step
 BLOCK_N = 128   # keys per block: 64 per consumer warpgroup
 BOX_COLS = 64   # head_dim columns per TMA box
 THREADS = 384   # the producer warpgroup and two consumer warpgroups
@@ -34,15 +33,17 @@ class Variant:
     head_dim: int
     bf16: bool
     causal: bool
+    block_m: int
     stages: int
 
     @property
     def smem_bytes(self) -> int:
         k_v = 2 * BLOCK_N * self.head_dim * 2
-        q_do = 2 * self.stages * BLOCK_M * self.head_dim * 2
-        row_values = -(-self.stages * 2 * BLOCK_M * 4 // 1024) * 1024  # LSE and D, a step each
-        ds = 2 * BLOCK_M * BLOCK_N * 2  # double-buffered
-        dq_staging = 2 * BLOCK_M * 64 * 4  # per consumer warpgroup
+        q_do = 2 * self.stages * self.block_m * self.head_dim * 2
+        row_values = -(-self.stages * 2 * self.block_m * 4 // 1024) * 1024  # LSE and D a step
+        ds_buffers = 1 if self.head_dim == 64 else 2  # (mainloop_bwd_sm90.cuh, kDsBuffers)
+        ds = ds_buffers * self.block_m * BLOCK_N * 2
+        dq_staging = 2 * self.block_m * 64 * 4  # per consumer warpgroup
         barriers = 8 * (1 + 2 * self.stages)
         # + aligning the base to the swizzle atom
         return k_v + q_do + row_values + ds + dq_staging + barriers + 1024
@@ -50,20 +51,21 @@ class Variant:
     def spec(self) -> runtime.KernelSpec:
         dtype = "bfloat16" if self.bf16 else "float16"
         args = (f"{self.head_dim}, {str(self.bf16).lower()}, {str(self.causal).lower()}, "
-                f"{self.stages}, {self.smem_bytes}")
+                f"{self.block_m}, {self.stages}, {self.smem_bytes}")
         return runtime.KernelSpec(
-            name=f"bwd_sm90_{dtype}_d{self.head_dim}_s{self.stages}"
+            name=f"bwd_sm90_{dtype}_d{self.head_dim}_m{self.block_m}_s{self.stages}"
                  f"{'_causal' if self.causal else ''}",
             source=SOURCE, entry=f"ptxattn::attn_bwd_sm90<ptxattn::BwdSm90Config<{args}>>",
             smem_bytes=self.smem_bytes, archs=ARCHS)
 
 
-# (Q, dO) ring depth per head_dim: as deep as shared memory allows next to K, V and dS.
-STAGES = {64: 2, 128: 2}
+# Per head_dim: (query rows per step, (Q, dO) ring depth). head_dim 128 has the registers for
+# 64 rows only (dK, dV, S^T and dP^T take 256 at 128); shared memory holds two stages.
+TILES = {64: (128, 2), 128: (64, 2)}
 
 
 def variant(dtype: str, head_dim: int, causal: bool) -> Variant:
-    return Variant(head_dim, bool(DTYPES[dtype]), causal, STAGES[head_dim])
+    return Variant(head_dim, bool(DTYPES[dtype]), causal, *TILES[head_dim])
 
 
 def variants() -> list[runtime.KernelSpec]:
@@ -73,18 +75,20 @@ def variants() -> list[runtime.KernelSpec]:
 
 def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: bool):
     """The gradients of the forward into dq, dk, dv; returns the workspace (for its size)."""
-    kernel = runtime.load(variant(problem.format, problem.head_dim, problem.causal).spec())
-    ws = shared_backward.Workspace.allocate(problem, BLOCK_M, deterministic)
-    p = shared_backward.make_params(problem, dout, q, k, v, out, lse, dq, dk, dv, ws, BLOCK_M)
+    v_info = variant(problem.format, problem.head_dim, problem.causal)
+    kernel = runtime.load(v_info.spec())
+    block_m = v_info.block_m
+    ws = shared_backward.Workspace.allocate(problem, block_m, deterministic)
+    p = shared_backward.make_params(problem, dout, q, k, v, out, lse, dq, dk, dv, ws, block_m)
     swizzle = BOX_COLS * q.itemsize
-    p.q_map = runtime.tensor_map(q, (1, BLOCK_M, 1, BOX_COLS), swizzle=swizzle)
-    p.dout_map = runtime.tensor_map(dout, (1, BLOCK_M, 1, BOX_COLS), swizzle=swizzle)
+    p.q_map = runtime.tensor_map(q, (1, block_m, 1, BOX_COLS), swizzle=swizzle)
+    p.dout_map = runtime.tensor_map(dout, (1, block_m, 1, BOX_COLS), swizzle=swizzle)
     p.k_map = runtime.tensor_map(k, (1, BLOCK_N, 1, BOX_COLS), swizzle=swizzle)
     p.v_map = runtime.tensor_map(v, (1, BLOCK_N, 1, BOX_COLS), swizzle=swizzle)
-    # dQ sums: TMA reduces of [64 rows x 32 float32] boxes, clipped at each sequence's end.
+    # dQ sums: TMA reduces of [block_m rows x 32 float32] boxes, clipped at each sequence's end.
     p.dq_accum_map = runtime.tensor_map(
         ws.dq_accum.reshape(problem.batch * problem.heads_q, problem.seqlen_q, problem.head_dim),
-        (1, BLOCK_M, 32), swizzle=128)
+        (1, block_m, 32), swizzle=128)
     grid = (math.ceil(problem.seqlen_k / BLOCK_N), problem.heads_kv, problem.batch)
     shared_backward.preprocess(problem, p)()
     runtime.PreparedLaunch(kernel, grid=grid, block=(THREADS,), args=[p])()
