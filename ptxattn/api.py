@@ -68,8 +68,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False,
     out. With GQA dk and dv are summed over the q heads that share a k/v head. Gradients come
     back in the input dtype (written into ``dq``, ``dk``, ``dv`` if given), computed with FP32
     accumulation. ``deterministic=True`` makes them bit-identical from run to run: dQ's sum over
-    key blocks then runs in a fixed order. ``backend`` as in the forward ('portable' only, for
-    now, also on Hopper).
+    key blocks then runs in a fixed order. ``backend`` as in the forward: on Hopper 'hopper'
+    (head_dim 64 and 128, the default there) or 'portable'.
     """
     import cupy
 
