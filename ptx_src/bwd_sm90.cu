@@ -29,9 +29,7 @@ attn_bwd_sm90(const __grid_constant__ BwdParams p) {
     using Barriers = typename Mainloop::Barriers;
 
     extern __shared__ uint8_t smem_raw[];
-    uint8_t* smem = smem_raw + ((Cfg::kSwizzleAtomBytes -
-                                 (smem_addr(smem_raw) % Cfg::kSwizzleAtomBytes)) %
-                                Cfg::kSwizzleAtomBytes);
+    uint8_t* smem = align_smem<Cfg::kSwizzleAtomBytes>(smem_raw);
     Barriers& bars = *reinterpret_cast<Barriers*>(smem + Mainloop::kBarrierOffset);
     const int kv_head = blockIdx.y;
     const int batch = blockIdx.z;

@@ -17,4 +17,11 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// The first kAlign-aligned byte of dynamic shared memory at or after `raw` (swizzled TMA tiles
+// need their 1024-byte atoms aligned; the launcher requests kAlign bytes more than it uses).
+template <uint32_t kAlign>
+__device__ __forceinline__ uint8_t* align_smem(uint8_t* raw) {
+    return raw + (kAlign - smem_addr(raw) % kAlign) % kAlign;
+}
+
 }  // namespace ptxattn

@@ -35,7 +35,7 @@ fp8_wgmma_probe(const uint8_t* __restrict__ q, const uint8_t* __restrict__ k,
                 const uint8_t* __restrict__ v, float* __restrict__ s_out,
                 float* __restrict__ o_out) {
     extern __shared__ uint8_t smem_raw[];
-    uint8_t* smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
+    uint8_t* smem = align_smem<1024>(smem_raw);
     uint8_t* q_tile = smem;
     uint8_t* k_tile = q_tile + kQBytes;
     uint8_t* v_tile = k_tile + kKVBytes;

@@ -37,9 +37,7 @@ attn_fwd_sm90(const __grid_constant__ FwdParams p) {
     using Output = StagedTmaStore<Cfg::kHeadDim, Cfg::kBf16>;
 
     extern __shared__ uint8_t smem_raw[];
-    uint8_t* smem = smem_raw + ((Cfg::kSwizzleAtomBytes -
-                                 (smem_addr(smem_raw) % Cfg::kSwizzleAtomBytes)) %
-                                Cfg::kSwizzleAtomBytes);
+    uint8_t* smem = align_smem<Cfg::kSwizzleAtomBytes>(smem_raw);
     Barriers& bars = *reinterpret_cast<Barriers*>(smem + Mainloop::kBarrierOffset);
     Pipeline<Cfg::kStages>& vt =
         *reinterpret_cast<Pipeline<Cfg::kStages>*>(smem + Mainloop::kVtBarrierOffset);

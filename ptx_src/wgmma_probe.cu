@@ -47,10 +47,6 @@ __device__ __forceinline__ void fill(float (&d)[N], float value) {
     for (int i = 0; i < N; ++i) d[i] = value;
 }
 
-__device__ __forceinline__ uint8_t* aligned_smem(uint8_t* raw) {
-    return raw + (1024 - smem_addr(raw) % 1024) % 1024;
-}
-
 // Dynamic shared memory: (64 + 2 * kBlockN) * kHeadDim * 2 + 1024 bytes.
 template <int kHeadDim, int kBlockN, bool kBf16>
 __global__ void __launch_bounds__(128)
@@ -61,7 +57,7 @@ wgmma16_probe(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
     constexpr uint32_t kQSlabBytes = 64 * 128;
     constexpr uint32_t kKVSlabBytes = kBlockN * 128;
     extern __shared__ uint8_t smem_raw[];
-    uint8_t* q_tile = aligned_smem(smem_raw);
+    uint8_t* q_tile = align_smem<1024>(smem_raw);
     uint8_t* k_tile = q_tile + kSlabs * kQSlabBytes;
     uint8_t* v_tile = k_tile + kSlabs * kKVSlabBytes;
     stage_tile<128, kSlabs>(q_tile, reinterpret_cast<const uint8_t*>(q), 64);
@@ -156,7 +152,7 @@ wgmma16_dq_probe(const float* __restrict__ st, const uint16_t* __restrict__ k,
     constexpr uint32_t kDsSlabBytes = 64 * 128;    // 64 query rows x 64 keys
     constexpr uint32_t kKSlabBytes = kKeys * 128;  // 128 key rows x 64 head_dim columns
     extern __shared__ uint8_t smem_raw[];
-    uint8_t* ds_tile = aligned_smem(smem_raw);
+    uint8_t* ds_tile = align_smem<1024>(smem_raw);
     uint8_t* k_tile = ds_tile + (kKeys / 64) * kDsSlabBytes;
     stage_tile<128, kSlabs>(k_tile, reinterpret_cast<const uint8_t*>(k), kKeys);
 #pragma unroll
@@ -209,7 +205,7 @@ wgmma_e4m3_probe(const uint8_t* __restrict__ q, const uint8_t* __restrict__ k,
     constexpr uint32_t kQSlabBytes = 64 * kRowBytes;
     constexpr uint32_t kKSlabBytes = N * kRowBytes;
     extern __shared__ uint8_t smem_raw[];
-    uint8_t* q_tile = aligned_smem(smem_raw);
+    uint8_t* q_tile = align_smem<1024>(smem_raw);
     uint8_t* k_tile = q_tile + kSlabs * kQSlabBytes;
     stage_tile<kRowBytes, kSlabs>(q_tile, q, 64);
     stage_tile<kRowBytes, kSlabs>(k_tile, k, N);
