@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Callable
 
 from . import archs, params, runtime
 
@@ -143,13 +144,32 @@ def forward(problem, q, k, v, out, lse, *, seqused_k=None, block_table=None, cu_
     """Attention of ``problem`` (an AttentionProblem from the kv-cache or varlen constructors)
     into ``out`` and ``lse``. q and out are (batch, seqlen_q, heads_q, D) and lse (batch,
     heads_q, seqlen_q), or with cu_seqlens_q (1, total_q, heads_q, D) and (1, heads_q, total_q);
-    k, v the caches (kv_cache.cuh)."""
+    k, v the caches (kv_cache.cuh). The launches (and the split partials' buffers) are prepared
+    once per set of arrays and stream, as hopper.forward_serving's are: the kernel reads the
+    lengths, tables and offsets when it runs."""
+    optional = (seqused_k, block_table, cu_seqlens_q, cu_seqlens_k, sinks)
+    key = runtime.launch_key(
+        (q, k, v, out, lse, *(x for x in optional if x is not None)),
+        tuple(x is None for x in optional), tile, problem.format, problem.batch,
+        problem.seqlen_q, problem.seqlen_k, problem.total_q, problem.heads_q, problem.heads_kv,
+        problem.head_dim, problem.causal, problem.window, problem.softcap, problem.softmax_scale,
+        problem.num_splits)
+    _launches.get(key, lambda: _prepare(problem, q, k, v, out, lse, seqused_k=seqused_k,
+                                        block_table=block_table, cu_seqlens_q=cu_seqlens_q,
+                                        cu_seqlens_k=cu_seqlens_k, sinks=sinks, tile=tile))()
+
+
+_launches = runtime.LaunchCache()
+
+
+def _prepare(problem, q, k, v, out, lse, *, seqused_k, block_table, cu_seqlens_q, cu_seqlens_k,
+             sinks, tile: DecodeTile | None) -> Callable[[], None]:
     arch = runtime.device_arch()
     tile = tile or tile_for(problem.head_dim, arch)
     kernel = runtime.load(spec(problem.format, problem.head_dim, tile, (arch,)))
     m_blocks = math.ceil(problem.seqlen_q * problem.gqa_ratio / tile.rows)
     if m_blocks == 0:
-        return  # no query rows (varlen with max_seqlen_q 0)
+        return lambda: None  # no query rows (varlen with max_seqlen_q 0)
     tiles = m_blocks * problem.heads_kv * problem.batch
     splits = problem.num_splits or choose_splits(
         tiles, key_blocks(problem, tile), sm_count(problem.device) * tile.min_blocks)
@@ -180,10 +200,16 @@ def forward(problem, q, k, v, out, lse, *, seqused_k=None, block_table=None, cu_
         accum = split_accumulators(splits, problem.total_q, problem.heads_q, problem.head_dim)
         p.out_accum, p.lse_accum = accum
     grid = (m_blocks * splits, problem.heads_kv, problem.batch)
-    runtime.PreparedLaunch(kernel, grid=grid, block=(32 * tile.warps,), args=[p])()
-    if accum is not None:
-        combine_splits(accum, out, lse, sinks, problem.batch, problem.seqlen_q,
-                       packed=cu_seqlens_q is not None)
+    attend = runtime.PreparedLaunch(kernel, grid=grid, block=(32 * tile.warps,), args=[p])
+    if accum is None:
+        return attend
+    merge = prepare_combine_splits(accum, out, lse, sinks, problem.batch, problem.seqlen_q,
+                                   packed=cu_seqlens_q is not None)
+
+    def run() -> None:
+        attend()
+        merge()
+    return run
 
 
 def split_accumulators(splits: int, total_q: int, heads_q: int, head_dim: int):
@@ -197,6 +223,12 @@ def split_accumulators(splits: int, total_q: int, heads_q: int, head_dim: int):
 def combine_splits(accum, out, lse, sinks, batch: int, seqlen_q: int, packed: bool) -> None:
     """out, lse <- the merge of a split-KV launch's partials (split_accumulators); ``packed``:
     the rows are a varlen batch's (out (1, total_q, heads_q, D)), else (batch, seqlen_q)."""
+    prepare_combine_splits(accum, out, lse, sinks, batch, seqlen_q, packed)()
+
+
+def prepare_combine_splits(accum, out, lse, sinks, batch: int, seqlen_q: int,
+                           packed: bool) -> runtime.PreparedLaunch:
+    """combine_splits, prepared: the launch, to run as often as the partials are refilled."""
     parts, lse_parts = accum
     splits, _, heads_q, head_dim = parts.shape
     # the partials as (part, batch, seqlen, heads, D) and (part, batch, heads, seqlen)
@@ -206,12 +238,17 @@ def combine_splits(accum, out, lse, sinks, batch: int, seqlen_q: int, packed: bo
     else:
         parts = parts.reshape(splits, batch, seqlen_q, heads_q, head_dim)
         lse_parts = lse_parts.reshape(splits, heads_q, batch, seqlen_q).transpose(0, 2, 1, 3)
-    combine(parts, lse_parts, out, lse, sinks)
+    return prepare_combine(parts, lse_parts, out, lse, sinks)
 
 
 def combine(parts, lse_parts, out, lse, sinks=None) -> None:
     """out, lse <- the merge of parts (P, B, S, H, D) and lse_parts (P, B, H, S) (combine.cu);
     lse may be None."""
+    prepare_combine(parts, lse_parts, out, lse, sinks)()
+
+
+def prepare_combine(parts, lse_parts, out, lse, sinks=None) -> runtime.PreparedLaunch:
+    """combine, prepared."""
     num_parts, batch, seqlen, heads, head_dim = parts.shape
     kernel = runtime.load(combine_spec(str(parts.dtype), str(out.dtype),
                                        (runtime.device_arch(),)))
@@ -227,5 +264,5 @@ def combine(parts, lse_parts, out, lse, sinks=None) -> None:
     if lse is not None:
         (p.lse_stride_b, p.lse_stride_h, p.lse_stride_s) = params.strides(lse)
     rows = batch * seqlen * heads
-    runtime.PreparedLaunch(kernel, grid=(math.ceil(rows / COMBINE_WARPS),),
-                           block=(32 * COMBINE_WARPS,), args=[p])()
+    return runtime.PreparedLaunch(kernel, grid=(math.ceil(rows / COMBINE_WARPS),),
+                                  block=(32 * COMBINE_WARPS,), args=[p])

@@ -1,6 +1,6 @@
 """Forward throughput of this checkout beside another one, interleaved in one process.
 
-    python scripts/ab_profile.py --before DIR [--quick] [--json FILE]
+    python scripts/ab_profile.py --before DIR [--quick] [--rows BxSxHxD[c],...] [--json FILE]
 
 DIR is another checkout of ptxattn (for example ``git worktree add DIR <commit>``); its package
 is imported as ``ptxattn_before``, so both versions run in the same process on the same inputs,
@@ -92,6 +92,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--json", help="write the rows to this JSON file")
+    parser.add_argument("--rows", help="only these rows of the sweep, as BxSxHxD with a 'c' "
+                                       "suffix for causal, comma-separated (e.g. 4x4096x16x128c)")
     args = parser.parse_args(argv)
 
     import cupy
@@ -107,8 +109,11 @@ def main(argv=None) -> int:
     print(f"# {props['name'].decode()} ({arch}), bf16 (FP8: e4m3, head scales), TFLOP/s, "
           f"median of {args.repeats}, before/after interleaved")
     rows = []
+    wanted = set(args.rows.split(",")) if args.rows else None
     for index, cfg in enumerate(configs(args.quick), 1):
         shape = (cfg["batch"], cfg["seqlen"], cfg["heads"], cfg["head_dim"])
+        if wanted is not None and ("x".join(map(str, shape)) + "c" * cfg["causal"]) not in wanted:
+            continue
         rng = cupy.random.default_rng(index)
         q, k, v = (rng.standard_normal(shape, dtype=cupy.float32).astype(cupy.dtype("bfloat16"))
                    for _ in range(3))
