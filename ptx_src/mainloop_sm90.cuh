@@ -550,10 +550,24 @@ struct Sm90Mainloop {
         // The block info is rebuilt from the parameters where it is used rather than kept in the
         // consumer: values kept live through the mainloop cost FP8 head_dim 128, which runs at
         // the register cap, up to 10% (docs/hopper-tuning.md, session 12).
+        // Serving builds without a left window (most prefill calls) mask with window_left a
+        // constant -1, so the left test folds away: run for every element it made the masked
+        // step 707 instructions against the fixed-length build's 635.
         __device__ __forceinline__ void mask(const FwdParams& p, float (&s)[kBlockN / 2],
                                              int n_block) const {
-            apply_mask<16>(reinterpret_cast<ScoreTiles&>(s), block_info(p, lens).mask, row0,
-                           n_block * kBlockN + 2 * (lane % 4), AccumulatorColumns{});
+            const SeqMask seq_mask = block_info(p, lens).mask;
+            const int key0 = n_block * kBlockN + 2 * (lane % 4);
+            if constexpr (kServing) {
+                if (seq_mask.window_left < 0) {
+                    const SeqMask right_only{seq_mask.seqlen_k, seq_mask.diag, -1,
+                                             seq_mask.window_right};
+                    apply_mask<16>(reinterpret_cast<ScoreTiles&>(s), right_only, row0, key0,
+                                   AccumulatorColumns{});
+                    return;
+                }
+            }
+            apply_mask<16>(reinterpret_cast<ScoreTiles&>(s), seq_mask, row0, key0,
+                           AccumulatorColumns{});
         }
 
         // One step: S for key block n_block, P V for the block before it (ring position `prev`).
