@@ -13,8 +13,8 @@
 //                 accumulator, and at the end dK and dV written from registers.
 // The launcher (ptxattn/hopper_backward.py) instantiates attn_bwd_sm90<BwdSm90Config<...>> by
 // name; every runtime argument is in BwdParams (params.cuh), whose q/k/v/dout maps are 4-d with
-// coordinates (d, head, row, batch) and boxes of 64 columns x 64 (q, dout) or 128 (k, v) rows;
-// rows past the end load as zeros.
+// coordinates (d, head, row, batch) and boxes of 64 columns x kBlockM (q, dout) or 128 (k, v)
+// rows; rows past the end load as zeros.
 #include "mainloop_bwd_sm90.cuh"
 #include "params.cuh"
 #include "tile_scheduler.cuh"

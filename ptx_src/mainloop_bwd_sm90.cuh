@@ -5,7 +5,7 @@
 // holds 64 of them (one wgmma M) and keeps their dK and dV in registers. The producer thread
 // loads K and V once, then the (Q, dO) tile pair of every step (BwdSteps: each q head sharing
 // the kv head, over the query tiles that see the block's keys) into a ring of kStages slots.
-// Per step a warpgroup computes, with rows = its keys and columns = the tile's 64 queries:
+// Per step a warpgroup computes, with rows = its keys and columns = the tile's kBlockM queries:
 //   S^T  = K Q^T                 SS, both K-major (as the forward's Q K^T)
 //   dP^T = V dO^T                SS, both K-major
 //   P^T  = exp2(S^T scale_log2 - LSE log2(e)) in registers (masked first where the tile needs it)
@@ -24,9 +24,9 @@
 // named barrier), head_dim 64 splits the keys (each reads its own dS and the two add into the
 // same accumulator rows). dS is double-buffered: a warpgroup writes step i's buffer only after
 // the barrier of step i - 1, which both passed after finishing step i - 2's dQ, the last reader.
-// Each step's LSE (in log2 units) and D arrive with its Q and dO: the producer copies their 64
-// rows from the workspace (bulk copies; the rows are padded to 64 there), so no consumer waits
-// on a global load (reading them with __ldg per thread cost 25% at head_dim 128).
+// Each step's LSE (in log2 units) and D arrive with its Q and dO: the producer copies their
+// kBlockM rows from the workspace (bulk copies; the rows are padded to 128 there), so no consumer
+// waits on a global load (reading them with __ldg per thread cost 25% at head_dim 128).
 #pragma once
 #include "atomics.cuh"
 #include "block_info.cuh"
@@ -75,7 +75,7 @@ struct BwdSm90Config {
     static constexpr uint32_t kDsSlabBytes = kBlockM * 128;
     static constexpr uint32_t kDsBytes = kDsSlabBytes * (kBlockN / 64);
     static constexpr uint32_t kSwizzleAtomBytes = 1024;
-    // A step's LSE log2 and D: 64 floats each, after the ring's (Q, dO) tiles.
+    // A step's LSE log2 and D: kBlockM floats each, after the ring's (Q, dO) tiles.
     static constexpr uint32_t kRowValuesBytes = 2 * kBlockM * 4;
     // dQ staging per consumer warpgroup: [64 x 64] float32 in two TMA boxes of 32 columns
     // (128-byte rows, 128-byte swizzle), 8 KB each.

@@ -203,13 +203,23 @@ def _prepare(problem, q, k, v, out, lse, *, seqused_k, block_table, cu_seqlens_q
     attend = runtime.PreparedLaunch(kernel, grid=grid, block=(32 * tile.warps,), args=[p])
     if accum is None:
         return attend
-    merge = prepare_combine_splits(accum, out, lse, sinks, problem.batch, problem.seqlen_q,
-                                   packed=cu_seqlens_q is not None)
+    return SplitLaunch(attend, prepare_combine_splits(accum, out, lse, sinks, problem.batch,
+                                                      problem.seqlen_q,
+                                                      packed=cu_seqlens_q is not None), accum)
 
-    def run() -> None:
-        attend()
-        merge()
-    return run
+
+@dataclasses.dataclass(frozen=True)
+class SplitLaunch:
+    """A split-KV launch and the merge of its partials, holding the partials' buffers: prepared
+    launches keep only addresses, so without this reference a cached launch would write into
+    memory the pool had handed to someone else."""
+    attend: runtime.PreparedLaunch
+    merge: runtime.PreparedLaunch
+    accum: tuple
+
+    def __call__(self) -> None:
+        self.attend()
+        self.merge()
 
 
 def split_accumulators(splits: int, total_q: int, heads_q: int, head_dim: int):

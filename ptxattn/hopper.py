@@ -404,11 +404,7 @@ def _prepare_serving(q, k, v, out, lse, seqs: Sequences, *, causal: bool, softma
                       **overrides)
     merge = decode.prepare_combine_splits(seqs.accum, out, lse, seqs.sinks, seqs.batch,
                                           seqs.seqlen_q, packed=seqs.cu_seqlens_q is not None)
-
-    def run() -> None:
-        attend()
-        merge()
-    return run
+    return decode.SplitLaunch(attend, merge, seqs.accum)
 
 
 def forward_fp8(q, k, v, out, lse, descales, *, causal: bool, softmax_scale: float,

@@ -5,8 +5,8 @@ A block owns 128 keys of one (batch, kv head) and walks the query tiles (64 or 1
 for every q head sharing its kv head, so dK and dV are complete in its registers at the end and
 GQA needs no second reduction; dQ is summed into the FP32 accumulator across blocks by TMA
 reduces through a 3-d map of the accumulator. Q, dO, K and V arrive through 4-d TMA maps (batch,
-seqlen, heads, head_dim) with boxes of 64 head_dim columns (128 bytes, 128-byte swizzle) by 64
-(Q, dO) or 128 (K, V) rows.
+seqlen, heads, head_dim) with boxes of 64 head_dim columns (128 bytes, 128-byte swizzle) by the
+variant's query rows a step (Q, dO) or 128 (K, V) rows.
 """
 
 from __future__ import annotations
