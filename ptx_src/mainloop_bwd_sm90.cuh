@@ -459,24 +459,24 @@ struct BwdSm90Mainloop {
             if (is_turn_thread) pass_turn(turn);
         }
 
-        // dK (times softmax_scale) and dV of the warpgroup's keys, from registers; keys past
-        // seqlen_k dropped.
+        // dK (times softmax_scale) and dV of the warpgroup's 64 keys, staged in its dQ staging
+        // (free once its last reduce has read it) and written by TMA stores, which clip keys
+        // past seqlen_k. (From registers, 4-byte stores, the epilogue of a seqlen-2048 block took
+        // a few percent of its time.)
         __device__ __forceinline__ void store(const BwdParams& p, int n_block, int kv_head,
                                               int batch) const {
+            using Output = StagedTmaStore<kHeadDim, kBf16>;
+            static_assert(Output::kBytes <= Cfg::kDqStageBytes, "dK / dV staging");
             using Rows = float[kHeadDim / 8][4];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int key = n_block * kBlockN + 64 * wg + 16 * warp + lane / 4 + 8 * h;
-                if (key >= p.seqlen_k) continue;
-                store_accumulator_row<kBf16>(
-                    static_cast<uint16_t*>(p.dk) + batch * p.dk_stride_b + kv_head * p.dk_stride_h +
-                        key * p.dk_stride_s,
-                    reinterpret_cast<const Rows&>(dk), h, p.softmax_scale, lane);
-                store_accumulator_row<kBf16>(
-                    static_cast<uint16_t*>(p.dv) + batch * p.dv_stride_b + kv_head * p.dv_stride_h +
-                        key * p.dv_stride_s,
-                    reinterpret_cast<const Rows&>(dv), h, 1.0f, lane);
-            }
+            const Output output{smem + kDqOffset + wg * Cfg::kDqStageBytes, kDqBarrier + wg};
+            const int key0 = n_block * kBlockN + 64 * wg;
+            const float dk_scale[2] = {p.softmax_scale, p.softmax_scale};
+            const float dv_scale[2] = {1.0f, 1.0f};
+            output.store(reinterpret_cast<const Rows&>(dk), dk_scale, &p.dk_map, kv_head, key0,
+                         batch);
+            output.store(reinterpret_cast<const Rows&>(dv), dv_scale, &p.dv_map, kv_head, key0,
+                         batch);
+            output.finish();
         }
 
         // Every step of the block's walk, then nothing pending in the ring. K and V are waited for

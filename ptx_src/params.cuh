@@ -131,6 +131,8 @@ struct alignas(64) BwdParams {
     TensorMap v_map;
     TensorMap dout_map;
     TensorMap dq_accum_map;  // dq_accum as (batch * heads_q, seqlen_q, head_dim) float32
+    TensorMap dk_map;        // dk, dv like k and v: boxes of 64 columns x 64 rows
+    TensorMap dv_map;
 
     const void* q;
     const void* k;

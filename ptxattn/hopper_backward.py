@@ -85,6 +85,9 @@ def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: boo
     p.dout_map = runtime.tensor_map(dout, (1, block_m, 1, BOX_COLS), swizzle=swizzle)
     p.k_map = runtime.tensor_map(k, (1, BLOCK_N, 1, BOX_COLS), swizzle=swizzle)
     p.v_map = runtime.tensor_map(v, (1, BLOCK_N, 1, BOX_COLS), swizzle=swizzle)
+    # dK and dV leave through TMA stores of each consumer warpgroup's 64 keys
+    p.dk_map = runtime.tensor_map(dk, (1, 64, 1, BOX_COLS), swizzle=swizzle)
+    p.dv_map = runtime.tensor_map(dv, (1, 64, 1, BOX_COLS), swizzle=swizzle)
     # dQ sums: TMA reduces of [block_m rows x 32 float32] boxes, clipped at each sequence's end.
     p.dq_accum_map = runtime.tensor_map(
         ws.dq_accum.reshape(problem.batch * problem.heads_q, problem.seqlen_q, problem.head_dim),

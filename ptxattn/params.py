@@ -56,7 +56,8 @@ _STRIDES = [(f"{name}_stride_{dim}", ctypes.c_int64)
             for name in ("q", "k", "v", "out", "dout", "dq", "dk", "dv") for dim in "bsh"]
 _BWD_FIELDS = [
     ("q_map", _TENSOR_MAP), ("k_map", _TENSOR_MAP), ("v_map", _TENSOR_MAP),
-    ("dout_map", _TENSOR_MAP), ("dq_accum_map", _TENSOR_MAP),
+    ("dout_map", _TENSOR_MAP), ("dq_accum_map", _TENSOR_MAP), ("dk_map", _TENSOR_MAP),
+    ("dv_map", _TENSOR_MAP),
     ("q", _P), ("k", _P), ("v", _P), ("out", _P), ("dout", _P), ("dq", _P), ("dk", _P),
     ("dv", _P), ("lse", _P), ("dq_accum", _P), ("dpsum", _P), ("lse_log2", _P),
     ("dq_semaphore", _P),
