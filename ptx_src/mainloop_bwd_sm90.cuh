@@ -300,15 +300,10 @@ struct BwdSm90Mainloop {
                 apply_mask_transposed(reinterpret_cast<Tiles&>(s), info.mask, first_key, query0);
             }
             uint32_t pt[kBlockM / 4];
-#pragma unroll
-            for (int i = 0; i < kBlockM / 8; ++i) {
-                const float2 lse = ld_shared_f32x2(row_values + 32 * i);
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    s[4 * i + c] =
-                        exp2_approx(fmaf(s[4 * i + c], p.scale_log2, c % 2 ? -lse.y : -lse.x));
-                }
-            }
+            recompute_probabilities_transposed(
+                reinterpret_cast<Tiles&>(s),
+                [row_values](int i) { return ld_shared_f32x2(row_values + 32 * i); },
+                p.scale_log2);
 #pragma unroll
             for (int j = 0; j < kBlockM / 4; ++j) pt[j] = pack_f32x2<kBf16>(s[2 * j], s[2 * j + 1]);
             wgmma_fence();
@@ -318,17 +313,9 @@ struct BwdSm90Mainloop {
             wgmma_fence_operand(dp);
             // dS^T = P^T (dP^T - D), as A fragments of dK's GEMM and, transposed, into dS.
             uint32_t dst[kBlockM / 4];
-#pragma unroll
-            for (int i = 0; i < kBlockM / 8; ++i) {
-                const float2 dpsum = ld_shared_f32x2(row_values + 4 * kBlockM + 32 * i);
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const float2 pair = unpack_f32x2<kBf16>(pt[2 * i + h]);
-                    dst[2 * i + h] =
-                        pack_f32x2<kBf16>(pair.x * (dp[4 * i + 2 * h] - dpsum.x),
-                                          pair.y * (dp[4 * i + 2 * h + 1] - dpsum.y));
-                }
-            }
+            score_gradient_transposed<kBf16>(
+                dst, reinterpret_cast<const Tiles&>(dp), pt,
+                [row_values](int i) { return ld_shared_f32x2(row_values + 4 * kBlockM + 32 * i); });
             // dS^T's 8x8 matrices (keys 16 warp + 8 h.., queries 8 i..) land transposed in this
             // warpgroup's slab of the step's dS buffer: stmatrix x4 number x takes i = 2x, 2x + 1.
             const uint32_t ds =

@@ -274,4 +274,42 @@ __device__ __forceinline__ void score_gradient(float (&dp)[kRowGroups][kTiles][4
     }
 }
 
+// The same two steps on the Hopper backward's transposed tiles (S^T = K Q^T: rows are keys,
+// columns queries), one 16-row group in the wgmma accumulator layout, where LSE and D belong to
+// the columns: column_values(i) gives the float2 of columns 8 i + 2 t and 8 i + 2 t + 1.
+//   recompute_probabilities_transposed: P^T in place of S^T;
+//   score_gradient_transposed: dS^T = P^T (dP^T - D), P^T given as the 16-bit pairs dV's GEMM
+//     read it in (pack_f32x2; pair 2 i + h holds row h of column tile i), returned in the same
+//     pairs, the A fragments of dK's GEMM.
+template <int kTiles, class ColumnValues>
+__device__ __forceinline__ void recompute_probabilities_transposed(float (&s)[kTiles][4],
+                                                                   ColumnValues lse_log2,
+                                                                   float scale_log2) {
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i) {
+        const float2 lse = lse_log2(i);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            s[i][c] = exp2_approx(fmaf(s[i][c], scale_log2, c % 2 ? -lse.y : -lse.x));
+        }
+    }
+}
+
+template <bool kBf16, int kTiles, class ColumnValues>
+__device__ __forceinline__ void score_gradient_transposed(uint32_t (&ds)[2 * kTiles],
+                                                          const float (&dp)[kTiles][4],
+                                                          const uint32_t (&p)[2 * kTiles],
+                                                          ColumnValues dpsum_of) {
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i) {
+        const float2 dpsum = dpsum_of(i);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float2 pair = unpack_f32x2<kBf16>(p[2 * i + h]);
+            ds[2 * i + h] = pack_f32x2<kBf16>(pair.x * (dp[i][2 * h] - dpsum.x),
+                                              pair.y * (dp[i][2 * h + 1] - dpsum.y));
+        }
+    }
+}
+
 }  // namespace ptxattn
