@@ -12,7 +12,6 @@ fills the GPU in whole waves (:func:`choose_splits`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Callable
 
@@ -110,12 +109,6 @@ def variants() -> list[runtime.KernelSpec]:
     return decode + [combine_spec(part, out) for part, out in COMBINE_PAIRS]
 
 
-@functools.cache
-def sm_count(device: int) -> int:
-    import cupy
-    return cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
-
-
 def choose_splits(tiles: int, key_blocks: int, slots: int) -> int:
     """How many blocks share the keys of each of ``tiles`` (query tile, kv head, sequence)
     tiles, given ``key_blocks`` key blocks per tile and ``slots`` blocks resident at once (SMs
@@ -172,7 +165,7 @@ def _prepare(problem, q, k, v, out, lse, *, seqused_k, block_table, cu_seqlens_q
         return lambda: None  # no query rows (varlen with max_seqlen_q 0)
     tiles = m_blocks * problem.heads_kv * problem.batch
     splits = problem.num_splits or choose_splits(
-        tiles, key_blocks(problem, tile), sm_count(problem.device) * tile.min_blocks)
+        tiles, key_blocks(problem, tile), runtime.sm_count(problem.device) * tile.min_blocks)
     splits = min(splits, key_blocks(problem, tile))
     softcap = problem.softcap
     scale_log2 = (softcap if softcap > 0 else problem.softmax_scale) * math.log2(math.e)

@@ -44,7 +44,9 @@ class Route:
 
     @property
     def module_name(self) -> str:
-        return f"ptxattn.{self.launcher or self.family}"
+        # the package's own name: a second checkout imported under another one (the A/B scripts)
+        # must reach its own launchers
+        return f"{__package__}.{self.launcher or self.family}"
 
     @property
     def archs(self) -> tuple[str, ...]:

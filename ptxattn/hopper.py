@@ -15,7 +15,6 @@ and V is transposed in shared memory into one more ring of buffers.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Callable
 
@@ -220,13 +219,6 @@ def section_heads(batch: int, heads_q: int, heads_kv: int, seqlen_k: int, head_d
     return int(max(1, min(batch * heads_q, L2_SECTION_BYTES // max(kv_bytes_per_q_head, 1))))
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_id: int) -> int:
-    import cupy
-    return cupy.cuda.runtime.deviceGetAttribute(
-        cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id)
-
-
 _tile_counters: dict = {}
 
 
@@ -319,7 +311,7 @@ def _prepare(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
         persistent = schedule.persistent
     blocks = num_tiles
     if persistent:
-        blocks = min(num_tiles, _sm_count(q.device.id))
+        blocks = min(num_tiles, runtime.sm_count(q.device.id))
     if grid_blocks is not None:
         blocks = min(num_tiles, grid_blocks)
     p = params.FwdParams(
@@ -393,7 +385,7 @@ def _prepare_serving(q, k, v, out, lse, seqs: Sequences, *, causal: bool, softma
     if seqs.window[0] >= 0:  # a tile's rows see at most its height plus the window's width
         keys = min(keys, v_info.block_m + seqs.window[0] + max(seqs.window[1], 0))
     key_blocks = max(1, math.ceil(keys / v_info.block_n))
-    splits = min(num_splits or decode.choose_splits(tiles, key_blocks, _sm_count(q.device.id)),
+    splits = min(num_splits or decode.choose_splits(tiles, key_blocks, runtime.sm_count(q.device.id)),
                  key_blocks)
     if splits == 1:
         return _prepare(q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,

@@ -486,6 +486,14 @@ def device_arch(device_id: int | None = None) -> str:
     return _arch_of_device(cupy.cuda.runtime.getDevice() if device_id is None else device_id)
 
 
+@functools.cache
+def sm_count(device_id: int) -> int:
+    """How many multiprocessors a CuPy device has."""
+    import cupy
+    return cupy.cuda.runtime.deviceGetAttribute(
+        cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id)
+
+
 @functools.lru_cache(maxsize=None)
 def _arch_of_device(device_id: int) -> str:
     import cupy
