@@ -95,9 +95,12 @@ attn_fwd_sm90(const __grid_constant__ FwdParams p) {
             factor[h] = Cfg::kFp8 ? inv_sum[0][h] * consumer.v_descale : inv_sum[0][h];
         }
         const auto& o = reinterpret_cast<const float(&)[Cfg::kHeadDim / 8][4]>(consumer.o);
-        // Read again rather than kept through the mainloop (fixed-length builds: from the
-        // parameters), so that it holds no registers there.
-        const SeqLens lens = Mainloop::seq_lens(p, c.batch);
+        // Fixed-length builds read the lengths again from the parameters, so that they hold no
+        // registers through the mainloop; serving builds keep the tile's (its mask needs them),
+        // rather than wait on global loads of cu_seqlens at every tile's end, except at head_dim
+        // 256, which runs at the register limit (kept, it spilled).
+        constexpr bool kKeepLens = Cfg::kServing && Cfg::kHeadDim <= 128;
+        const SeqLens lens = kKeepLens ? consumer.lens : Mainloop::seq_lens(p, c.batch);
         // Split-KV (serving builds): this split's partial state, float32, for combine.cu.
         const bool partial = Cfg::kServing && splits > 1;
         if constexpr (Cfg::kServing) {
