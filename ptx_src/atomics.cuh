@@ -4,12 +4,14 @@
 // reds before). An mma accumulator row pair of a warp is 8 rows x 32 bytes: the vector form
 // makes it 8 sector updates instead of 16, and the backward's dQ sums are bound by those.
 //
-// The deterministic backward adds each key block's dQ into the FP32 accumulator in key-block
-// order: a block waits until the tile's counter reads its turn, adds, and bumps it. The wait is
-// ld.acquire.gpu (the adds of earlier blocks are visible once the count is); the bump is one
-// thread's red.release.gpu after a __syncthreads: release is cumulative, so it publishes the
-// adds of every thread that reached the barrier, with no fence per thread. Blocks wait only on blocks of
-// lower index, which the hardware launched earlier, so the wait cannot deadlock.
+// The deterministic backward adds each key block's dQ into the FP32 accumulator in a fixed order
+// (BwdWalk, tile_scheduler.cuh): a block waits until the tile's counter reads its turn, adds, and
+// bumps it. The wait is ld.acquire.gpu (the adds of earlier blocks are visible once the count
+// is); the bump is one thread's red.release.gpu after its block's adds: after a barrier for
+// red.global adds by many threads (release is cumulative, so it publishes the adds of every
+// thread that reached the barrier, with no fence per thread), after cp.async.bulk.wait_group 0
+// for a TMA reduce. A block waits only for blocks that can be resident beside it or were
+// launched before it (BwdWalk), so the wait ends.
 #pragma once
 #include "common.cuh"
 

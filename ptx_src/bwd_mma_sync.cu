@@ -40,10 +40,10 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
     const int batch = blockIdx.z;
 
     const BlockInfo<kBlockM, kBlockN> info(p.seqlen_q, p.seqlen_k, Cfg::kCausal);
-    const BwdWalk walk = BwdWalk::make(blockIdx.x, gridDim.x, Cfg::kCausal,
-                                       p.dq_semaphore != nullptr);
+    const BwdWalk walk = BwdWalk::make(blockIdx.x, gridDim.x, p.num_m_blocks, Cfg::kCausal,
+                                       p.dq_semaphore != nullptr, p.dq_turn_group);
     const int n_block = walk.n_block;
-    const BwdSteps walk_steps = BwdSteps::make(info, n_block, p.q_per_kv);
+    const BwdSteps walk_steps = BwdSteps::make(info, walk, p.q_per_kv);
     const int steps = walk_steps.count;
     const int first_key = n_block * kBlockN;
 
@@ -193,7 +193,13 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
             float dq[Cfg::kDqRows / 16][Cfg::kDqPassCols / 8][4];
             Mainloop::gemm_ab(dq, ds_tile, k_tile, dq_row0, d0, lanes);
             if (pass == 0 && turn != nullptr) {
-                if (tid == 0) wait_turn(turn, walk.turn(info.n_max(m_block)));
+                // The walk is made again rather than kept in registers (kept, fp16 head_dim 128
+                // spilled).
+                if (tid == 0) {
+                    const BwdWalk turns = BwdWalk::make(blockIdx.x, gridDim.x, p.num_m_blocks,
+                                                        Cfg::kCausal, true, p.dq_turn_group);
+                    wait_turn(turn, turns.turn(m_block, info.n_max(m_block)));
+                }
                 __syncthreads();
             }
 #pragma unroll

@@ -9,6 +9,7 @@
 // head (BwdSteps), in BwdWalk's order:
 //   warpgroup 0   the producer: gives most of its registers away (setmaxnreg); one thread loads
 //                 K and V once and every step's Q and dO through TMA (mainloop_bwd_sm90.cuh);
+//                 with deterministic sums, warp 1 adds each step's dQ in the tile's turn;
 //   warpgroups 1-2 the consumers: 64 keys each, the step's five GEMMs, dQ added into the FP32
 //                 accumulator, and at the end dK and dV written from registers.
 // The launcher (ptxattn/hopper_backward.py) instantiates attn_bwd_sm90<BwdSm90Config<...>> by
@@ -34,9 +35,9 @@ attn_bwd_sm90(const __grid_constant__ BwdParams p) {
     const int kv_head = blockIdx.y;
     const int batch = blockIdx.z;
     const typename Mainloop::Info info(p.seqlen_q, p.seqlen_k, Cfg::kCausal);
-    const BwdWalk walk =
-        BwdWalk::make(blockIdx.x, gridDim.x, Cfg::kCausal, p.dq_semaphore != nullptr);
-    const BwdSteps steps = BwdSteps::make(info, walk.n_block, p.q_per_kv);
+    const BwdWalk walk = BwdWalk::make(blockIdx.x, gridDim.x, p.num_m_blocks, Cfg::kCausal,
+                                       Cfg::kDeterministic, p.dq_turn_group);
+    const BwdSteps steps = BwdSteps::make(info, walk, p.q_per_kv);
 
     if (threadIdx.x == 0) {
         bars.kv_full.init(1);
@@ -47,7 +48,11 @@ attn_bwd_sm90(const __grid_constant__ BwdParams p) {
 
     if (threadIdx.x < 128) {
         warpgroup_reg_dealloc<Cfg::kProducerRegs>();
-        if (threadIdx.x == 0) Mainloop::load(p, smem, bars, steps, walk.n_block, kv_head, batch);
+        if (threadIdx.x == 0) {
+            Mainloop::load(p, smem, bars, steps, walk.n_block, kv_head, batch);
+        } else if (Cfg::kDeterministic && threadIdx.x / 32 == 1) {
+            Mainloop::write_dq_in_turn(p, smem, info, walk, steps, kv_head, batch);
+        }
         return;
     }
 

@@ -16,8 +16,9 @@
 //                                warpgroup stores its dS^T transposed (stmatrix .trans), K
 //                                MN-major; then added into the FP32 accumulator: staged in
 //                                shared memory and added by a TMA reduce (cp.reduce.async.bulk),
-//                                which runs on while the next step computes, or, for
-//                                deterministic sums, by red.global in the tile's turn
+//                                which runs on while the next step computes (for
+//                                deterministic sums, issued by the producer's writer warp
+//                                in the tile's turn)
 // Computing S^T rather than S keeps both dV's and dK's A operand in registers, straight from
 // the accumulators; only dQ needs dS in shared memory. For dQ each warpgroup takes 64 columns:
 // head_dim 128 splits the columns (each warpgroup reads both warpgroups' dS, so they meet at a
@@ -48,15 +49,19 @@ namespace ptxattn {
 // The compile-time shape of a Hopper backward kernel: kHeadDim 64 or 128; kBf16 the 16-bit
 // type; kCausal; kBlockM query rows per step (64 or 128: the N of S^T and dP^T, whose SS wgmmas
 // read shared memory at the tensor cores' pace at N = 64 and at 3/4 of it at N = 128); kStages
-// the depth of the (Q, dO) ring; kSmemBytes the dynamic shared memory the launcher requests
-// (checked against the layout below).
-template <int HeadDim, bool Bf16, bool Causal, int BlockM, int Stages, int SmemBytes>
+// the depth of the (Q, dO) ring; kDeterministic: dQ summed in a fixed order by the writer warp
+// (a build of its own: one kernel with both ways of summing ran 2-5% slower without, and
+// spilled at head_dim 64); kSmemBytes the dynamic shared memory the launcher requests (checked
+// against the layout below).
+template <int HeadDim, bool Bf16, bool Causal, int BlockM, int Stages, bool Deterministic,
+          int SmemBytes>
 struct BwdSm90Config {
     static constexpr int kHeadDim = HeadDim;
     static constexpr bool kBf16 = Bf16;
     static constexpr bool kCausal = Causal;
     static constexpr int kBlockM = BlockM;
     static constexpr int kStages = Stages;
+    static constexpr bool kDeterministic = Deterministic;
     static constexpr uint32_t kSmemBytes = SmemBytes;
 
     static constexpr int kConsumers = 2;
@@ -146,10 +151,18 @@ struct BwdSm90Mainloop {
                   "kSmemBytes too small for this tile configuration");
 
     // Named barriers (0 is __syncthreads): dS complete, for both warpgroups (head_dim 128) or
-    // per warpgroup (64); and the deterministic dQ sums' turn.
+    // per warpgroup (64); dQ staged, per warpgroup; and for deterministic sums the hand-offs of
+    // the staged dQ to the writer warp (full, then free again) and, at head_dim 64, of the
+    // second warpgroup's dQ to the first (full, then read).
     static constexpr uint32_t kDsBarrier = 1;      // + warpgroup when split by keys
-    static constexpr uint32_t kTurnBarrier = 3;
+    static constexpr uint32_t kDqWriterFull = 3;
     static constexpr uint32_t kDqBarrier = 4;      // + warpgroup: its dQ staged
+    static constexpr uint32_t kDqHandOffFull = 6;
+    static constexpr uint32_t kDqHandOffFree = 7;
+    static constexpr uint32_t kDqWriterFree = 8;
+    // Threads meeting at the writer's barriers: the consumers that stage what it reduces (one
+    // warpgroup with dQ split by keys, both by columns) and the writer warp.
+    static constexpr uint32_t kWriterSyncThreads = 128 * (Cfg::kDqSplitKeys ? 1 : Cfg::kConsumers) + 32;
 
     // ---- Producer ---------------------------------------------------------------------------
 
@@ -190,6 +203,50 @@ struct BwdSm90Mainloop {
                 tma_load_4d(q_tile + j * kQSlabBytes, &p.q_map, full, 64 * j, head, row, batch);
                 tma_load_4d(do_tile + j * kQSlabBytes, &p.dout_map, full, 64 * j, head, row,
                             batch);
+            }
+        }
+    }
+
+    // The writer warp (deterministic sums): per step, once the consumers staged the block's dQ,
+    // its lane 0 waits for the tile's turn (BwdWalk), adds the staging into the accumulator with
+    // TMA reduces, frees the staging once they have read it, and passes the turn once they have
+    // completed. Waiting here rather than in a consumer keeps the waits off the wgmma pipeline:
+    // the consumers run up to a step ahead. Every lane calls it.
+    static __device__ __forceinline__ void write_dq_in_turn(const BwdParams& p, uint8_t* smem,
+                                                            const Info& info, const BwdWalk& walk,
+                                                            const BwdSteps& steps, int kv_head,
+                                                            int batch) {
+        const bool leader = threadIdx.x % 32 == 0;
+#pragma unroll 1
+        for (int i = 0; i < steps.count; ++i) {
+            const int head = steps.head(i, kv_head, p.q_per_kv);
+            const int m_block = steps.m_block(i);
+            int* turn = p.dq_semaphore +
+                        (static_cast<int64_t>(batch) * p.heads_q + head) * p.num_m_blocks + m_block;
+            __syncwarp();
+            named_barrier_sync(kDqWriterFull, kWriterSyncThreads);
+            if (leader) {
+                wait_turn(turn, walk.turn(m_block, info.n_max(m_block)));
+                // Split by keys, the first warpgroup's staging holds the block's sum.
+#pragma unroll
+                for (int w = 0; w < (Cfg::kDqSplitKeys ? 1 : Cfg::kConsumers); ++w) {
+#pragma unroll
+                    for (int box = 0; box < Cfg::kDqCols / 32; ++box) {
+                        tma_reduce_add_3d(&p.dq_accum_map,
+                                          smem + kDqOffset + w * Cfg::kDqStageBytes +
+                                              box * Cfg::kDqBoxBytes,
+                                          Cfg::kDqCols * w + 32 * box, m_block * kBlockM,
+                                          batch * p.heads_q + head);
+                    }
+                }
+                tma_store_commit();
+                tma_store_wait_read<0>();
+            }
+            __syncwarp();
+            named_barrier_arrive(kDqWriterFree, kWriterSyncThreads);
+            if (leader) {
+                tma_store_wait<0>();
+                pass_turn(turn);
             }
         }
     }
@@ -337,8 +394,8 @@ struct BwdSm90Mainloop {
             gemm_fragments(dk, dst, q_tile);
             wgmma_commit();
             // The dS barrier also tells the warpgroup that its dQ staging is free again: its
-            // last TMA reduce has read it.
-            if (dq_issuer()) tma_store_wait_read<0>();
+            // last TMA reduce has read it (deterministic sums: the writer warp's barriers do).
+            if (!Cfg::kDeterministic && dq_issuer()) tma_store_wait_read<0>();
             if constexpr (Cfg::kDqSplitKeys) {
                 named_barrier_sync(kDsBarrier + wg, 128);
             } else {
@@ -358,8 +415,8 @@ struct BwdSm90Mainloop {
             for (int r = 0; r < Cfg::kDqRowBlocks; ++r) wgmma_fence_operand(dq[r]);
             release();
             ++ring.count;
-            if (p.dq_semaphore != nullptr) {
-                add_dq_in_turn(p, info, walk, dq, row_base, m_block, head, batch);
+            if constexpr (Cfg::kDeterministic) {
+                hand_dq_to_writer(dq, step_index == 0);
             } else {
                 reduce_dq(p, dq, m_block, head, batch);
             }
@@ -373,13 +430,28 @@ struct BwdSm90Mainloop {
         // dQ of the step staged in shared memory (the TMA box layout: 128-byte rows of 32
         // floats, 16-byte chunks swizzled by row % 8, so a warp's stores hit distinct banks) and
         // added into the accumulator by one TMA reduce a box; rows past seqlen_q are clipped.
-        __device__ __forceinline__ void reduce_dq(const BwdParams& p, const DqTiles& dq,
+        __device__ __forceinline__ void reduce_dq(const BwdParams& p, DqTiles& dq,
                                                   int m_block, int head, int batch) const {
             uint8_t* staging = smem + kDqOffset + wg * Cfg::kDqStageBytes;
-            // Row 64 r + 8 h + (16 warp + g) and columns 8 i + 2 t, + 1: every row of the thread
-            // has g = lane / 4 for row % 8, so its chunk (2 (i % 4) + t / 2) ^ g takes four
-            // values, and the rest are constants. (Left to swizzled_offset, ptxas kept one
-            // address per store live across the loop and spilled at 128 rows a step.)
+            stage_dq<false>(staging, dq);
+            fence_proxy_async();
+            named_barrier_sync(kDqBarrier + wg, 128);
+            if (dq_issuer()) {
+                issue_dq_reduce(p, staging, Cfg::kDqSplitKeys ? 0 : Cfg::kDqCols * wg, m_block,
+                                head, batch);
+                tma_store_commit();
+            }
+        }
+
+        // Row 64 r + 8 h + (16 warp + g) and columns 8 i + 2 t, + 1 of the warpgroup's dQ in the
+        // staging layout: every row of the thread has g = lane / 4 for row % 8, so its chunk
+        // (2 (i % 4) + t / 2) ^ g takes four values, and the rest are constants. (Left to
+        // swizzled_offset, ptxas kept one address per store live across the loop and spilled at
+        // 128 rows a step.) kAdd: first add what the staging `addend` bytes further holds at those
+        // places (the same thread of the other warpgroup wrote it there).
+        template <bool kAdd>
+        __device__ __forceinline__ void stage_dq(uint8_t* staging, DqTiles& dq,
+                                                 uint32_t addend = 0) const {
             const int g = lane / 4;
             const uint32_t thread_row = smem_addr(staging) + (16 * warp + g) * 128 + 8 * (lane % 2);
             uint32_t chunk[4];
@@ -391,59 +463,69 @@ struct BwdSm90Mainloop {
                 for (int h = 0; h < 2; ++h) {
 #pragma unroll
                     for (int i = 0; i < Cfg::kDqCols / 8; ++i) {
-                        st_shared_f32x2(thread_row + chunk[i % 4] + (i / 4) * Cfg::kDqBoxBytes +
-                                            (64 * r + 8 * h) * 128,
-                                        dq[r][4 * i + 2 * h], dq[r][4 * i + 2 * h + 1]);
+                        const uint32_t addr = thread_row + chunk[i % 4] +
+                                              (i / 4) * Cfg::kDqBoxBytes + (64 * r + 8 * h) * 128;
+                        float& x = dq[r][4 * i + 2 * h];
+                        float& y = dq[r][4 * i + 2 * h + 1];
+                        if constexpr (kAdd) {
+                            const float2 other = ld_shared_f32x2(addr + addend);
+                            x += other.x;
+                            y += other.y;
+                        }
+                        st_shared_f32x2(addr, x, y);
                     }
                 }
-            }
-            fence_proxy_async();
-            named_barrier_sync(kDqBarrier + wg, 128);
-            if (dq_issuer()) {
-                const int col0 = Cfg::kDqSplitKeys ? 0 : Cfg::kDqCols * wg;
-#pragma unroll
-                for (int box = 0; box < Cfg::kDqCols / 32; ++box) {
-                    tma_reduce_add_3d(&p.dq_accum_map, staging + box * Cfg::kDqBoxBytes,
-                                      col0 + 32 * box, m_block * kBlockM,
-                                      batch * p.heads_q + head);
-                }
-                tma_store_commit();
             }
         }
 
-        // Deterministic sums: dQ of the step into the accumulator with red.global in the tile's
-        // turn (atomics.cuh), with keys split the first warpgroup first; rows past seqlen_q
-        // dropped.
-        __device__ __forceinline__ void add_dq_in_turn(const BwdParams& p, const Info& info,
-                                               const BwdWalk& walk, const DqTiles& dq,
-                                               int64_t row_base, int m_block, int head,
-                                               int batch) const {
-            constexpr uint32_t kConsumerThreads = 128 * Cfg::kConsumers;
-            const bool is_turn_thread = threadIdx.x == 128;
-            int* turn = p.dq_semaphore + (static_cast<int64_t>(batch) * p.heads_q + head) *
-                                             p.num_m_blocks + m_block;
-            if (is_turn_thread) wait_turn(turn, walk.turn(info.n_max(m_block)));
-            named_barrier_sync(kTurnBarrier, kConsumerThreads);
-            if (Cfg::kDqSplitKeys && wg == 1) named_barrier_sync(kTurnBarrier, kConsumerThreads);
-            const int col0 = Cfg::kDqSplitKeys ? 0 : Cfg::kDqCols * wg;
-            float* rows = p.dq_accum + (row_base + m_block * kBlockM) * kHeadDim + col0;
+        // The TMA reduces of one staged warpgroup dQ (columns col0..), by the issuing thread.
+        __device__ __forceinline__ void issue_dq_reduce(const BwdParams& p, uint8_t* staging,
+                                                        int col0, int m_block, int head,
+                                                        int batch) const {
 #pragma unroll
-            for (int r = 0; r < Cfg::kDqRowBlocks; ++r) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int row = 64 * r + 16 * warp + lane / 4 + 8 * h;
-                    if (m_block * kBlockM + row >= p.seqlen_q) continue;
-#pragma unroll
-                    for (int i = 0; i < Cfg::kDqCols / 8; ++i) {
-                        red_add_f32x2(rows + row * kHeadDim + 8 * i + 2 * (lane % 4),
-                                      dq[r][4 * i + 2 * h], dq[r][4 * i + 2 * h + 1]);
-                    }
-                }
+            for (int box = 0; box < Cfg::kDqCols / 32; ++box) {
+                tma_reduce_add_3d(&p.dq_accum_map, staging + box * Cfg::kDqBoxBytes,
+                                  col0 + 32 * box, m_block * kBlockM, batch * p.heads_q + head);
             }
-            if (Cfg::kDqSplitKeys && wg == 0) named_barrier_sync(kTurnBarrier, kConsumerThreads);
-            // Every consumer's adds precede the release, which is cumulative (atomics.cuh).
-            named_barrier_sync(kTurnBarrier, kConsumerThreads);
-            if (is_turn_thread) pass_turn(turn);
+        }
+
+        // Deterministic sums: the block's dQ of the step staged for the writer warp
+        // (write_dq_in_turn) once it has freed the staging of the step before. Split by columns
+        // (head_dim 128), each warpgroup stages its columns; split by keys (64), the second
+        // warpgroup hands its dQ to the first, which adds it to its own in a fixed order and
+        // stages the sum (two reduces into the same rows could land in either order).
+        __device__ __forceinline__ void hand_dq_to_writer(DqTiles& dq, bool first_step) const {
+            constexpr uint32_t kConsumerThreads = 128 * Cfg::kConsumers;
+            uint8_t* staging = smem + kDqOffset;
+            if constexpr (Cfg::kDqSplitKeys) {
+                // The second warpgroup's staging is the hand-off, free again once the first has
+                // read it.
+                if (wg == 1) {
+                    if (!first_step) named_barrier_sync(kDqHandOffFree, kConsumerThreads);
+                    stage_dq<false>(staging + Cfg::kDqStageBytes, dq);
+                    named_barrier_arrive(kDqHandOffFull, kConsumerThreads);
+                    return;
+                }
+                named_barrier_sync(kDqHandOffFull, kConsumerThreads);
+                if (!first_step) named_barrier_sync(kDqWriterFree, kWriterSyncThreads);
+                stage_dq<true>(staging, dq, Cfg::kDqStageBytes);
+                named_barrier_arrive(kDqHandOffFree, kConsumerThreads);
+            } else {
+                if (!first_step) named_barrier_sync(kDqWriterFree, kWriterSyncThreads);
+                stage_dq<false>(staging + wg * Cfg::kDqStageBytes, dq);
+            }
+            fence_proxy_async();
+            named_barrier_arrive(kDqWriterFull, kWriterSyncThreads);
+        }
+
+        // Deterministic sums, after the last step: the stagings are free for dK and dV (the
+        // writer's last reduces have read them, the first warpgroup the last hand-off).
+        __device__ __forceinline__ void wait_dq_staging_free() const {
+            if (Cfg::kDqSplitKeys && wg == 1) {
+                named_barrier_sync(kDqHandOffFree, 128 * Cfg::kConsumers);
+            } else {
+                named_barrier_sync(kDqWriterFree, kWriterSyncThreads);
+            }
         }
 
         // dK (times softmax_scale) and dV of the warpgroup's 64 keys, staged in its dQ staging
@@ -482,8 +564,13 @@ struct BwdSm90Mainloop {
                 step(p, info, walk, steps.head(i, kv_head, p.q_per_kv), steps.m_block(i), batch,
                      i);
             }
-            // The last reduces must be done before the block exits (and the postprocess reads).
-            if (dq_issuer()) tma_store_wait<0>();
+            if constexpr (Cfg::kDeterministic) {
+                if (steps.count > 0) wait_dq_staging_free();
+            } else {
+                // The last reduces must be done before the block exits (and the postprocess
+                // reads).
+                if (dq_issuer()) tma_store_wait<0>();
+            }
         }
     };
 };

@@ -58,6 +58,12 @@ __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Arrives at named barrier `id` without waiting (bar.arrive id, threads): the producer side of a
+// hand-off whose consumer waits with named_barrier_sync on the same id and count.
+__device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threads) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 // Whether `pred` holds in every one of the `threads` threads meeting at named barrier `id`
 // (bar.red.and.pred): a vote across warps, e.g. one warpgroup.
 __device__ __forceinline__ bool named_barrier_all(uint32_t id, uint32_t threads, bool pred) {

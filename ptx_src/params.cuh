@@ -170,6 +170,8 @@ struct alignas(64) BwdParams {
     int causal;
     int num_m_blocks;  // query blocks of the main kernel's tile
     int seqlen_q_rounded;  // rows per (batch, head) in dpsum and lse_log2: seqlen_q padded to 128
+    int dq_turn_group;     // deterministic sums: key blocks that may wait on each other, at most
+                           // the blocks the GPU holds at once (BwdWalk, tile_scheduler.cuh)
 };
 
 }  // namespace ptxattn

@@ -112,54 +112,90 @@ struct PersistentTiles {
 };
 
 // The backward's walk: which key block a thread block owns, the order in which it visits its
-// query tiles (ascending), and, when dQ is summed deterministically, its turn at each tile's
-// accumulator.
+// query tiles, and, when dQ is summed deterministically, its turn at each tile's accumulator.
 //
 // Every key block adds into the dQ of each query tile it visits; deterministic mode fixes the
-// order of those adds (atomics.cuh). A block may only wait for blocks of lower blockIdx.x: the
-// hardware launched those earlier, so they are running or done, and the wait ends whatever the
-// occupancy. Within that rule the order follows the blocks' natural progress:
+// order of those adds (atomics.cuh) to the order in which the blocks, advancing in lockstep,
+// reach the tile, so that a block seldom waits:
 //   causal:     key blocks in reverse (block n = num_n_blocks - 1 - blockIdx.x). Tile m is
 //               visited by blocks [0, n_max(m)); block n starts at its diagonal tile, one or two
-//               tiles past block n + 1's first, and takes turn n_max(m) - 1 - n, so the blocks
-//               advance in lockstep, each a step behind the one above.
-//   non-causal: blocks in index order, turn n: block n waits for n blocks ahead of it.
-// Without deterministic sums, blocks go in index order (the longest causal walk first).
+//               tiles past block n + 1's first, and takes turn n_max(m) - 1 - n, so each block
+//               waits only for blocks of lower blockIdx.x, which the hardware launched earlier.
+//   non-causal: every block visits every tile. Key blocks form groups of `group` consecutive
+//               blocks (at most one per SM: a group is resident together); block l of a group
+//               of G starts at tile l r, r = num_m_blocks / G, and walks the tiles round from
+//               there, so at any step the group's blocks are at distinct tiles, and tile m's adds
+//               come in the order the blocks reach it: block l at step (m - l r) mod
+//               num_m_blocks, after every block of the groups before. A block may wait for a
+//               later block of its own group, which can be resident beside it, so the wait ends.
+//               (In index order, as before, block n waited n steps at its first tile, and every
+//               block after it as long: a quarter to a half of a head's time.) With fewer tiles
+//               than the group's blocks, the tiles are walked from 0 in index order.
+// Without deterministic sums, blocks walk from their first tile in index order.
 struct BwdWalk {
     int n_block;
     bool reversed;
+    int rotation;    // tiles walked round from m_first + rotation (non-causal deterministic)
+    int spacing;     // r: tiles between the starts of consecutive blocks of a group; 0: none
+    int group_rank;  // l: the block's place in its group
+    int group_size;  // G
+    int group_base;  // blocks of the groups before
 
-    __device__ __forceinline__ static BwdWalk make(int block, int num_n_blocks, bool causal,
-                                                   bool deterministic) {
-        const bool reversed = deterministic && causal;
-        return {reversed ? num_n_blocks - 1 - block : block, reversed};
+    __device__ __forceinline__ static BwdWalk make(int block, int num_n_blocks, int num_m_blocks,
+                                                   bool causal, bool deterministic, int group) {
+        BwdWalk w{block, false, 0, 0, 0, 0, 0};
+        if (!deterministic) return w;
+        if (causal) {
+            w.n_block = num_n_blocks - 1 - block;
+            w.reversed = true;
+            return w;
+        }
+        w.group_base = block / group * group;
+        w.group_rank = block - w.group_base;
+        w.group_size = min(group, num_n_blocks - w.group_base);
+        if (num_m_blocks >= w.group_size) {
+            w.spacing = num_m_blocks / w.group_size;
+            w.rotation = w.group_rank * w.spacing;
+        }
+        return w;
     }
 
     // How many key blocks add into query tile m's dQ before this one; n_max: one past the last
     // key block tile m visits.
-    __device__ __forceinline__ int turn(int n_max) const {
-        return reversed ? n_max - 1 - n_block : n_block;
+    __device__ __forceinline__ int turn(int m_block, int n_max) const {
+        if (reversed) return n_max - 1 - n_block;
+        if (spacing == 0) return n_block;
+        // Blocks 0..a of the group reach tile m at steps m - l r (later blocks first); the rest
+        // after wrapping round, at m - l r + num_m_blocks, again later blocks first.
+        const int a = min(m_block / spacing, group_size - 1);
+        const int l = group_rank;
+        return group_base + (l <= a ? a - l : a + group_size - l);
     }
 };
 
 // The (q head, query tile) steps of a backward key block, head-major: every q head that shares
 // its kv head, each over the query tiles [m_first, m_first + m_count) holding a row that sees one
-// of its keys (BlockInfo::m_min, m_max). Both backward kernels walk them in this order.
+// of its keys (BlockInfo::m_min, m_max), from m_first + the walk's rotation round. Both backward
+// kernels walk them in this order.
 struct BwdSteps {
     int m_first;
     int m_count;
     int count;
+    int rotation;
 
     template <class Info>
-    __device__ __forceinline__ static BwdSteps make(const Info& info, int n_block, int q_per_kv) {
-        const int m_first = info.m_min(n_block);
+    __device__ __forceinline__ static BwdSteps make(const Info& info, const BwdWalk& walk,
+                                                    int q_per_kv) {
+        const int m_first = info.m_min(walk.n_block);
         const int m_count = max(0, info.m_max() - m_first);
-        return {m_first, m_count, m_count * q_per_kv};
+        return {m_first, m_count, m_count * q_per_kv, walk.rotation};
     }
     __device__ __forceinline__ int head(int step, int kv_head, int q_per_kv) const {
         return kv_head * q_per_kv + step / m_count;
     }
-    __device__ __forceinline__ int m_block(int step) const { return m_first + step % m_count; }
+    __device__ __forceinline__ int m_block(int step) const {
+        return m_first + (step + rotation) % m_count;
+    }
 };
 
 }  // namespace ptxattn

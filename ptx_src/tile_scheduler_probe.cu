@@ -10,6 +10,12 @@
 // log[(blockIdx.x * warps + warp) * cap ..] (the first `cap` entries) and its length at
 // taken[blockIdx.x * warps + warp]. persistent_tiles_probe sets its TileMailbox up as the Hopper
 // kernel does; counter is null (static order) or two zeroed ints (dynamic order).
+//
+// bwd_walk_probe<kBlockM, kBlockN>: thread i < ceil(seqlen_k / kBlockN) plays the backward's
+// block i: it stores its BwdWalk key block at n_block[i], its step count at counts[i], and per
+// step s (the first `cap`) the q head offset from the kv head's first, the query tile and its
+// turn at that tile's dQ at steps[(i * cap + s) * 3 ..].
+#include "block_info.cuh"
 #include "mbarrier.cuh"
 #include "tile_scheduler.cuh"
 
@@ -30,6 +36,28 @@ __device__ __forceinline__ void log_tiles(Tiles& tiles, int num_tiles, int cap, 
         if (tile >= num_tiles) break;
     }
     if (logs) taken[entry] = count;
+}
+
+template <int kBlockM, int kBlockN>
+__global__ void bwd_walk_probe(int seqlen_q, int seqlen_k, int causal, int deterministic,
+                               int group, int q_per_kv, int cap, int* __restrict__ n_block,
+                               int* __restrict__ counts, int* __restrict__ steps) {
+    const BlockInfo<kBlockM, kBlockN> info(seqlen_q, seqlen_k, causal != 0);
+    const int num_n_blocks = ceil_div(seqlen_k, kBlockN);
+    const int block = blockIdx.x * blockDim.x + threadIdx.x;
+    if (block >= num_n_blocks) return;
+    const BwdWalk walk = BwdWalk::make(block, num_n_blocks, info.m_max(), causal != 0,
+                                       deterministic != 0, group);
+    const BwdSteps walk_steps = BwdSteps::make(info, walk, q_per_kv);
+    n_block[block] = walk.n_block;
+    counts[block] = walk_steps.count;
+    for (int s = 0; s < min(cap, walk_steps.count); ++s) {
+        const int m_block = walk_steps.m_block(s);
+        int* out = steps + (static_cast<int64_t>(block) * cap + s) * 3;
+        out[0] = walk_steps.head(s, 0, q_per_kv);
+        out[1] = m_block;
+        out[2] = walk.turn(m_block, info.n_max(m_block));
+    }
 }
 
 }  // namespace probe

@@ -82,7 +82,10 @@ def make_params(problem, dout, q, k, v, out, lse, dq, dk, dv, workspace: Workspa
         softmax_scale=problem.softmax_scale,
         scale_log2=problem.softmax_scale * math.log2(math.e), causal=int(problem.causal),
         num_m_blocks=math.ceil(problem.seqlen_q / block_m),
-        seqlen_q_rounded=rounded_rows(problem.seqlen_q))
+        seqlen_q_rounded=rounded_rows(problem.seqlen_q),
+        # blocks that may wait on one another must fit on the GPU at once: one per SM is a
+        # lower bound for every backward kernel
+        dq_turn_group=runtime.sm_count(problem.device))
     for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("dq", dq),
                     ("dk", dk), ("dv", dv)):
         for dim, stride in zip("bsh", params.strides(x)):

@@ -35,6 +35,7 @@ class Variant:
     causal: bool
     block_m: int
     stages: int
+    deterministic: bool
 
     @property
     def smem_bytes(self) -> int:
@@ -51,10 +52,11 @@ class Variant:
     def spec(self) -> runtime.KernelSpec:
         dtype = "bfloat16" if self.bf16 else "float16"
         args = (f"{self.head_dim}, {str(self.bf16).lower()}, {str(self.causal).lower()}, "
-                f"{self.block_m}, {self.stages}, {self.smem_bytes}")
+                f"{self.block_m}, {self.stages}, {str(self.deterministic).lower()}, "
+                f"{self.smem_bytes}")
         return runtime.KernelSpec(
             name=f"bwd_sm90_{dtype}_d{self.head_dim}_m{self.block_m}_s{self.stages}"
-                 f"{'_causal' if self.causal else ''}",
+                 f"{'_causal' if self.causal else ''}{'_det' if self.deterministic else ''}",
             source=SOURCE, entry=f"ptxattn::attn_bwd_sm90<ptxattn::BwdSm90Config<{args}>>",
             smem_bytes=self.smem_bytes, archs=ARCHS)
 
@@ -64,18 +66,19 @@ class Variant:
 TILES = {64: (128, 2), 128: (64, 2)}
 
 
-def variant(dtype: str, head_dim: int, causal: bool) -> Variant:
-    return Variant(head_dim, bool(DTYPES[dtype]), causal, *TILES[head_dim])
+def variant(dtype: str, head_dim: int, causal: bool, deterministic: bool = False) -> Variant:
+    return Variant(head_dim, bool(DTYPES[dtype]), causal, *TILES[head_dim], deterministic)
 
 
 def variants() -> list[runtime.KernelSpec]:
-    return [variant(dtype, head_dim, causal).spec()
-            for dtype in DTYPES for head_dim in HEAD_DIMS for causal in (False, True)]
+    return [variant(dtype, head_dim, causal, deterministic).spec()
+            for dtype in DTYPES for head_dim in HEAD_DIMS for causal in (False, True)
+            for deterministic in (False, True)]
 
 
 def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: bool):
     """The gradients of the forward into dq, dk, dv; returns the workspace (for its size)."""
-    v_info = variant(problem.format, problem.head_dim, problem.causal)
+    v_info = variant(problem.format, problem.head_dim, problem.causal, deterministic)
     kernel = runtime.load(v_info.spec())
     block_m = v_info.block_m
     ws = shared_backward.Workspace.allocate(problem, block_m, deterministic)

@@ -66,7 +66,7 @@ _BWD_FIELDS = [
     ("heads_q", ctypes.c_int32), ("heads_kv", ctypes.c_int32), ("q_per_kv", ctypes.c_int32),
     ("softmax_scale", ctypes.c_float), ("scale_log2", ctypes.c_float),
     ("causal", ctypes.c_int32), ("num_m_blocks", ctypes.c_int32),
-    ("seqlen_q_rounded", ctypes.c_int32),
+    ("seqlen_q_rounded", ctypes.c_int32), ("dq_turn_group", ctypes.c_int32),
 ]
 _COMBINE_FIELDS = [
     ("parts", _P), ("lse_parts", _P), ("out", _P), ("lse", _P), ("sinks", _P),

@@ -5,7 +5,8 @@ kernel (ptx_src/*_probe.cu) held against a NumPy model of what its header promis
                            them need the mask, and the mask itself (apply_mask on accumulator
                            fragments), against the visibility rule of mask.cuh; SeqLens::of.
   tile_scheduler_probe.cu  tile_scheduler.cuh: TileOrder numbering, GridTiles, PersistentTiles
-                           in static and dynamic order through the TileMailbox.
+                           in static and dynamic order through the TileMailbox; the backward's
+                           walk (BwdWalk, BwdSteps) and its deterministic turns.
   pipeline_probe.cu        pipeline.cuh: phases of the mbarrier ring over many wraps.
   swizzle_probe.cu         tma.cuh: swizzled_offset against the layout TMA writes.
   mma_probe.cu             mma_sync.cuh: mma.sync, ldmatrix(.trans), C -> A fragment packing.
@@ -56,6 +57,12 @@ TILE_ORDER = _probe("tile_order_probe", "tile_scheduler_probe.cu", "tile_order_p
 GRID_TILES = _probe("grid_tiles_probe", "tile_scheduler_probe.cu", "grid_tiles_probe", SM90)
 PERSISTENT_TILES = _probe("persistent_tiles_probe", "tile_scheduler_probe.cu",
                           "persistent_tiles_probe", SM90)
+BWD_WALK_SHAPES = [(64, 128), (128, 128)]  # (kBlockM, kBlockN): the Hopper backward's tiles
+
+
+def bwd_walk_spec(block_m, block_n):
+    return _probe(f"bwd_walk_probe_{block_m}x{block_n}", "tile_scheduler_probe.cu",
+                  f"ptxattn::probe::bwd_walk_probe<{block_m}, {block_n}>", SM90)
 
 
 def pipeline_spec(stages):
@@ -96,6 +103,7 @@ def e4m3_spec(head_dim, n):
 
 ALL_PROBES = ([block_info_spec(*shape) for shape in BLOCK_SHAPES]
               + [SEQLENS, TILE_ORDER, GRID_TILES, PERSISTENT_TILES]
+              + [bwd_walk_spec(*shape) for shape in BWD_WALK_SHAPES]
               + [pipeline_spec(stages) for stages in PIPELINE_STAGES]
               + [swizzle_spec(row_bytes) for row_bytes, _ in SWIZZLE_CASES]
               + [mma_spec(dtype) for dtype in DTYPES]
@@ -381,6 +389,106 @@ def test_persistent_tiles_dynamic_order_and_counter_reset(num_tiles, grid):
                 assert got[0] == block, f"launch {launch}, block {block}: first tile {got[0]}"
             assert (np.diff(got) > 0).all(), f"launch {launch}, block {block}: {got.tolist()}"
         assert counter.get().tolist() == [0, 0], f"launch {launch} left the counters set"
+
+
+# (seqlen_q, seqlen_k, group): more query tiles than blocks, fewer, tails, and groups smaller
+# than the key blocks (a partial last group).
+BWD_WALK_CASES = [(1000, 1000, 132), (2048, 1024, 132), (300, 1100, 132), (1024, 1024, 3),
+                  (777, 1500, 4), (64, 640, 132)]
+
+
+def _bwd_walk(kernel, block_m, block_n, seqlen_q, seqlen_k, causal, deterministic, group,
+              q_per_kv):
+    """Runs bwd_walk_probe: (n_block per block, steps per block as (head, tile, turn) rows)."""
+    import cupy
+    blocks = math.ceil(seqlen_k / block_n)
+    cap = math.ceil(seqlen_q / block_m) * q_per_kv
+    n_block = cupy.full(blocks, -1, cupy.int32)
+    counts = cupy.full(blocks, -1, cupy.int32)
+    steps = cupy.full((blocks, cap, 3), -1, cupy.int32)
+    runtime.launch(kernel, (math.ceil(blocks / 128),), (128,),
+                   [np.int32(seqlen_q), np.int32(seqlen_k), np.int32(causal),
+                    np.int32(deterministic), np.int32(group), np.int32(q_per_kv), np.int32(cap),
+                    n_block, counts, steps])
+    counts = counts.get()
+    assert (counts <= cap).all(), f"step counts {counts.tolist()} over {cap}"
+    return n_block.get(), [steps.get()[b, :counts[b]] for b in range(blocks)]
+
+
+def _visible_tiles(n, block_m, block_n, seqlen_q, seqlen_k, causal):
+    """The query tiles holding a row that sees a key of block n (mask.cuh's rule)."""
+    rows = np.arange(seqlen_q)
+    last_key_seen = rows + seqlen_k - seqlen_q if causal else np.full(seqlen_q, seqlen_k - 1)
+    sees = last_key_seen >= n * block_n
+    return sorted(set((rows[sees] // block_m).tolist()))
+
+
+def _run_turns(walks, capacity):
+    """Plays the blocks' adds in rounds: `capacity` blocks resident at once, launched in index
+    order as the hardware does; each round every resident block makes its next add if the
+    tile's counter (at the round's start) reads its turn. Returns the rounds in which some
+    block waited; fails on a round in which none could move (a deadlock)."""
+    counters, position = {}, [0] * len(walks)
+    resident, launched, waits = [], 0, []
+    rounds = 0
+    while True:
+        while len(resident) < capacity and launched < len(walks):
+            resident.append(launched)
+            launched += 1
+        if not resident:
+            return waits
+        ready = [b for b in resident
+                 if counters.get(tuple(walks[b][position[b], :2]), 0) == walks[b][position[b], 2]]
+        assert ready, f"deadlock in round {rounds}: resident blocks {resident} all wait"
+        if len(ready) < len(resident):
+            waits.append(rounds)
+        for b in ready:
+            key = tuple(walks[b][position[b], :2])
+            counters[key] = counters.get(key, 0) + 1
+            position[b] += 1
+        resident = [b for b in resident if position[b] < len(walks[b])]
+        rounds += 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+@pytest.mark.parametrize("block_m,block_n", BWD_WALK_SHAPES)
+@pytest.mark.parametrize("seqlen_q,seqlen_k,group", BWD_WALK_CASES)
+def test_bwd_walk_visits_and_turns(seqlen_q, seqlen_k, group, block_m, block_n, causal):
+    """Every key block of the backward visits each query tile that sees its keys once per q
+    head; with deterministic sums the blocks' turns at each tile are 0, 1, 2, ..., the adds
+    finish with `group` blocks resident (the launcher passes the SM count), and with every
+    block resident and moving in lockstep no block ever waits where BwdWalk promises it: causal
+    with no more keys than queries (with more, the blocks left of the diagonal all start at
+    tile 0), non-causal with the blocks in one group and at least as many tiles (otherwise a
+    group waits for the one before, or the walk falls back to index order)."""
+    kernel = _load(bwd_walk_spec(block_m, block_n))
+    blocks = math.ceil(seqlen_k / block_n)
+    num_m = math.ceil(seqlen_q / block_m)
+    q_per_kv = 2
+    for deterministic in (False, True):
+        n_block, walks = _bwd_walk(kernel, block_m, block_n, seqlen_q, seqlen_k, causal,
+                                   deterministic, group, q_per_kv)
+        assert sorted(n_block.tolist()) == list(range(blocks))
+        for b, steps in enumerate(walks):
+            visible = _visible_tiles(n_block[b], block_m, block_n, seqlen_q, seqlen_k, causal)
+            for head in range(q_per_kv):
+                mine = steps[steps[:, 0] == head]
+                assert sorted(mine[:, 1].tolist()) == visible, \
+                    f"deterministic={deterministic} block {b} head {head}: {mine[:, 1].tolist()}"
+            assert (np.diff(steps[:, 0]) >= 0).all(), f"block {b}: heads not in order"
+        if not deterministic:
+            continue
+        turns = {}
+        for steps in walks:
+            for head, tile, turn in steps.tolist():
+                turns.setdefault((head, tile), []).append(turn)
+        for (head, tile), got in turns.items():
+            assert sorted(got) == list(range(len(got))), f"head {head} tile {tile}: turns {got}"
+        _run_turns(walks, capacity=group)
+        lockstep_waits = _run_turns(walks, capacity=blocks)
+        if seqlen_q >= seqlen_k if causal else blocks <= min(group, num_m):
+            assert not lockstep_waits, f"blocks waited in lockstep rounds {lockstep_waits[:8]}"
 
 
 # ---------------------------------------------------------------------------------------------
