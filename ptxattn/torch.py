@@ -7,6 +7,7 @@ Imported only as ``ptxattn.torch``.
     out.float().square().mean().backward()                 # q.grad, k.grad, v.grad
     out = ptxattn.torch.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
                                                k_new=k, v_new=v)   # appends k, v to the cache
+    out = ptxattn.torch.ring_attention(q, k, v, group=group, causal=True)  # context parallel
 
 The ops:
 
@@ -32,6 +33,12 @@ autograd formula for an op that mutates its inputs, so attention_with_kvcache's 
 there is one, will be a functional op of its own.) Every op runs on torch's current stream.
 Outputs are allocated by torch's caching allocator, except the serving ops' lse, which ptxattn
 allocates from CuPy's pool (as its other temporaries; ptxattn.interop) and torch frees.
+
+``ring_attention`` (context parallelism: each rank of a torch.distributed NCCL process group
+holds a shard of the sequence; ptxattn.distributed, docs/distributed.md) is a
+``torch.autograd.Function``, not a custom op: its process group is no schema type. It runs
+eagerly (torch.compile breaks the graph around it), on torch's current stream, its K/V exchanges
+on torch's NCCL stream; its outputs come from CuPy's pool.
 """
 
 from typing import Optional, Sequence
@@ -233,4 +240,62 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, cache_seqlens if tensor else None, 0 if tensor else cache_seqlens,
         block_table, k_new, v_new, causal, tuple(window), softcap, sinks, softmax_scale,
         num_splits, check_contents, backend)
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# Context parallelism: ring attention over a torch.distributed process group
+
+
+class _RingAttention(torch.autograd.Function):
+    """ptxattn.distributed's ring forward and backward as one differentiable function (eager
+    only: torch.compile breaks the graph around it). ptxattn.distributed is imported on first
+    use: importing it turns NVLink multicast off in NCCL's environment, which importing
+    ptxattn.torch alone should not do."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, softmax_scale, deterministic):
+        from . import distributed
+
+        # The function runs below autograd, on tensors that may still require grad: ptxattn
+        # refuses those.
+        out, lse = distributed.ring_attention(q.detach(), k.detach(), v.detach(), group=group,
+                                              causal=causal, softmax_scale=softmax_scale,
+                                              return_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring = (group, causal, softmax_scale, deterministic)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        from . import distributed
+
+        group, causal, softmax_scale, deterministic = ctx.ring
+        q, k, v, out, lse = (x.detach() for x in ctx.saved_tensors)
+        # As attention's: dout may come with any layout (stride 0 after out.sum()).
+        dq, dk, dv = distributed.ring_attention_backward(
+            dout.detach().contiguous(), q, k, v, out, lse, group=group, causal=causal,
+            softmax_scale=softmax_scale, deterministic=deterministic)
+        return dq, dk, dv, None, None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group,
+                   causal: bool = False, softmax_scale: Optional[float] = None,
+                   return_lse: bool = False, deterministic: bool = False):
+    """This rank's shard of softmax(softmax_scale * q k^T) v over a sequence sharded across the
+    ranks of ``group``, differentiable in q, k and v (context parallelism).
+
+    q (batch, seqlen_q, heads_q, head_dim), k and v (batch, seqlen_k, heads_kv, head_dim): this
+    rank's shards, CUDA tensors of float16 or bfloat16, every rank's of the same shapes;
+    causal needs zigzag shards (``ptxattn.distributed.zigzag_shard``). ``group``: a
+    torch.distributed process group on the NCCL backend (or a ptxattn.distributed.Transport).
+    Every rank of the group calls it together, and runs the backward together. Returns the
+    output shard and, with ``return_lse``, the float32 log-sum-exp over the whole sequence
+    (batch, heads_q, seqlen_q), which carries no gradient. dk and dv are this rank's K/V's
+    gradients, summed over every rank's queries. ``deterministic`` as in :func:`attention`.
+    Import ptxattn.distributed before creating the process group: it sets NCCL_NVLS_ENABLE=0
+    (and torch's multicast off), which NCCL reads when it creates a communicator.
+    """
+    out, lse = _RingAttention.apply(q, k, v, group, causal, softmax_scale, deterministic)
     return (out, lse) if return_lse else out
