@@ -207,6 +207,18 @@ struct BwdSm90Mainloop {
         }
     }
 
+    // The TMA reduces of one staged warpgroup dQ (columns col0..) into the accumulator, by the
+    // issuing thread: a consumer's (reduce_dq) or the writer warp's.
+    static __device__ __forceinline__ void issue_dq_reduce(const BwdParams& p,
+                                                           const uint8_t* staging, int col0,
+                                                           int m_block, int head, int batch) {
+#pragma unroll
+        for (int box = 0; box < Cfg::kDqCols / 32; ++box) {
+            tma_reduce_add_3d(&p.dq_accum_map, staging + box * Cfg::kDqBoxBytes, col0 + 32 * box,
+                              m_block * kBlockM, batch * p.heads_q + head);
+        }
+    }
+
     // The writer warp (deterministic sums): per step, once the consumers staged the block's dQ,
     // its lane 0 waits for the tile's turn (BwdWalk), adds the staging into the accumulator with
     // TMA reduces, frees the staging once they have read it, and passes the turn once they have
@@ -230,14 +242,8 @@ struct BwdSm90Mainloop {
                 // Split by keys, the first warpgroup's staging holds the block's sum.
 #pragma unroll
                 for (int w = 0; w < (Cfg::kDqSplitKeys ? 1 : Cfg::kConsumers); ++w) {
-#pragma unroll
-                    for (int box = 0; box < Cfg::kDqCols / 32; ++box) {
-                        tma_reduce_add_3d(&p.dq_accum_map,
-                                          smem + kDqOffset + w * Cfg::kDqStageBytes +
-                                              box * Cfg::kDqBoxBytes,
-                                          Cfg::kDqCols * w + 32 * box, m_block * kBlockM,
-                                          batch * p.heads_q + head);
-                    }
+                    issue_dq_reduce(p, smem + kDqOffset + w * Cfg::kDqStageBytes,
+                                    Cfg::kDqCols * w, m_block, head, batch);
                 }
                 tma_store_commit();
                 tma_store_wait_read<0>();
@@ -475,17 +481,6 @@ struct BwdSm90Mainloop {
                         st_shared_f32x2(addr, x, y);
                     }
                 }
-            }
-        }
-
-        // The TMA reduces of one staged warpgroup dQ (columns col0..), by the issuing thread.
-        __device__ __forceinline__ void issue_dq_reduce(const BwdParams& p, uint8_t* staging,
-                                                        int col0, int m_block, int head,
-                                                        int batch) const {
-#pragma unroll
-            for (int box = 0; box < Cfg::kDqCols / 32; ++box) {
-                tma_reduce_add_3d(&p.dq_accum_map, staging + box * Cfg::kDqBoxBytes,
-                                  col0 + 32 * box, m_block * kBlockM, batch * p.heads_q + head);
             }
         }
 
