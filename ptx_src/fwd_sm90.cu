@@ -8,7 +8,9 @@
 //   warpgroups 1.. the consumers: 64 query rows each, Q K^T, softmax and P V on wgmma
 //                 (mainloop_sm90.cuh), then the epilogue (epilogue.cuh).
 // Tiles come from PersistentTiles (tile_scheduler.cuh): a grid of one block per tile is its
-// static order with one tile each; the producer takes each tile, the consumers receive it. The K/V rings and their phases run on
+// static order with one tile each; the producer takes each tile and resolves it (TileWork:
+// coordinates, the sequence's lengths, the key blocks), the consumers receive it through the
+// mailbox and hold its slot until the tile's end. The K/V rings and their phases run on
 // across tiles; the producer loads the next tile's Q as soon as every consumer finished its last
 // Q K^T, and the output leaves through a TMA store (or, where shared memory has no room to stage
 // it, from registers), so nothing waits for it to drain.
@@ -57,7 +59,7 @@ attn_fwd_sm90(const __grid_constant__ FwdParams p) {
         fence_barrier_init();
     }
     __syncthreads();
-    PersistentTiles tiles{p.tile_counter, bars.tiles};
+    PersistentTiles<TileWork> tiles{p.tile_counter, bars.tiles};
 
     if (threadIdx.x < 128) {
         warpgroup_reg_dealloc<Cfg::kProducerRegs>();
@@ -75,17 +77,14 @@ attn_fwd_sm90(const __grid_constant__ FwdParams p) {
     const int row_in_tile = wg * Cfg::kRowsPerConsumer + ((threadIdx.x % 128) / 32) * 16 + lane / 4;
     typename Mainloop::Consumer consumer{smem, bars, vt, wg, lane, p.scale_log2};
 #pragma unroll 1
-    for (int tile = tiles.receive(order.num_tiles()); tile < order.num_tiles();
-         tile = tiles.receive(order.num_tiles())) {
-        TileCoord c = Mainloop::tile_coord(p, order, tile);
-        consumer.start_tile(p, c, row_in_tile);
+    for (const TileWork* work = &tiles.receive(); work->tile < order.num_tiles();
+         tiles.release(), work = &tiles.receive()) {
+        consumer.start_tile(p, *work, row_in_tile);
         // Serving builds: a tile past its sequence's end has nothing to compute or store.
-        if (Cfg::kServing && c.m_block * Cfg::kBlockM >= consumer.lens.seqlen_q) continue;
-        consumer.mainloop(p, c);
-        // Serving builds decode the tile again rather than keep it through the mainloop (head_dim
-        // 256 runs at the register limit there).
-        if constexpr (Cfg::kServing) c = Mainloop::tile_coord(p, order, tile);
+        if (Cfg::kServing && work->c.m_block * Cfg::kBlockM >= work->lens.seqlen_q) continue;
+        consumer.mainloop(p);
 
+        const TileCoord& c = work->c;
         float inv_sum[1][2];
         float row_lse[1][2];
         consumer.softmax.finalize(inv_sum, row_lse);
@@ -95,12 +94,7 @@ attn_fwd_sm90(const __grid_constant__ FwdParams p) {
             factor[h] = Cfg::kFp8 ? inv_sum[0][h] * consumer.v_descale : inv_sum[0][h];
         }
         const auto& o = reinterpret_cast<const float(&)[Cfg::kHeadDim / 8][4]>(consumer.o);
-        // Fixed-length builds read the lengths again from the parameters, so that they hold no
-        // registers through the mainloop; serving builds keep the tile's (its mask needs them),
-        // rather than wait on global loads of cu_seqlens at every tile's end, except at head_dim
-        // 256, which runs at the register limit (kept, it spilled).
-        constexpr bool kKeepLens = Cfg::kServing && Cfg::kHeadDim <= 128;
-        const SeqLens lens = kKeepLens ? consumer.lens : Mainloop::seq_lens(p, c.batch);
+        const SeqLens lens = consumer.lens(p);
         // Split-KV (serving builds): this split's partial state, float32, for combine.cu.
         const bool partial = Cfg::kServing && splits > 1;
         if constexpr (Cfg::kServing) {

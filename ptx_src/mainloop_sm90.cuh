@@ -122,6 +122,17 @@ struct Sm90Config {
     static_assert(!kServing || !kFp8, "the serving build takes 16-bit inputs");
 };
 
+// A tile as the producer resolved it for the consumers (tile_scheduler.cuh's mailbox): its
+// coordinates, its sequence's lengths and offsets (fixed-length builds: the call's), and the key
+// blocks [n_begin, n_end) it visits (Sm90Mainloop::key_blocks).
+struct TileWork {
+    int tile;
+    TileCoord c;
+    SeqLens lens;
+    int n_begin;
+    int n_end;
+};
+
 // The barriers of the Q slot, the K and V rings and the tile mailbox. FP8's Vt ring is a
 // separate Pipeline, so 16-bit builds spend no shared memory on it.
 template <int kStages>
@@ -130,7 +141,7 @@ struct Sm90Barriers {
     MBarrier q_empty;
     Pipeline<kStages> k;
     Pipeline<kStages> v;
-    TileMailbox tiles;
+    TileMailbox<TileWork> tiles;
     // FP8: the number of V tiles the producer loaded in all, set before its closing arrive on
     // the v full barrier of the next ring position, which carries no tile: the V transposers
     // stop at that position (they follow the V ring alone). Comparing positions, not testing a
@@ -254,7 +265,7 @@ struct Sm90Mainloop {
         }
     }
 
-    // The producer thread: every tile of `tiles`, in order.
+    // The producer thread: every tile of `tiles`, in order, each resolved for the consumers.
     template <class Tiles>
     static __device__ __forceinline__ void load(const FwdParams& p, uint8_t* smem, Barriers& bars,
                                                 const TileOrder& order, Tiles& tiles) {
@@ -263,18 +274,26 @@ struct Sm90Mainloop {
         tma_prefetch(&p.v_map);
         // Fixed-length builds: every tile's, made once.
         const Info call_info = block_info(p, seq_lens(p, 0));
+        const auto resolve = [&](int tile) {
+            TileWork w;
+            w.c = tile_coord(p, order, tile);
+            w.lens = seq_lens(p, w.c.batch);
+            const int2 n_range =
+                key_blocks(p, kServing ? block_info(p, w.lens) : call_info, w.lens, w.c);
+            w.n_begin = n_range.x;
+            w.n_end = n_range.y;
+            return w;
+        };
         Ring k_ring;
         Ring v_ring;
         int q_loads = 0;
 #pragma unroll 1
-        for (int tile = tiles.next(order.num_tiles()); tile < order.num_tiles();
-             tile = tiles.next(order.num_tiles())) {
-            const TileCoord c = tile_coord(p, order, tile);
-            const SeqLens lens = seq_lens(p, c.batch);
-            const int2 n_range =
-                key_blocks(p, kServing ? block_info(p, lens) : call_info, lens, c);
-            const int n_begin = n_range.x;
-            const int n_end = n_range.y;
+        for (TileWork w = tiles.next(order.num_tiles(), resolve); w.tile < order.num_tiles();
+             w = tiles.next(order.num_tiles(), resolve)) {
+            const TileCoord& c = w.c;
+            const SeqLens& lens = w.lens;
+            const int n_begin = w.n_begin;
+            const int n_end = w.n_end;
             if (n_end == n_begin) continue;
             const int kv_head = c.head / p.q_per_kv;
             const int kv_b = kv_batch(p, c.batch);
@@ -407,7 +426,9 @@ struct Sm90Mainloop {
         int lane;
         float scale_log2;  // softmax_scale * log2(e), times q's descale with FP8
         int row0;  // query row of this thread's first accumulator row in the tile (second: + 8)
-        SeqLens lens;  // the tile's sequence (serving builds; fixed-length builds fold it away)
+        // The tile, as the producer resolved it: its mailbox slot, held until the tile's end, so
+        // that what the mainloop and epilogue read of it holds no registers in between.
+        const TileWork* work = nullptr;
         // FP8: this tile's k descales (one per 128 keys, k_descale_step apart) and v descale.
         const float* k_descale = nullptr;
         int64_t k_descale_step = 0;
@@ -441,11 +462,12 @@ struct Sm90Mainloop {
         // Descales are read with __ldg (ld.global.nc): a plain ld.global may not move across the
         // barrier and wgmma-wait asm, and pinned there it moved the P V wait ahead of the
         // softmax, costing FP8 head_dim 128 up to 10% (docs/hopper-tuning.md, session 13).
-        __device__ __forceinline__ void start_tile(const FwdParams& p, const TileCoord& c,
+        __device__ __forceinline__ void start_tile(const FwdParams& p, const TileWork& tile,
                                                    int row_in_tile) {
+            work = &tile;
+            const TileCoord& c = tile.c;
             const int m0 = c.m_block * kBlockM;
             row0 = m0 + row_in_tile;
-            lens = seq_lens(p, c.batch);
             if constexpr (kFp8) {
                 const int kv_head = c.head / p.q_per_kv;
                 // This warpgroup's 64 rows lie in one 128-row q descale block.
@@ -555,7 +577,7 @@ struct Sm90Mainloop {
         // step 707 instructions against the fixed-length build's 635.
         __device__ __forceinline__ void mask(const FwdParams& p, float (&s)[kBlockN / 2],
                                              int n_block) const {
-            const SeqMask seq_mask = block_info(p, lens).mask;
+            const SeqMask seq_mask = block_info(p, lens(p)).mask;
             const int key0 = n_block * kBlockN + 2 * (lane % 4);
             if constexpr (kServing) {
                 if (seq_mask.window_left < 0) {
@@ -643,13 +665,18 @@ struct Sm90Mainloop {
             named_barrier_sync(kVoteBarrier + wg, 128);
         }
 
-        // Runs key blocks n_end-1 .. n_begin of tile c; leaves the ring past its last slot.
-        __device__ __forceinline__ void mainloop(const FwdParams& params, const TileCoord& c) {
-            const int m_block = c.m_block;
-            const Info info = block_info(params, lens);
-            const int2 n_range = key_blocks(params, info, lens, c);
-            const int n_begin = n_range.x;
-            const int n_end = n_range.y;
+        // The tile's sequence: the call's lengths in fixed-length builds (from the parameters,
+        // holding no registers), the producer's in serving builds.
+        __device__ __forceinline__ SeqLens lens(const FwdParams& p) const {
+            return kServing ? work->lens : seq_lens(p, 0);
+        }
+
+        // Runs key blocks n_end-1 .. n_begin of the tile; leaves the ring past its last slot.
+        __device__ __forceinline__ void mainloop(const FwdParams& params) {
+            const int m_block = work->c.m_block;
+            const Info info = block_info(params, lens(params));
+            const int n_begin = work->n_begin;
+            const int n_end = work->n_end;
             if (n_end == n_begin) return;
             const int n_first_masked = info.n_right_masked(m_block);
             // Blocks below n_left_unmasked need the window's left mask (serving builds); the
@@ -676,7 +703,7 @@ struct Sm90Mainloop {
             accumulator_to_p<kBlockN>(p, s[0]);
             if constexpr (kServing) {
                 // Keys past the sequence's last lie only in the first block visited.
-                const int valid = lens.seqlen_k - (n_end - 1) * kBlockN;
+                const int valid = lens(params).seqlen_k - (n_end - 1) * kBlockN;
                 if (valid < kBlockN) {
                     bars.v.consumer_wait(ring);
                     zero_v_rows(ring.stage(), valid);

@@ -11,12 +11,13 @@
 // num_tiles(). Its interface is what a kernel's warps call:
 //   next()            the producer (or, with no producer, every thread): the block's next tile,
 //                     its first on the first call;
-//   receive()         every other warp: the same sequence, as the producer took it.
+//   receive()         every other warp: the same sequence, as the producer took it (and, with a
+//                     mailbox, release() once done with it).
 // GridTiles: one block per tile (tile = blockIdx.x). PersistentTiles: fewer blocks than tiles,
 // each going through them in a static stride or, given a counter, dynamically: each next tile
 // is the next unclaimed index, so blocks that drew short (causal) tiles take more of them; the
-// producer thread passes the index to the other warps through a two-slot mailbox in shared
-// memory. A varlen or split-KV scheduler implements the same calls over its own numbering.
+// producer thread passes each tile, resolved, to the other warps through a two-slot mailbox in
+// shared memory. A varlen or split-KV scheduler implements the same calls over its own numbering.
 #pragma once
 #include "common.cuh"
 #include "mbarrier.cuh"
@@ -58,11 +59,16 @@ struct GridTiles {
     __device__ __forceinline__ int receive(int num_tiles) { return next(num_tiles); }
 };
 
-// The producer's tile indices, handed to the other warps.
+// The producer's tiles, handed to the other warps with what it resolved about each: a Work
+// holds the tile index (`tile`, at or past num_tiles to close) and whatever the kernel computes
+// once per tile (Sm90Mainloop's TileWork: coordinates, the sequence's lengths, the key blocks).
+// The producer resolves a tile ahead of the consumers, while they still compute the one before,
+// so they start each tile with a few shared-memory loads instead of divisions and global loads.
+template <class Work>
 struct TileMailbox {
     MBarrier full[2];
     MBarrier empty[2];
-    int tile[2];
+    Work work[2];
 
     // One thread, before the block's __syncthreads.
     __device__ __forceinline__ void init(uint32_t receiving_warps) {
@@ -73,41 +79,57 @@ struct TileMailbox {
     }
 };
 
+// The work of a scheduler that resolves nothing beyond the index (the probe's).
+struct TileIndex {
+    int tile;
+};
+
+template <class Work>
 struct PersistentTiles {
     int* counter;  // dynamic order: two zeroed ints in global memory; static order: null
-    TileMailbox& mailbox;
+    TileMailbox<Work>& mailbox;
     int taken = 0;
 
-    // The producer thread. The last block to run out resets the counters for the next launch
-    // on the stream (launches on one stream never overlap).
-    __device__ __forceinline__ int next(int num_tiles) {
-        if (counter == nullptr) return blockIdx.x + gridDim.x * taken++;
-        const int tile = taken == 0 ? blockIdx.x : gridDim.x + atomicAdd(counter, 1);
+    // The producer thread: claims the block's next tile and posts resolve(tile) (called only for
+    // tiles before num_tiles) to the mailbox. The last block to run out resets the counters for
+    // the next launch on the stream (launches on one stream never overlap).
+    template <class Resolve>
+    __device__ __forceinline__ Work next(int num_tiles, Resolve resolve) {
+        int tile;
+        if (counter == nullptr) {
+            tile = blockIdx.x + gridDim.x * taken;
+        } else {
+            tile = taken == 0 ? blockIdx.x : gridDim.x + atomicAdd(counter, 1);
+        }
+        Work work{};
+        if (tile < num_tiles) work = resolve(tile);
+        work.tile = tile;
         const int slot = taken % 2;
         mailbox.empty[slot].wait(((taken / 2) & 1) ^ 1);
-        mailbox.tile[slot] = tile;
+        mailbox.work[slot] = work;
         mailbox.full[slot].arrive();
         ++taken;
-        if (tile >= num_tiles) {
+        if (counter != nullptr && tile >= num_tiles) {
             __threadfence();
             if (atomicAdd(counter + 1, 1) == gridDim.x - 1) {
                 counter[0] = 0;
                 counter[1] = 0;
             }
         }
-        return tile;
+        return work;
     }
 
-    // Every other warp taking part (all of its lanes call this; lane 0 frees the slot).
-    __device__ __forceinline__ int receive(int /*num_tiles*/) {
-        if (counter == nullptr) return blockIdx.x + gridDim.x * taken++;
+    // Every other warp taking part (all of its lanes call both): the producer's next work, which
+    // stays in the mailbox until the warp releases it (lane 0 frees the slot).
+    __device__ __forceinline__ const Work& receive() {
         const int slot = taken % 2;
         mailbox.full[slot].wait((taken / 2) & 1);
-        const int tile = mailbox.tile[slot];
+        return mailbox.work[slot];
+    }
+    __device__ __forceinline__ void release() {
         __syncwarp();
-        if (threadIdx.x % 32 == 0) mailbox.empty[slot].arrive();
+        if (threadIdx.x % 32 == 0) mailbox.empty[taken % 2].arrive();
         ++taken;
-        return tile;
     }
 };
 

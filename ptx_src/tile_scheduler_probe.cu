@@ -22,15 +22,16 @@
 namespace ptxattn {
 namespace probe {
 
-template <class Tiles>
-__device__ __forceinline__ void log_tiles(Tiles& tiles, int num_tiles, int cap, int* log,
+// take(producer): the warp's next tile index.
+template <class Take>
+__device__ __forceinline__ void log_tiles(Take take, int num_tiles, int cap, int* log,
                                           int* taken) {
     const bool producer = threadIdx.x < 32;
     const int entry = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     const bool logs = threadIdx.x % 32 == 0;
     int count = 0;
     for (;;) {
-        const int tile = producer ? tiles.next(num_tiles) : tiles.receive(num_tiles);
+        const int tile = take(producer);
         if (logs && count < cap) log[entry * cap + count] = tile;
         ++count;
         if (tile >= num_tiles) break;
@@ -80,18 +81,27 @@ extern "C" __global__ void grid_tiles_probe(int num_tiles, int cap, int* __restr
                                             int* __restrict__ taken) {
     GridTiles tiles;
     if (threadIdx.x < 32 && threadIdx.x != 0) return;
-    probe::log_tiles(tiles, num_tiles, cap, log, taken);
+    probe::log_tiles(
+        [&](bool producer) { return producer ? tiles.next(num_tiles) : tiles.receive(num_tiles); },
+        num_tiles, cap, log, taken);
 }
 
 extern "C" __global__ void persistent_tiles_probe(int num_tiles, int* counter, int cap,
                                                   int* __restrict__ log, int* __restrict__ taken) {
-    __shared__ TileMailbox mailbox;
+    __shared__ TileMailbox<TileIndex> mailbox;
     if (threadIdx.x == 0) {
         mailbox.init(blockDim.x / 32 - 1);
         fence_barrier_init();
     }
     __syncthreads();
-    PersistentTiles tiles{counter, mailbox};
+    PersistentTiles<TileIndex> tiles{counter, mailbox};
     if (threadIdx.x < 32 && threadIdx.x != 0) return;
-    probe::log_tiles(tiles, num_tiles, cap, log, taken);
+    probe::log_tiles(
+        [&](bool producer) {
+            if (producer) return tiles.next(num_tiles, [](int tile) { return TileIndex{tile}; }).tile;
+            const int tile = tiles.receive().tile;
+            tiles.release();
+            return tile;
+        },
+        num_tiles, cap, log, taken);
 }
