@@ -1,6 +1,7 @@
 """Forward throughput of this checkout beside another one, interleaved in one process.
 
-    python scripts/ab_profile.py --before DIR [--quick] [--rows BxSxHxD[c],...] [--json FILE]
+    python scripts/ab_profile.py --before DIR [--quick] [--rows BxSxHxD[c],...]
+                                 [--families hopper,fp8-head,portable] [--json FILE]
 
 DIR is another checkout of ptxattn (for example ``git worktree add DIR <commit>``); its package
 is imported as ``ptxattn_before``, so both versions run in the same process on the same inputs,
@@ -94,6 +95,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the rows to this JSON file")
     parser.add_argument("--rows", help="only these rows of the sweep, as BxSxHxD with a 'c' "
                                        "suffix for causal, comma-separated (e.g. 4x4096x16x128c)")
+    parser.add_argument("--families", help="only these families, comma-separated (hopper, "
+                                           "fp8-head, portable)")
     args = parser.parse_args(argv)
 
     import cupy
@@ -105,6 +108,11 @@ def main(argv=None) -> int:
     versions = {"before": runners(before, "ptxattn_before", arch),
                 "after": runners(ptxattn, "ptxattn", arch)}
     families = list(versions["after"])
+    if args.families:
+        unknown = set(args.families.split(",")) - set(families)
+        if unknown:
+            parser.error(f"--families: {sorted(unknown)} not among {families}")
+        families = [f for f in families if f in args.families.split(",")]
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     print(f"# {props['name'].decode()} ({arch}), bf16 (FP8: e4m3, head scales), TFLOP/s, "
           f"median of {args.repeats}, before/after interleaved")
