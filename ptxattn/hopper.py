@@ -18,7 +18,7 @@ import dataclasses
 import math
 from typing import Callable
 
-from . import params, runtime
+from . import params, runtime, tune_table
 
 ARCHS = ("sm_90a",)
 HEAD_DIMS = (64, 128, 256)
@@ -153,12 +153,15 @@ class Variant:
 def variant(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | None = None,
             out_dtype: str = "bfloat16", consumers: int | None = None,
             stale_max_first: bool | None = None, q_in_registers: bool | None = None,
-            serving: bool = False) -> Variant:
+            serving: bool = False, seqlen_k: int | None = None,
+            schedule: Schedule | None = None) -> Variant:
     """The kernel variant for inputs of ``dtype`` (bfloat16, float16 or float8_e4m3fn; FP8
     writes ``out_dtype``, 16-bit inputs their own type); ``serving``: the build that takes
-    per-sequence lengths and the window (ptxattn.prefill)."""
+    per-sequence lengths and the window (ptxattn.prefill). Its schedule is ``schedule``, or the
+    tuned one for calls with ``seqlen_k`` keys (_schedule); the other arguments replace fields
+    of it."""
     fp8 = dtype == FP8
-    schedule = _schedules(fp8, serving)[head_dim, causal]
+    schedule = schedule or _schedule(dtype, head_dim, causal, seqlen_k, serving)
     block_n, stages = tiles or (schedule.block_n, schedule.stages)
     consumers = consumers or schedule.consumers
     if stale_max_first is None:
@@ -194,21 +197,46 @@ def spec(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | None 
 
 
 def variants() -> list[runtime.KernelSpec]:
-    return ([spec(dtype, head_dim, causal)
-             for dtype in DTYPES for head_dim in HEAD_DIMS for causal in (False, True)] +
-            [spec(FP8, head_dim, causal, tiles, out_dtype=out)
-             for out in DTYPES for head_dim in HEAD_DIMS for causal in (False, True)
-             for tiles in dict.fromkeys([None, _fp8_key_block_scaled_tiles(head_dim, causal)])])
+    """Every variant a call can reach without a user's tuning table: each seqlen_k bucket's
+    schedule from the shipped table, or the built-in one."""
+    specs = [spec(dtype, head_dim, causal, schedule=schedule)
+             for dtype in DTYPES for head_dim in HEAD_DIMS for causal in (False, True)
+             for schedule in _shipped_schedules(dtype, head_dim, causal)]
+    specs += [spec(FP8, head_dim, causal, tiles, out_dtype=out, schedule=schedule)
+              for out in DTYPES for head_dim in HEAD_DIMS for causal in (False, True)
+              for schedule in _shipped_schedules(FP8, head_dim, causal)
+              for tiles in dict.fromkeys([None, _fp8_key_block_scaled_tiles(schedule, head_dim)])]
+    return list(dict.fromkeys(specs))
 
 
-def _schedules(fp8: bool, serving: bool) -> dict:
-    return SCHEDULES_FP8 if fp8 else SCHEDULES_SERVING if serving else SCHEDULES
+def tune_key(dtype: str) -> tuple[str, str]:
+    """(family, dtype) of the tuning tables' keys for inputs of ``dtype`` (ptxattn.tune_table)."""
+    return ("hopper-fp8", "e4m3") if dtype == FP8 else ("hopper", dtype)
 
 
-def _fp8_key_block_scaled_tiles(head_dim: int, causal: bool) -> tuple[int, int] | None:
-    """The FP8 tiles for k descales varying per 128 keys: None if the default ones do."""
-    return (None if 128 % SCHEDULES_FP8[head_dim, causal].block_n == 0
-            else FP8_KEY_BLOCK_SCALED_TILES[head_dim])
+def _schedule(dtype: str, head_dim: int, causal: bool, seqlen_k: int | None,
+              serving: bool) -> Schedule:
+    """The schedule of a call: the serving build's own; otherwise the first tuning table's for
+    the bucket of ``seqlen_k`` (tune_table.lookup), or the built-in one."""
+    if serving:
+        return SCHEDULES_SERVING[head_dim, causal]
+    tuned = tune_table.lookup(ARCHS[0], *tune_key(dtype), head_dim, causal, seqlen_k)
+    if tuned is not None:
+        return Schedule(**tuned)
+    return (SCHEDULES_FP8 if dtype == FP8 else SCHEDULES)[head_dim, causal]
+
+
+def _shipped_schedules(dtype: str, head_dim: int, causal: bool) -> list[Schedule]:
+    """The schedule of each seqlen_k bucket on a machine with no tuning table of its own."""
+    builtin = (SCHEDULES_FP8 if dtype == FP8 else SCHEDULES)[head_dim, causal]
+    tuned = tune_table.shipped(ARCHS[0], *tune_key(dtype), head_dim, causal)
+    return [Schedule(**tuned[name]) if name in tuned else builtin
+            for name in tune_table.BUCKET_NAMES]
+
+
+def _fp8_key_block_scaled_tiles(schedule: Schedule, head_dim: int) -> tuple[int, int] | None:
+    """The FP8 tiles for k descales varying per 128 keys: None if the schedule's do."""
+    return None if 128 % schedule.block_n == 0 else FP8_KEY_BLOCK_SCALED_TILES[head_dim]
 
 
 def section_heads(batch: int, heads_q: int, heads_kv: int, seqlen_k: int, head_dim: int,
@@ -288,22 +316,23 @@ def _prepare(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
     if seqs is not None:
         batch, seqlen_q, seqlen_k = seqs.batch, seqs.seqlen_q, seqs.seqlen_k
     fp8 = descales is not None
+    schedule = _schedule(FP8 if fp8 else str(q.dtype), head_dim, causal, seqlen_k,
+                         seqs is not None)
     if fp8 and descales[1].stride_block:
         if tiles is None:
-            tiles = _fp8_key_block_scaled_tiles(head_dim, causal)
+            tiles = _fp8_key_block_scaled_tiles(schedule, head_dim)
         elif 128 % tiles[0]:
             raise ValueError(f"k descales that vary per 128 keys need keys per tile dividing 128, "
                              f"got {tiles[0]}")
     v_info = variant(FP8 if fp8 else str(q.dtype), head_dim, causal, tiles,
                      out_dtype=str(out.dtype), consumers=consumers,
                      stale_max_first=stale_max_first, q_in_registers=q_in_registers,
-                     serving=seqs is not None)
+                     serving=seqs is not None, schedule=schedule)
     kernel = runtime.load(spec_of(v_info, str(out.dtype)))
     box_cols = min(head_dim, 128) if fp8 else BOX_COLS
     swizzle = box_cols * q.itemsize
     num_m_blocks = math.ceil(seqlen_q / v_info.block_m)
     num_tiles = batch * heads_q * num_m_blocks * (seqs.num_splits if seqs is not None else 1)
-    schedule = _schedules(fp8, seqs is not None)[head_dim, causal]
     if sections is None:
         sections = (section_heads(batch, heads_q, heads_kv, seqlen_k, head_dim, q.itemsize)
                     if schedule.l2_sections else 1)
