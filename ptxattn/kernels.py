@@ -67,9 +67,11 @@ def _warm_one(spec: runtime.KernelSpec, arch: str) -> dict:
 
 
 def _each(work: Callable[[runtime.KernelSpec, str], dict], specs: list[runtime.KernelSpec],
-          arch: str, jobs: int, on_done: Callable[[int], None] | None = None) -> list[dict]:
-    """work(spec, arch) for every spec, in `jobs` processes (0: in this one), in the order of
-    specs; on_done(number finished) after each."""
+          arch: str, jobs: int, on_done: Callable[[int], None] | None = None,
+          mp_context=None) -> list[dict]:
+    """work(spec, arch) for every spec, in `jobs` processes (0: in this one) started by
+    `mp_context` (default: the platform's), in the order of specs; on_done(number finished)
+    after each."""
     if jobs == 0:
         rows = []
         for spec in specs:
@@ -77,7 +79,7 @@ def _each(work: Callable[[runtime.KernelSpec, str], dict], specs: list[runtime.K
             if on_done:
                 on_done(len(rows))
         return rows
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=mp_context) as pool:
         futures = [pool.submit(work, spec, arch) for spec in specs]
         for done, _ in enumerate(as_completed(futures), 1):
             if on_done:

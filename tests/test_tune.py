@@ -1,0 +1,318 @@
+"""The tile-schedule tuner (ptxattn.tune) and its tables (ptxattn.tune_table): buckets, the
+lookup order, what the launcher builds from a table, the shipped table against the kernels CI
+compiles, pruning, and (on a GPU) a small tuning run."""
+
+import dataclasses
+import json
+
+import pytest
+
+from ptxattn import hopper, runtime, tune, tune_table
+from ptxattn.hopper import FP8, Schedule
+
+
+def _entry(head_dim, causal, bucket, schedule, family="hopper", dtype="bfloat16"):
+    return {"family": family, "dtype": dtype, "head_dim": head_dim, "causal": causal,
+            "bucket": bucket, "schedule": dataclasses.asdict(schedule)}
+
+
+def _write(path, entries, arch="sm_90a"):
+    tune_table.write(path, {"version": tune_table.VERSION, "arch": arch, "device": None,
+                            "measured": False, "command": "test", "entries": entries})
+
+
+@pytest.fixture
+def tables(tmp_path, monkeypatch):
+    """Empty shipped and user tables in tmp_path, no PTXATTN_TUNE_TABLE, and the per-process
+    cache of tables cleared before and after."""
+    monkeypatch.setattr(tune_table, "SHIPPED_DIR", tmp_path / "shipped")
+    monkeypatch.setenv("PTXATTN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(tune_table.ENV_VAR, raising=False)
+    tune_table._tables.cache_clear()
+    yield tmp_path
+    tune_table._tables.cache_clear()
+
+
+def _reread():
+    tune_table._tables.cache_clear()
+
+
+A = Schedule(112, 2, persistent=True, l2_sections=False, stale_max_first=True)
+B = Schedule(144, 2, persistent=False, l2_sections=True)
+C = Schedule(96, 3, persistent=True, l2_sections=False)
+D = Schedule(80, 2, persistent=True, l2_sections=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Buckets and lookup
+
+
+@pytest.mark.parametrize("seqlen_k, name", [
+    (1, "short"), (1024, "short"), (1025, "medium"), (4096, "medium"), (4097, "long"),
+    (1 << 20, "long"), (None, tune_table.DEFAULT_BUCKET)])
+def test_bucket_boundaries(seqlen_k, name):
+    assert tune_table.bucket(seqlen_k) == name
+
+
+def test_lookup_order_env_then_user_then_shipped_then_builtin(tables, monkeypatch):
+    _write(tune_table.shipped_path("sm_90a"), [_entry(128, False, "medium", A),
+                                               _entry(128, False, "long", B)])
+    _write(tune_table.user_path("sm_90a"), [_entry(128, False, "medium", C)])
+    named = tables / "mine.json"
+    _write(named, [_entry(128, False, "medium", D)])
+    monkeypatch.setenv(tune_table.ENV_VAR, str(named))
+    _reread()
+
+    def block_n(seqlen_k):
+        return hopper.variant("bfloat16", 128, False, seqlen_k=seqlen_k).block_n
+
+    assert block_n(2048) == D.block_n  # PTXATTN_TUNE_TABLE
+    assert block_n(8192) == B.block_n  # not in the first two: the shipped table
+    assert block_n(512) == hopper.SCHEDULES[128, False].block_n  # in none: built in
+    assert block_n(None) == D.block_n  # no shape: the default bucket
+    monkeypatch.delenv(tune_table.ENV_VAR)
+    _reread()
+    assert block_n(2048) == C.block_n  # the user's
+    tune_table.user_path("sm_90a").unlink()
+    _reread()
+    assert block_n(2048) == A.block_n  # the shipped one
+    # other keys are untouched
+    assert hopper.variant("float16", 128, False, seqlen_k=2048).block_n == 128
+    assert hopper.variant("bfloat16", 128, True, seqlen_k=2048).block_n == 128
+
+
+def test_tables_of_another_arch_are_not_read(tables, monkeypatch):
+    named = tables / "other.json"
+    _write(named, [_entry(128, False, "medium", D)], arch="sm_100a")
+    monkeypatch.setenv(tune_table.ENV_VAR, str(named))
+    _reread()
+    assert hopper.variant("bfloat16", 128, False).block_n == hopper.SCHEDULES[128, False].block_n
+
+
+def test_tables_are_read_once_per_process(tables):
+    path = tune_table.shipped_path("sm_90a")
+    _write(path, [_entry(128, False, "medium", A)])
+    _reread()
+    assert hopper.variant("bfloat16", 128, False).block_n == A.block_n
+    _write(path, [_entry(128, False, "medium", C)])
+    assert hopper.variant("bfloat16", 128, False).block_n == A.block_n
+    _reread()
+    assert hopper.variant("bfloat16", 128, False).block_n == C.block_n
+
+
+def test_the_whole_schedule_comes_from_the_table_and_explicit_choices_win(tables):
+    tuned = Schedule(96, 3, persistent=False, l2_sections=True, consumers=2,
+                     stale_max_first=True)
+    _write(tune_table.shipped_path("sm_90a"), [_entry(128, True, "long", tuned)])
+    _reread()
+    v = hopper.variant("bfloat16", 128, True, seqlen_k=16384)
+    assert (v.block_n, v.stages, v.consumers, v.stale_max_first) == (96, 3, 2, True)
+    assert hopper._schedule("bfloat16", 128, True, 16384, False) == tuned  # grid fields too
+    v = hopper.variant("bfloat16", 128, True, (64, 2), seqlen_k=16384, stale_max_first=False)
+    assert (v.block_n, v.stages, v.stale_max_first) == (64, 2, False)
+
+
+def test_the_serving_build_keeps_its_own_schedules(tables):
+    _write(tune_table.shipped_path("sm_90a"), [_entry(64, False, b, A)
+                                               for b in tune_table.BUCKET_NAMES])
+    _reread()
+    serving = hopper.SCHEDULES_SERVING[64, False]
+    v = hopper.variant("bfloat16", 64, False, serving=True, seqlen_k=2048)
+    assert (v.block_n, v.consumers) == (serving.block_n, serving.consumers)
+
+
+def test_fp8_per_block_k_descales_take_tiles_dividing_128_of_the_tuned_schedule(tables):
+    fp8_192 = Schedule(192, 2, persistent=True, l2_sections=False, consumers=2)
+    _write(tune_table.shipped_path("sm_90a"),
+           [_entry(64, False, "medium", fp8_192, "hopper-fp8", "e4m3")])
+    _reread()
+    schedule = hopper._schedule(FP8, 64, False, 2048, False)
+    assert schedule == fp8_192
+    assert hopper._fp8_key_block_scaled_tiles(schedule, 64) == hopper.FP8_KEY_BLOCK_SCALED_TILES[64]
+    assert hopper._fp8_key_block_scaled_tiles(hopper.SCHEDULES_FP8[64, False], 64) is None
+
+
+def test_a_malformed_table_names_its_file(tables, monkeypatch):
+    named = tables / "bad.json"
+    monkeypatch.setenv(tune_table.ENV_VAR, str(named))
+    named.write_text("{not json")
+    _reread()
+    with pytest.raises(ValueError, match=r"bad.json: cannot be read"):
+        hopper.variant("bfloat16", 128, False)
+    named.write_text(json.dumps({"version": 0, "arch": "sm_90a", "entries": []}))
+    _reread()
+    with pytest.raises(ValueError, match=r"bad.json: version 0, this ptxattn reads version 1; "
+                                         r"write a new one with python -m ptxattn.tune"):
+        hopper.variant("bfloat16", 128, False)
+    with pytest.raises(ValueError, match="unknown bucket"):
+        _write(named, [_entry(128, False, "huge", A)])
+
+
+# ---------------------------------------------------------------------------------------------
+# The shipped table and the variants CI compiles
+
+
+def _entry_specs(entry) -> list[runtime.KernelSpec]:
+    schedule = Schedule(**entry["schedule"])
+    head_dim, causal = entry["head_dim"], entry["causal"]
+    if entry["family"] == "hopper":
+        return [hopper.spec(entry["dtype"], head_dim, causal, schedule=schedule)]
+    tiles = hopper._fp8_key_block_scaled_tiles(schedule, head_dim)
+    return [hopper.spec(FP8, head_dim, causal, t, out_dtype=out, schedule=schedule)
+            for out in hopper.DTYPES for t in dict.fromkeys([None, tiles])]
+
+
+def test_every_shipped_entry_is_a_variant_ci_compiles_within_the_budgets():
+    table = tune_table.read(tune_table.shipped_path("sm_90a"))
+    assert table["arch"] == "sm_90a"
+    keys = [tune_table.entry_key(e) for e in table["entries"]]
+    assert len(keys) == len(set(keys))
+    shipped = set(hopper.variants())
+    for entry in table["entries"]:
+        assert (entry["family"], entry["dtype"]) in {hopper.tune_key(d)
+                                                     for d in (*hopper.DTYPES, FP8)}
+        assert entry["head_dim"] in hopper.HEAD_DIMS
+        for spec in _entry_specs(entry):
+            assert spec in shipped, f"{spec.name} of {entry} is not in hopper.variants()"
+            assert spec.smem_bytes <= hopper.SMEM_LIMIT
+        target = tune.Target(FP8 if entry["family"] == "hopper-fp8" else entry["dtype"],
+                             entry["head_dim"], entry["causal"])
+        assert tune.cpu_problem(target, Schedule(**entry["schedule"])) is None
+
+
+def test_variants_are_unchanged_by_a_table_of_the_builtin_schedules(tables):
+    no_table = hopper.variants()
+    entries = [_entry(head_dim, causal, bucket, schedule, *hopper.tune_key(dtype))
+               for dtype in (*hopper.DTYPES, FP8)
+               for (head_dim, causal), schedule in
+               (hopper.SCHEDULES_FP8 if dtype == FP8 else hopper.SCHEDULES).items()
+               for bucket in tune_table.BUCKET_NAMES]
+    _write(tune_table.shipped_path("sm_90a"), entries)
+    assert hopper.variants() == no_table
+    assert len(set(no_table)) == len(no_table)
+
+
+def test_variants_add_what_the_shipped_table_reaches_once(tables):
+    no_table = hopper.variants()
+    tuned = Schedule(112, 2, persistent=True, l2_sections=False, stale_max_first=True)
+    _write(tune_table.shipped_path("sm_90a"), [_entry(128, False, b, tuned)
+                                               for b in ("short", "long")])
+    added = [spec for spec in hopper.variants() if spec not in no_table]
+    assert [spec.name for spec in added] == ["fwd_sm90_bfloat16_d128_n112_s2_smf"]
+    # every bucket tuned: the built-in schedule is reached by no call and not compiled
+    _write(tune_table.shipped_path("sm_90a"), [_entry(128, False, b, tuned)
+                                               for b in tune_table.BUCKET_NAMES])
+    names = [spec.name for spec in hopper.variants()]
+    assert "fwd_sm90_bfloat16_d128_n128_s2_smf" not in names
+    assert "fwd_sm90_float16_d128_n128_s2_smf" in names
+
+
+# ---------------------------------------------------------------------------------------------
+# Candidates and pruning
+
+
+def test_register_estimate_counts_as_the_kernel_does():
+    # head_dim 64, three consumers: 96 (S) + 32 (O) + 32 (P) of 160 - 32
+    assert tune.register_estimate(tune.Target("bfloat16", 64, False),
+                                  hopper.SCHEDULES[64, False]) == (128, 128)
+    # FP8 head_dim 128, 192 keys, Q in registers: 96 + 64 + 24 + 16 = 200 -> producer at 40
+    assert tune.register_estimate(tune.Target(FP8, 128, False),
+                                  hopper.SCHEDULES_FP8[128, False]) == (200, 208)
+
+
+@pytest.mark.parametrize("dtype", [*hopper.DTYPES, FP8])
+def test_builtin_schedules_pass_the_accounting(dtype):
+    schedules = hopper.SCHEDULES_FP8 if dtype == FP8 else hopper.SCHEDULES
+    for (head_dim, causal), schedule in schedules.items():
+        assert tune.cpu_problem(tune.Target(dtype, head_dim, causal), schedule) is None
+
+
+def test_pruning_names_what_does_not_fit():
+    bf16 = tune.Target("bfloat16", 128, False)
+    assert tune.cpu_problem(bf16, Schedule(192, 3, True, False)).startswith("shared memory")
+    assert tune.cpu_problem(bf16, Schedule(96, 2, True, False, consumers=3)).startswith(
+        "registers: 136 in fragments > 128")
+    fp8 = tune.Target(FP8, 256, False)
+    assert tune.cpu_problem(fp8, Schedule(64, 3, True, False, q_in_registers=True)).startswith(
+        "registers: 232 in fragments > 208")
+
+
+@pytest.mark.parametrize("quick", [True, False])
+@pytest.mark.parametrize("dtype", ["bfloat16", FP8])
+def test_candidates_start_with_the_builtin_schedule(dtype, quick):
+    for head_dim in hopper.HEAD_DIMS:
+        target = tune.Target(dtype, head_dim, True)
+        found = tune.candidates(target, quick)
+        assert found[0] == target.builtin
+        assert len(set(found)) == len(found)
+        for s in found:
+            assert s.block_n in tune.BLOCK_N[target.fp8]
+            assert not (s.stale_max_first and target.fp8)
+            assert not (s.q_in_registers and not target.fp8)
+        if quick:
+            assert len(found) <= 10
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line
+
+
+def test_unknown_arguments_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        tune.main(["--dry-run", "--head-dims", "96"])
+    assert "--head-dims: 96; choose from 64, 128, 256" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tune.main(["--dry-run", "--buckets", "tiny"])
+
+
+def test_dry_run_prints_candidates_and_why_each_was_dropped(tables, capsys):
+    if runtime.nvrtc_version() < (13, 5):
+        pytest.skip("spills and registers need the ptxas report NVRTC 13.5 gives (as "
+                    "test_kernels)")
+    status = tune.main(["--dry-run", "--quick", "--head-dims", "256", "--no-causal", "--no-fp8",
+                        "--jobs", "0"])
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "hopper bfloat16 d256 non-causal: 6 candidates in 4 builds" in out
+    assert "n64 s2 c2 (built-in)" in out and "kept: persistent, grid, persistent l2" in out
+    assert "n64 s3 c2" in out and "shared memory 263" in out
+    assert not tune_table.user_path("sm_90a").exists()  # a dry run writes no table
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU
+
+
+@pytest.mark.gpu
+def test_quick_tuning_of_one_key_writes_a_table_the_launcher_follows(tables, monkeypatch,
+                                                                    capsys):
+    output = tables / "tuned.json"
+    status = tune.main(["--quick", "--head-dims", "128", "--no-causal", "--no-fp8",
+                        "--buckets", "short", "--repeats", "3", "--output", str(output)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    table = tune_table.read(output)
+    assert table["measured"] and table["device"]
+    by_dtype = {e["dtype"]: e for e in table["entries"]}
+    assert set(by_dtype) == {"bfloat16", "float16"}
+    bf16 = by_dtype["bfloat16"]
+    assert (bf16["head_dim"], bf16["causal"], bf16["bucket"]) == (128, False, "short")
+    assert bf16["tflops"] > 0 and bf16["builtin_tflops"] > 0 and bf16["margin"] is not None
+    assert by_dtype["float16"]["schedule"] == bf16["schedule"]
+    assert by_dtype["float16"]["measured_dtype"] == "bfloat16"
+    assert "TFLOP/s" in out and "(built-in)" in out
+    monkeypatch.setenv(tune_table.ENV_VAR, str(output))
+    _reread()
+    assert hopper._schedule("bfloat16", 128, False, 512, False) == Schedule(**bf16["schedule"])
+
+
+@pytest.mark.gpu
+def test_quick_tuning_of_an_fp8_key(tables, capsys):
+    output = tables / "tuned.json"
+    status = tune.main(["--quick", "--head-dims", "64", "--causal", "--fp8", "--buckets",
+                        "short", "--repeats", "3", "--output", str(output)])
+    assert status == 0, capsys.readouterr().out
+    (entry,) = tune_table.read(output)["entries"]
+    assert (entry["family"], entry["dtype"], entry["measured_dtype"]) == (
+        "hopper-fp8", "e4m3", "e4m3")
+    assert entry["tflops"] > 0
