@@ -1,7 +1,7 @@
 """Attention throughput: ptxattn's backends beside every peer importable here.
 
-    python scripts/profile.py [--quick] [--csv FILE] [--json FILE]
-    python scripts/profile.py --backward [--quick] [--json FILE]
+    python scripts/profile.py [--quick] [--csv FILE] [--json FILE] [--plot FILE.png]
+    python scripts/profile.py --backward [--quick] [--json FILE] [--plot FILE.png]
     python scripts/profile.py --serving [--repeats N]
 
 TFLOP/s = 4 * batch * heads * seqlen_q * seqlen_k * head_dim / time (halved for causal), time
@@ -18,11 +18,15 @@ times the forward's FLOPs over the time. Peers: torch SDPA's FlashAttention-2 an
 (torch.autograd.grad of one recorded forward), and FlashAttention-3's backward through the
 flash-attn3-jax wheel (flash_mha under jax.vjp, head_dim 128) when it imports. It also reports
 the extra memory ptxattn's backward allocates (its workspace).
+
+--plot draws the measured rows (TFLOP/s against seqlen, a line per backend or peer, a panel per
+head_dim and mask) into an image; it needs matplotlib (pip install 'ptxattn[plot]').
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import csv
 import functools
 import json
@@ -53,6 +57,62 @@ def configs(quick: bool) -> list[dict]:
                 rows.append(dict(batch=16384 // seqlen, seqlen=seqlen, heads=2048 // head_dim,
                                  head_dim=head_dim, causal=causal))
     return rows
+
+
+# The fields of a result row that describe its shape; the others are runners' TFLOP/s.
+SHAPE_FIELDS = ("batch", "seqlen", "heads", "head_dim", "causal")
+
+
+def plot_rows(rows: list[dict], path: str, title: str) -> None:
+    """Draws result rows (SHAPE_FIELDS plus runner name -> TFLOP/s or None, as --csv and
+    --json write them) into the image ``path``: TFLOP/s against seqlen, a line per runner, a
+    panel per (head_dim, causal). Only the rows of the sweep are drawn: those whose batch *
+    seqlen and heads * head_dim are the ones most rows have (not the fixed shape beside them)."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    def size(row):
+        return row["batch"] * row["seqlen"], row["heads"] * row["head_dim"]
+
+    tokens, width = collections.Counter(size(row) for row in rows).most_common(1)[0][0]
+    swept = [row for row in rows if size(row) == (tokens, width)]
+    head_dims = sorted({row["head_dim"] for row in swept})
+    masks = sorted({row["causal"] for row in swept})
+    names = list(dict.fromkeys(name for row in swept for name in row
+                               if name not in SHAPE_FIELDS))
+    # A runner keeps its colour and line in every panel, also where others are missing.
+    styles = {name: dict(color=f"C{i % 10}", linestyle=("-", "--", ":")[i // 10 % 3])
+              for i, name in enumerate(names)}
+    figure, axes = plt.subplots(len(head_dims), len(masks), squeeze=False, layout="constrained",
+                                figsize=(6 * len(masks), 1.5 + 3.5 * len(head_dims)))
+    for i, head_dim in enumerate(head_dims):
+        for j, causal in enumerate(masks):
+            ax = axes[i][j]
+            group = [row for row in swept if (row["head_dim"], row["causal"]) == (head_dim, causal)]
+            for name in names:
+                points = sorted((row["seqlen"], row[name]) for row in group
+                                if row.get(name) is not None)
+                if points:
+                    ax.plot(*zip(*points), marker="o", label=name, **styles[name])
+            seqlens = sorted({row["seqlen"] for row in group})
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(seqlens, [str(s) for s in seqlens])
+            ax.set_title(f"head_dim {head_dim}, {'causal' if causal else 'non-causal'}")
+            ax.set_xlabel("seqlen")
+            ax.set_ylabel("TFLOP/s")
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+    handles = {}  # one legend entry per runner, whichever panels it appears in
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    labels = list(handles)
+    figure.legend([handles[label] for label in labels], labels, loc="outside lower center",
+                  ncol=min(4, max(1, len(labels))))
+    figure.suptitle(f"{title}\nbatch * seqlen = {tokens}, heads * head_dim = {width}")
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
 
 
 def flops(cfg: dict) -> float:
@@ -334,6 +394,9 @@ def backward_main(args) -> int:
         with open(args.json, "w") as f:
             json.dump({"device": props["name"].decode(), "arch": arch, "dtype": args.dtype,
                        "unit": "TFLOP/s", "results": results}, f, indent=1)
+    if args.plot:
+        plot_rows([dict({f: row[f] for f in SHAPE_FIELDS}, **row["backward"]) for row in results],
+                  args.plot, f"{props['name'].decode()} ({arch}), {args.dtype}, backward")
     return 0
 
 
@@ -528,12 +591,23 @@ def main(argv=None) -> int:
                                          "e.g. 128x16384,64x2048 (default: the standard sweep)")
     parser.add_argument("--csv", help="write the results to this CSV file")
     parser.add_argument("--json", help="write the results to this JSON file")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="draw TFLOP/s against seqlen into this image (needs matplotlib)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--slow-max-seqlen", type=int, default=2048,
                         help="longest seqlen for the slow rows: the CuPy reference and the "
                              "block-scaled emulation build")
     args = parser.parse_args(argv)
+    if args.plot:
+        if args.serving:
+            parser.error("--plot draws the forward or --backward sweep, not --serving")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("profile.py --plot needs matplotlib: pip install 'ptxattn[plot]'",
+                  file=sys.stderr)
+            return 2
 
     try:
         import cupy
@@ -635,6 +709,8 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"device": props["name"].decode(), "arch": arch, "dtype": args.dtype,
                        "unit": "TFLOP/s", "results": results}, f, indent=1)
+    if args.plot:
+        plot_rows(results, args.plot, f"{props['name'].decode()} ({arch}), {args.dtype}, forward")
     return 0
 
 

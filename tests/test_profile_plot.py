@@ -1,0 +1,54 @@
+"""scripts/profile.py --plot: the drawing of result rows (with matplotlib, skipped without it)
+and the early exit, before any timing, where matplotlib is missing."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "profile.py"
+
+
+def _profile_script():
+    # Its file name shadows the standard library's profile module: load it under another name.
+    spec = importlib.util.spec_from_file_location("ptxattn_profile_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rows():
+    """Rows as the forward sweep writes them: a fixed shape, then batch * seqlen = 16384 and
+    heads * head_dim = 2048, with runners missing from some rows."""
+    rows = [dict(batch=4, seqlen=2048, heads=32, head_dim=128, causal=False,
+                 **{"ptxattn-hopper": 600.0, "torch-sdpa-cudnn": 590.0, "fa3": None})]
+    for head_dim in (64, 128):
+        for seqlen in (512, 2048, 8192):
+            for causal in (False, True):
+                speed = (seqlen / 20 + head_dim) * (0.6 if causal else 1)
+                rows.append(dict(batch=16384 // seqlen, seqlen=seqlen, heads=2048 // head_dim,
+                                 head_dim=head_dim, causal=causal,
+                                 **{"ptxattn-hopper": speed, "ptxattn-portable": speed / 2,
+                                    "torch-sdpa-cudnn": speed * 0.9,
+                                    "fa3": speed * 1.1 if head_dim == 128 else None}))
+    return rows
+
+
+def test_plot_draws_the_sweep_rows_into_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "profile.png"
+    _profile_script().plot_rows(_rows(), str(path), "test GPU (sm_90a), bfloat16, forward")
+    assert path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_plot_without_matplotlib_says_what_to_install_before_timing(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    assert _profile_script().main(["--plot", "out.png"]) == 2
+    assert "pip install 'ptxattn[plot]'" in capsys.readouterr().err
+
+
+def test_plot_refuses_the_serving_run(capsys):
+    with pytest.raises(SystemExit):
+        _profile_script().main(["--serving", "--plot", "out.png"])
+    assert "--plot draws the forward or --backward sweep" in capsys.readouterr().err
