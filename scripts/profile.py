@@ -60,7 +60,7 @@ def configs(quick: bool) -> list[dict]:
 
 
 # The fields of a result row that describe its shape; the others are runners' TFLOP/s.
-SHAPE_FIELDS = ("batch", "seqlen", "heads", "head_dim", "causal")
+SHAPE_FIELDS = ("batch", "seqlen", "heads", "head_dim", "causal", "heads_kv")
 
 
 def plot_rows(rows: list[dict], path: str, title: str) -> None:
@@ -113,6 +113,40 @@ def plot_rows(rows: list[dict], path: str, title: str) -> None:
     figure.suptitle(f"{title}\nbatch * seqlen = {tokens}, heads * head_dim = {width}")
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+# The forward rows ptxattn is measured against FlashAttention-3 and cuDNN on (issue 17's grid):
+# (batch, seqlen, heads, head_dim, kv heads), each causal and not.
+TARGET_SHAPES = [(4, 2048, 32, 128, 32), (2, 8192, 16, 128, 16), (1, 16384, 16, 128, 16),
+                 (32, 512, 16, 128, 16), (8, 2048, 32, 64, 32), (1, 16384, 32, 64, 32),
+                 (8, 2048, 8, 256, 8), (1, 16384, 8, 256, 8), (4, 4096, 32, 128, 8)]
+# Who each kind of ptxattn row is compared with: 16-bit against every 16-bit peer, FP8 with
+# per-head scales against FlashAttention-3's FP8 on the same quantized data.
+RATIOS = {"ptxattn-hopper": ("torch-sdpa-flash", "torch-sdpa-cudnn", "fa3"),
+          "ptxattn-fp8-head": ("fa3-fp8",)}
+
+
+def target_configs() -> list[dict]:
+    return [dict(batch=b, seqlen=s, heads=h, head_dim=d, causal=causal,
+                 **({"heads_kv": kv} if kv != h else {}))
+            for b, s, h, d, kv in TARGET_SHAPES for causal in (False, True)]
+
+
+def ratio_lines(rows: list[dict]) -> list[str]:
+    """Per row, each ptxattn runner of RATIOS over the best of its peers that ran there."""
+    lines = []
+    for row in rows:
+        cells = []
+        for ours, peers in RATIOS.items():
+            best = max(((row[p], p) for p in peers if row.get(p) is not None), default=None)
+            if row.get(ours) is None or best is None:
+                continue
+            cells.append(f"{ours} {row[ours]:.0f} / {best[1]} {best[0]:.0f} = "
+                         f"{row[ours] / best[0]:.3f}x")
+        gqa = f"/{row['heads_kv']}" if "heads_kv" in row else ""
+        lines.append(f"{row['batch']}x{row['seqlen']}x{row['heads']}{gqa}x{row['head_dim']}"
+                     f"{' causal' if row['causal'] else ''}: " + ", ".join(cells))
+    return lines
 
 
 def flops(cfg: dict) -> float:
@@ -200,7 +234,8 @@ def torch_runners() -> dict:
             # SDPA wants (batch, heads, seqlen, dim); these are views of our (b, s, h, d) data.
             with sdpa_kernel(backend):
                 return scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                                    v.transpose(1, 2), is_causal=causal)
+                                                    v.transpose(1, 2), is_causal=causal,
+                                                    enable_gqa=k.shape[2] != q.shape[2])
         return run
 
     return {"torch-sdpa-flash": ((64, 128, 256), None, make(SDPBackend.FLASH_ATTENTION)),
@@ -597,7 +632,11 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--slow-max-seqlen", type=int, default=2048,
                         help="longest seqlen for the slow rows: the CuPy reference and the "
-                             "block-scaled emulation build")
+                             "block-scaled emulation build (0: none of them)")
+    parser.add_argument("--grid", choices=["sweep", "targets"], default="sweep",
+                        help="forward rows: the standard sweep, or the rows ptxattn is measured "
+                             "against FlashAttention-3 and cuDNN on (TARGET_SHAPES, GQA "
+                             "included), each with its ratio to the best peer")
     args = parser.parse_args(argv)
     if args.plot:
         if args.serving:
@@ -654,12 +693,14 @@ def main(argv=None) -> int:
     for note in notes:
         print(f"# {note}")
     results = []
-    rows = configs(args.quick)
+    rows = target_configs() if args.grid == "targets" else configs(args.quick)
     for index, cfg in enumerate(rows, 1):
         shape = (cfg["batch"], cfg["seqlen"], cfg["heads"], cfg["head_dim"])
+        kv_shape = shape[:2] + (cfg.get("heads_kv", cfg["heads"]), shape[3])
         rng = cupy.random.default_rng(index)
-        q, k, v = (rng.standard_normal(shape, dtype=cupy.float32).astype(cupy_dtype)
-                   for _ in range(3))
+        q = rng.standard_normal(shape, dtype=cupy.float32).astype(cupy_dtype)
+        k, v = (rng.standard_normal(kv_shape, dtype=cupy.float32).astype(cupy_dtype)
+                for _ in range(2))
         tensors = None
         row = dict(cfg)
         calls = {}
@@ -667,7 +708,8 @@ def main(argv=None) -> int:
             print(f"\r[{index}/{len(rows)}] {shape} causal={cfg['causal']} {name:<22}",
                   end="", file=sys.stderr, flush=True)
             row[name] = None
-            if cfg["head_dim"] not in dims or (max_seqlen and cfg["seqlen"] > max_seqlen):
+            if cfg["head_dim"] not in dims or (max_seqlen is not None and
+                                               cfg["seqlen"] > max_seqlen):
                 continue
             if name.startswith(TORCH_PEERS):
                 if tensors is None:
@@ -691,18 +733,23 @@ def main(argv=None) -> int:
     names = list(runners)
     widths = [max(len(n), 7) for n in names]
     print("TFLOP/s")
-    print(f"{'batch':>5} {'seqlen':>6} {'heads':>5} {'dim':>4} {'causal':>6} "
+    print(f"{'batch':>5} {'seqlen':>6} {'heads':>5} {'kv':>3} {'dim':>4} {'causal':>6} "
           + " ".join(f"{n:>{w}}" for n, w in zip(names, widths)))
     for row in results:
         cells = " ".join(f"{row[n]:{w}.1f}" if row[n] is not None else f"{'-':>{w}}"
                          for n, w in zip(names, widths))
-        print(f"{row['batch']:5d} {row['seqlen']:6d} {row['heads']:5d} {row['head_dim']:4d} "
+        print(f"{row['batch']:5d} {row['seqlen']:6d} {row['heads']:5d} "
+              f"{row.get('heads_kv', row['heads']):3d} {row['head_dim']:4d} "
               f"{str(row['causal']):>6} {cells}")
+    print("ratio to the best peer")
+    for line in ratio_lines(results):
+        print(f"  {line}")
     for note in notes:
         print(f"# {note}")
     if args.csv:
         with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(results[0]))
+            writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(
+                name for row in results for name in row)))
             writer.writeheader()
             writer.writerows(results)
     if args.json:
