@@ -1,6 +1,7 @@
 """Attention throughput: ptxattn's backends beside every peer importable here.
 
     python scripts/profile.py [--quick] [--csv FILE] [--json FILE] [--plot FILE.png]
+    python scripts/profile.py --grid targets [--dtype float16] --slow-max-seqlen 0
     python scripts/profile.py --backward [--quick] [--json FILE] [--plot FILE.png]
     python scripts/profile.py --serving [--repeats N]
 
@@ -12,6 +13,9 @@ on the same GPU: torch SDPA's FlashAttention-2 and cuDNN backends when torch is 
 FlashAttention-3's forward (bf16, and FP8 e4m3 with per-(batch, head) descales) when the
 fa3-fwd wheel imports (module fa3_fwd_interface), and ptxattn's plain CuPy reference. A peer
 that does not import is left out with a note on stderr.
+
+--grid targets runs the rows ptxattn is measured against FlashAttention-3 and cuDNN on
+(TARGET_SHAPES, a GQA row included) and prints each row's ratio to its best peer.
 
 --backward measures the backward pass, and forward plus backward, instead: TFLOP/s = 2.5 (3.5)
 times the forward's FLOPs over the time. Peers: torch SDPA's FlashAttention-2 and cuDNN backward
