@@ -36,7 +36,8 @@ attn_bwd_sm90(const __grid_constant__ BwdParams p) {
     const int batch = blockIdx.z;
     const typename Mainloop::Info info(p.seqlen_q, p.seqlen_k, Cfg::kCausal);
     const BwdWalk walk = BwdWalk::make(blockIdx.x, gridDim.x, p.num_m_blocks, Cfg::kCausal,
-                                       Cfg::kDeterministic, p.dq_turn_group);
+                                       Cfg::kDeterministic, p.dq_turn_group,
+                                       Cfg::kStaggeredWalk);
     const BwdSteps steps = BwdSteps::make(info, walk, p.q_per_kv);
 
     if (threadIdx.x == 0) {

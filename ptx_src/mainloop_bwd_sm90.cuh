@@ -95,6 +95,10 @@ struct BwdSm90Config {
     static constexpr int kDqKeys = kDqSplitKeys ? kKeysPerConsumer : kBlockN;
     static constexpr int kDqRowBlocks = kBlockM / 64;
     static constexpr int kDsBuffers = kDqSplitKeys ? 1 : 2;
+    // Non-causal blocks walk the query tiles from staggered starts (BwdWalk) even without
+    // deterministic sums at head_dim 64, where it measured +5-7% at seqlen 16384 (two A/B runs);
+    // at 128 it cost 2%.
+    static constexpr bool kStaggeredWalk = kDeterministic || kDqSplitKeys;
 
     // Launched at 168 registers a thread; the producer keeps 24 and each consumer warpgroup
     // takes 240: dK and dV (head_dim each), S^T and dP^T (32 each), dQ (32) and the A fragments.
