@@ -16,9 +16,9 @@
 //                                warpgroup stores its dS^T transposed (stmatrix .trans), K
 //                                MN-major; then added into the FP32 accumulator: staged in
 //                                shared memory and added by a TMA reduce (cp.reduce.async.bulk),
-//                                which runs on while the next step computes (for
-//                                deterministic sums, issued by the producer's writer warp
-//                                in the tile's turn)
+//                                which runs on while the next step computes (issued by the
+//                                producer's writer warp at head_dim 128 and for
+//                                deterministic sums, there in the tile's turn)
 // Computing S^T rather than S keeps both dV's and dK's A operand in registers, straight from
 // the accumulators; only dQ needs dS in shared memory. For dQ each warpgroup takes 64 columns:
 // head_dim 128 splits the columns (each warpgroup reads both warpgroups' dS, so they meet at a
@@ -99,6 +99,10 @@ struct BwdSm90Config {
     // deterministic sums at head_dim 64, where it measured +5-7% at seqlen 16384 (two A/B runs);
     // at 128 it cost 2%.
     static constexpr bool kStaggeredWalk = kDeterministic || kDqSplitKeys;
+    // The producer's writer warp issues the dQ reduces (write_dq; without
+    // deterministic sums it takes no turns), so that no consumer waits for its staging to be
+    // read: always with deterministic sums, and at head_dim 128.
+    static constexpr bool kDqWriter = kDeterministic || !kDqSplitKeys;
 
     // Launched at 168 registers a thread; the producer keeps 24 and each consumer warpgroup
     // takes 240: dK and dV (head_dim each), S^T and dP^T (32 each), dQ (32) and the A fragments.
@@ -155,8 +159,8 @@ struct BwdSm90Mainloop {
                   "kSmemBytes too small for this tile configuration");
 
     // Named barriers (0 is __syncthreads): dS complete, for both warpgroups (head_dim 128) or
-    // per warpgroup (64); dQ staged, per warpgroup; and for deterministic sums the hand-offs of
-    // the staged dQ to the writer warp (full, then free again) and, at head_dim 64, of the
+    // per warpgroup (64); dQ staged, per warpgroup; and with the writer warp (kDqWriter) the
+    // hand-offs of the staged dQ to it (full, then free again) and, at head_dim 64, of the
     // second warpgroup's dQ to the first (full, then read).
     static constexpr uint32_t kDsBarrier = 1;      // + warpgroup when split by keys
     static constexpr uint32_t kDqWriterFull = 3;
@@ -223,26 +227,32 @@ struct BwdSm90Mainloop {
         }
     }
 
-    // The writer warp (deterministic sums): per step, once the consumers staged the block's dQ,
-    // its lane 0 waits for the tile's turn (BwdWalk), adds the staging into the accumulator with
-    // TMA reduces, frees the staging once they have read it, and passes the turn once they have
-    // completed. Waiting here rather than in a consumer keeps the waits off the wgmma pipeline:
-    // the consumers run up to a step ahead. Every lane calls it.
-    static __device__ __forceinline__ void write_dq_in_turn(const BwdParams& p, uint8_t* smem,
-                                                            const Info& info, const BwdWalk& walk,
-                                                            const BwdSteps& steps, int kv_head,
-                                                            int batch) {
+    // The writer warp (kDqWriter): per step, once the consumers staged the block's dQ, its lane
+    // 0 adds the staging into the accumulator with TMA reduces and frees the staging once they
+    // have read it; with deterministic sums it first waits for the tile's turn (BwdWalk) and
+    // passes the turn once the reduces have completed. Waiting here rather than in a consumer
+    // keeps the waits off the wgmma pipeline: the consumers run up to a step ahead. Every lane
+    // calls it.
+    static __device__ __forceinline__ void write_dq(const BwdParams& p, uint8_t* smem,
+                                                    const Info& info, const BwdWalk& walk,
+                                                    const BwdSteps& steps, int kv_head,
+                                                    int batch) {
         const bool leader = threadIdx.x % 32 == 0;
 #pragma unroll 1
         for (int i = 0; i < steps.count; ++i) {
             const int head = steps.head(i, kv_head, p.q_per_kv);
             const int m_block = steps.m_block(i);
-            int* turn = p.dq_semaphore +
-                        (static_cast<int64_t>(batch) * p.heads_q + head) * p.num_m_blocks + m_block;
+            int* turn = Cfg::kDeterministic
+                            ? p.dq_semaphore +
+                                  (static_cast<int64_t>(batch) * p.heads_q + head) *
+                                      p.num_m_blocks + m_block
+                            : nullptr;
             __syncwarp();
             named_barrier_sync(kDqWriterFull, kWriterSyncThreads);
             if (leader) {
-                wait_turn(turn, walk.turn(m_block, info.n_max(m_block)));
+                if constexpr (Cfg::kDeterministic) {
+                    wait_turn(turn, walk.turn(m_block, info.n_max(m_block)));
+                }
                 // Split by keys, the first warpgroup's staging holds the block's sum.
 #pragma unroll
                 for (int w = 0; w < (Cfg::kDqSplitKeys ? 1 : Cfg::kConsumers); ++w) {
@@ -254,11 +264,13 @@ struct BwdSm90Mainloop {
             }
             __syncwarp();
             named_barrier_arrive(kDqWriterFree, kWriterSyncThreads);
-            if (leader) {
+            if (Cfg::kDeterministic && leader) {
                 tma_store_wait<0>();
                 pass_turn(turn);
             }
         }
+        // The last reduces must be done before the block exits (and the postprocess reads).
+        if (leader) tma_store_wait<0>();
     }
 
     // ---- Consumer GEMMs -----------------------------------------------------------------------
@@ -404,8 +416,8 @@ struct BwdSm90Mainloop {
             gemm_fragments(dk, dst, q_tile);
             wgmma_commit();
             // The dS barrier also tells the warpgroup that its dQ staging is free again: its
-            // last TMA reduce has read it (deterministic sums: the writer warp's barriers do).
-            if (!Cfg::kDeterministic && dq_issuer()) tma_store_wait_read<0>();
+            // last TMA reduce has read it (kDqWriter: the writer warp's barriers do).
+            if (!Cfg::kDqWriter && dq_issuer()) tma_store_wait_read<0>();
             if constexpr (Cfg::kDqSplitKeys) {
                 named_barrier_sync(kDsBarrier + wg, 128);
             } else {
@@ -425,7 +437,7 @@ struct BwdSm90Mainloop {
             for (int r = 0; r < Cfg::kDqRowBlocks; ++r) wgmma_fence_operand(dq[r]);
             release();
             ++ring.count;
-            if constexpr (Cfg::kDeterministic) {
+            if constexpr (Cfg::kDqWriter) {
                 hand_dq_to_writer(dq, step_index == 0);
             } else {
                 reduce_dq(p, dq, m_block, head, batch);
@@ -488,9 +500,9 @@ struct BwdSm90Mainloop {
             }
         }
 
-        // Deterministic sums: the block's dQ of the step staged for the writer warp
-        // (write_dq_in_turn) once it has freed the staging of the step before. Split by columns
-        // (head_dim 128), each warpgroup stages its columns; split by keys (64), the second
+        // kDqWriter: the block's dQ of the step staged for the writer warp (write_dq) once it
+        // has freed the staging of the step before. Split by columns (head_dim 128), each
+        // warpgroup stages its columns; split by keys (64, deterministic sums), the second
         // warpgroup hands its dQ to the first, which adds it to its own in a fixed order and
         // stages the sum (two reduces into the same rows could land in either order).
         __device__ __forceinline__ void hand_dq_to_writer(DqTiles& dq, bool first_step) const {
@@ -517,7 +529,7 @@ struct BwdSm90Mainloop {
             named_barrier_arrive(kDqWriterFull, kWriterSyncThreads);
         }
 
-        // Deterministic sums, after the last step: the stagings are free for dK and dV (the
+        // kDqWriter, after the last step: the stagings are free for dK and dV (the
         // writer's last reduces have read them, the first warpgroup the last hand-off).
         __device__ __forceinline__ void wait_dq_staging_free() const {
             if (Cfg::kDqSplitKeys && wg == 1) {
@@ -563,7 +575,7 @@ struct BwdSm90Mainloop {
                 step(p, info, walk, steps.head(i, kv_head, p.q_per_kv), steps.m_block(i), batch,
                      i);
             }
-            if constexpr (Cfg::kDeterministic) {
+            if constexpr (Cfg::kDqWriter) {
                 if (steps.count > 0) wait_dq_staging_free();
             } else {
                 // The last reduces must be done before the block exits (and the postprocess
