@@ -111,9 +111,11 @@ def variants() -> list[runtime.KernelSpec]:
 
 def choose_splits(tiles: int, key_blocks: int, slots: int) -> int:
     """How many blocks share the keys of each of ``tiles`` (query tile, kv head, sequence)
-    tiles, given ``key_blocks`` key blocks per tile and ``slots`` places to fill: 1 when the
-    tiles fill most slots; else the fewest splits whose waves are at least 85% as full as the
-    best count's (FlashAttention's rule), no split holding less than one block."""
+    tiles, given ``key_blocks`` key blocks per tile and ``slots`` blocks resident at once (SMs
+    times blocks per SM): 1 when the tiles fill most slots; else the fewest splits whose waves
+    are at least 85% as full as the best count's (FlashAttention's rule), no split holding less
+    than one block. (Counting one block per SM instead read 2918 GB/s at batch 8 x 32768 keys in
+    one H100 run and 2053 in the next; two per SM, 2778-2819: kept until that is understood.)"""
     if tiles >= 0.8 * slots or key_blocks <= 1:
         return 1
     candidates = range(1, min(MAX_SPLITS, key_blocks) + 1)
@@ -162,12 +164,8 @@ def _prepare(problem, q, k, v, out, lse, *, seqused_k, block_table, cu_seqlens_q
     if m_blocks == 0:
         return lambda: None  # no query rows (varlen with max_seqlen_q 0)
     tiles = m_blocks * problem.heads_kv * problem.batch
-    # Waves are counted in SMs, not in resident blocks: a decode block reads at memory speed
-    # alone, and an SM holding more blocks than another finishes later. Batch 8 x 32768 keys
-    # (32/8 heads, H100, four runs): 2 splits (128 blocks) 2896-2970 GB/s, 4 splits (one wave of
-    # two blocks an SM) 2810-2881, 3 splits 2559-2594.
     splits = problem.num_splits or choose_splits(
-        tiles, key_blocks(problem, tile), runtime.sm_count(problem.device))
+        tiles, key_blocks(problem, tile), runtime.sm_count(problem.device) * tile.min_blocks)
     splits = min(splits, key_blocks(problem, tile))
     softcap = problem.softcap
     scale_log2 = (softcap if softcap > 0 else problem.softmax_scale) * math.log2(math.e)

@@ -7,8 +7,7 @@ from ptxattn.decode import MAX_SPLITS, choose_splits
 
 @pytest.mark.parametrize("tiles, key_blocks, sms, expected", [
     (512, 128, 264, 1),   # batch 64 x 8 kv heads fill the GPU: no split
-    (64, 512, 264, 4),    # 64 tiles: 256 blocks in one wave of 2 x 132 slots
-    (64, 512, 132, 2),    # batch 8 x 8 kv heads on 132 SMs: 128 blocks, one an SM
+    (64, 512, 264, 4),    # batch 8 x 8 kv heads: 256 blocks in one wave of 2 x 132 slots
     (1, 1, 132, 1),       # one key block cannot split
     (1, 3, 132, 3),       # no split without a key block of its own
 ])
