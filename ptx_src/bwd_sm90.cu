@@ -9,8 +9,8 @@
 // head (BwdSteps), in BwdWalk's order:
 //   warpgroup 0   the producer: gives most of its registers away (setmaxnreg); one thread loads
 //                 K and V once and every step's Q and dO through TMA (mainloop_bwd_sm90.cuh);
-//                 warp 1 adds each step's dQ (head_dim 128, and deterministic sums, there in
-//                 the tile's turn);
+//                 warp 1 adds each step's dQ at head_dim 128 and with deterministic sums
+//                 (then in the tile's turn);
 //   warpgroups 1-2 the consumers: 64 keys each, the step's five GEMMs, dQ added into the FP32
 //                 accumulator, and at the end dK and dV written from registers.
 // The launcher (ptxattn/hopper_backward.py) instantiates attn_bwd_sm90<BwdSm90Config<...>> by

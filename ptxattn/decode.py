@@ -6,7 +6,8 @@ batch with the query heads of a kv head packed in one tile and the keys split ov
 
 The decode kernel's cost is reading K and V; its warps split each stage's keys, so a tile needs
 only as many query rows as one token's GQA group. The split count is chosen so that the grid
-fills the GPU in whole waves (:func:`choose_splits`).
+fills the GPU in whole waves (:func:`choose_splits`; one-token decode over a contiguous cache with
+few tiles: one wave of one block an SM, :func:`splits_one_wave`).
 """
 
 from __future__ import annotations
@@ -114,8 +115,9 @@ def choose_splits(tiles: int, key_blocks: int, slots: int) -> int:
     tiles, given ``key_blocks`` key blocks per tile and ``slots`` blocks resident at once (SMs
     times blocks per SM): 1 when the tiles fill most slots; else the fewest splits whose waves
     are at least 85% as full as the best count's (FlashAttention's rule), no split holding less
-    than one block. (Counting one block per SM instead read 2918 GB/s at batch 8 x 32768 keys in
-    one H100 run and 2053 in the next; two per SM, 2778-2819: kept until that is understood.)"""
+    than one block. (One-token decode over a contiguous cache with few tiles counts one block an SM
+    instead, splits_one_wave: session 15 saw 2918 and then 2053 GB/s that way at batch 8 x 32768,
+    session 19 2896-2970 in four runs, and paged caches lose 30-40% with it.)"""
     if tiles >= 0.8 * slots or key_blocks <= 1:
         return 1
     candidates = range(1, min(MAX_SPLITS, key_blocks) + 1)
@@ -129,14 +131,13 @@ def choose_splits(tiles: int, key_blocks: int, slots: int) -> int:
 
 
 def splits_one_wave(tiles: int, key_blocks: int, sms: int) -> int:
-    """Splits for tiles of one token's query rows over a contiguous cache: as many as keep all
-    blocks in one wave of one block an SM (1 when the tiles fill most SMs). Such a block reads at
+    """Splits for tiles of one token's query rows over a contiguous cache, at most ``sms`` / 2
+    tiles: as many as keep all blocks in one wave of one block an SM. Such a block reads at
     memory speed alone, and an SM holding more blocks than another finishes later: on the H100
     (32/8 heads, head_dim 128) batch 8 x 32768 keys read 2896-2970 GB/s at 2 splits (128
     blocks) against 2810-2881 at 4 (two an SM), batch 1 x 131072 2628-2803 at 16 (128 blocks)
-    against 2574-2698 at 15."""
-    if tiles >= 0.8 * sms or key_blocks <= 1:
-        return 1
+    against 2574-2698 at 15. (Between sms / 2 and sms tiles it would leave SMs idle; the
+    launcher takes choose_splits there.)"""
     return max(1, min(MAX_SPLITS, key_blocks, sms // tiles))
 
 
@@ -176,14 +177,14 @@ def _prepare(problem, q, k, v, out, lse, *, seqused_k, block_table, cu_seqlens_q
     if m_blocks == 0:
         return lambda: None  # no query rows (varlen with max_seqlen_q 0)
     tiles = m_blocks * problem.heads_kv * problem.batch
-    # One tile of query rows over a contiguous cache: one wave of one block an SM
-    # (splits_one_wave). Paged caches and longer chunks of queries need a second block an SM to
-    # hide their page lookups and query work (one an SM, they lost 30-40% on the H100), so
-    # there the waves count resident blocks.
+    # One token over a contiguous cache, its tiles at most half the SMs: one wave of one block an
+    # SM (splits_one_wave). Paged caches and chunks of queries need a second block an SM to hide
+    # their page lookups and query work (one an SM, they lost 30-40% on the H100), so there, and
+    # where every tile taking two SMs would not fill the GPU, the waves count resident blocks.
     sms = runtime.sm_count(problem.device)
     if problem.num_splits:
         splits = problem.num_splits
-    elif block_table is None and m_blocks == 1:
+    elif block_table is None and problem.seqlen_q == 1 and 2 * tiles <= sms:
         splits = splits_one_wave(tiles, key_blocks(problem, tile), sms)
     else:
         splits = choose_splits(tiles, key_blocks(problem, tile), sms * tile.min_blocks)

@@ -222,7 +222,20 @@ def _schedule(dtype: str, head_dim: int, causal: bool, seqlen_k: int | None,
         return SCHEDULES_SERVING[head_dim, causal]
     tuned = tune_table.lookup(ARCHS[0], *tune_key(dtype), head_dim, causal, seqlen_k)
     if tuned is not None:
-        return Schedule(**tuned)
+        where = (f"the tuning table's schedule {tuned!r} for {tune_key(dtype)}, head_dim "
+                 f"{head_dim}, causal={causal} (tables: "
+                 f"{', '.join(map(str, tune_table.table_paths(ARCHS[0])))})")
+        try:
+            schedule = Schedule(**tuned)
+        except TypeError as err:
+            raise ValueError(f"{where}: {err}; write a new table with python -m ptxattn.tune") \
+                from err
+        smem = _smem_bytes(head_dim, schedule.block_n, schedule.stages, dtype == FP8,
+                           consumers=schedule.consumers)
+        if smem > SMEM_LIMIT:
+            raise ValueError(f"{where} needs {smem} bytes of shared memory, more than "
+                             f"{SMEM_LIMIT}; write a new table with python -m ptxattn.tune")
+        return schedule
     return (SCHEDULES_FP8 if dtype == FP8 else SCHEDULES)[head_dim, causal]
 
 

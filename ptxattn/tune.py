@@ -8,7 +8,8 @@ What is searched: the fields of ``hopper.Schedule`` (keys per K/V tile, ring sta
 three consumer warpgroups, persistent grid, L2 sections, the stale-max softmax for 16-bit inputs,
 Q in registers for FP8), for every (family, dtype, head_dim, causal) asked for, and picked per
 seqlen_k bucket (``tune_table``). ``--quick`` tries the built-in schedule and its neighbours
-(each field moved one step); otherwise every combination is tried.
+(each field moved one step); otherwise every combination is tried; the shipped table's schedules
+for the key are always tried too. A run writes its keys into the table and keeps the others.
 
 1. Pruned on the CPU, with the accounting of ../shared seed 002 as the kernel does it
    (``Sm90Config`` in ptx_src/mainloop_sm90.cuh): shared memory (``hopper._smem_bytes`` against
@@ -37,9 +38,10 @@ seqlen_k bucket (``tune_table``). ``--quick`` tries the built-in schedule and it
 --dtypes (default: bfloat16) gets the measured one's winners, compiled for it as well.
 FP8 keys are measured with bfloat16 output and hold for float16 output too.
 
-The table written holds the keys of this run; a lookup of any other key falls through to the
-next table (``tune_table``: PTXATTN_TUNE_TABLE, the user's, the shipped one, the built-in
-schedules). Without --output it is the user's table, ``<compile cache>/tuned/<arch>.json``.
+The table written holds the keys of this run and keeps the other keys it held; a lookup of
+any key it lacks falls through to the next table (``tune_table``: PTXATTN_TUNE_TABLE, the
+user's, the shipped one, the built-in schedules). Without --output it is the user's table,
+``<compile cache>/tuned/<arch>.json``.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import multiprocessing
 import os
 import sys
 import time
+from pathlib import Path
 
 from . import hopper, kernels, runtime, tune_table
 from .hopper import Schedule
@@ -149,7 +152,16 @@ def cpu_problem(target: Target, s: Schedule) -> str | None:
 
 def candidates(target: Target, quick: bool) -> list[Schedule]:
     """The schedules to try, the built-in one first: its neighbours (--quick) or every
-    combination of the fields."""
+    combination of the fields, and always the shipped table's schedules for the target, so that
+    a user's table, which a lookup reads first, never holds a slower schedule than the shipped
+    one would have given."""
+    family, dtype = hopper.tune_key(target.dtype)
+    shipped = [Schedule(**fields) for fields in
+               tune_table.shipped(ARCH, family, dtype, target.head_dim, target.causal).values()]
+    return list(dict.fromkeys(_searched(target, quick) + shipped))
+
+
+def _searched(target: Target, quick: bool) -> list[Schedule]:
     base = target.builtin
     if not quick:
         # The stale-max softmax is for 16-bit inputs (FP8 keeps the exact running max), Q in
@@ -470,7 +482,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m ptxattn.tune", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help="only the built-in schedule and its neighbours")
+                        help="only the built-in schedule, its neighbours and the shipped table's")
     parser.add_argument("--dry-run", action="store_true",
                         help="no GPU: print the candidates and why each was dropped (compiles)")
     parser.add_argument("--output", help="the table to write (default: the user's, "
@@ -552,11 +564,26 @@ def main(argv: list[str] | None = None) -> int:
             entries += [table_entry(outcome, other) for other in hopper.DTYPES
                         if other != dtype and other not in measured_16bit]
     print_summary(outcomes)
-    output = args.output or tune_table.user_path(ARCH)
+    output = Path(args.output) if args.output else tune_table.user_path(ARCH)
+    entries = merged_entries(output, entries)
     tune_table.write(output, table(entries, device, command))
     print(f"wrote {len(entries)} entries to {output} ({time.perf_counter() - start:.0f} s "
           f"on the GPU)")
     return 0
+
+
+def merged_entries(output: Path, entries: list[dict]) -> list[dict]:
+    """``entries`` and the entries for other keys already in ``output`` (one of this arch that
+    this ptxattn reads), so that a narrowed run (--head-dims, --fp8, --buckets ...) replaces
+    only its own keys."""
+    try:
+        earlier = tune_table.read(output) if output.is_file() else None
+    except ValueError:
+        earlier = None
+    if earlier is None or earlier["arch"] != ARCH:
+        return entries
+    new_keys = {tune_table.entry_key(e) for e in entries}
+    return [e for e in earlier["entries"] if tune_table.entry_key(e) not in new_keys] + entries
 
 
 def print_summary(outcomes: list[Outcome]) -> None:

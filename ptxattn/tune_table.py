@@ -10,7 +10,10 @@ call's key, in this order:
 3. the one shipped with the package, ``ptxattn/tuned/<arch>.json``;
 
 and otherwise from the schedules built into the launcher (``hopper.SCHEDULES``). Each table is
-read once per process, on the first call that needs it.
+read once per process, on the first call that needs it. A ``$PTXATTN_TUNE_TABLE`` that names no
+file, or a table that cannot be read, is an error naming it; except the user's own, which is
+skipped with a warning, so that a table a newer ptxattn no longer reads blocks neither calls nor
+``python -m ptxattn.tune``, which writes a new one.
 
 A key is (arch, family, dtype, head_dim, causal, bucket). Families: "hopper" (16-bit inputs,
 dtype "bfloat16" or "float16") and "hopper-fp8" (e4m3 inputs, dtype "e4m3" whatever the output
@@ -35,6 +38,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import warnings
 from pathlib import Path
 
 from . import runtime
@@ -130,7 +134,18 @@ def _schedules_in(path: Path, arch: str) -> dict[tuple, dict]:
 
 @functools.cache
 def _tables(arch: str) -> tuple[dict[tuple, dict], ...]:
-    return tuple(_schedules_in(path, arch) for path in table_paths(arch))
+    named = os.environ.get(ENV_VAR)
+    if named and not table_paths(arch)[0].is_file():
+        raise ValueError(f"${ENV_VAR} = {named!r} names no file")
+    tables = []
+    for path in table_paths(arch):
+        try:
+            tables.append(_schedules_in(path, arch))
+        except ValueError as err:
+            if path != user_path(arch):
+                raise
+            warnings.warn(f"{err}; skipped", RuntimeWarning, stacklevel=2)
+    return tuple(tables)
 
 
 def lookup(arch: str, family: str, dtype: str, head_dim: int, causal: bool,

@@ -153,6 +153,13 @@ def ratio_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def backward_plot_rows(results: list[dict]) -> list[dict]:
+    """The --backward results as plot_rows takes them: the shape and each runner's backward
+    TFLOP/s."""
+    return [dict({f: row[f] for f in SHAPE_FIELDS if f in row}, **row["backward"])
+            for row in results]
+
+
 def flops(cfg: dict) -> float:
     return attention_flops(cfg["batch"], cfg["heads"], cfg["seqlen"], cfg["seqlen"],
                            cfg["head_dim"], cfg["causal"])
@@ -434,7 +441,7 @@ def backward_main(args) -> int:
             json.dump({"device": props["name"].decode(), "arch": arch, "dtype": args.dtype,
                        "unit": "TFLOP/s", "results": results}, f, indent=1)
     if args.plot:
-        plot_rows([dict({f: row[f] for f in SHAPE_FIELDS}, **row["backward"]) for row in results],
+        plot_rows(backward_plot_rows(results),
                   args.plot, f"{props['name'].decode()} ({arch}), {args.dtype}, backward")
     return 0
 
@@ -642,6 +649,9 @@ def main(argv=None) -> int:
                              "against FlashAttention-3 and cuDNN on (TARGET_SHAPES, GQA "
                              "included), each with its ratio to the best peer")
     args = parser.parse_args(argv)
+    if args.grid != "sweep" and (args.backward or args.serving or args.quick):
+        parser.error("--grid targets is a forward grid of its own: not with --backward, "
+                     "--serving or --quick")
     if args.plot:
         if args.serving:
             parser.error("--plot draws the forward or --backward sweep, not --serving")

@@ -52,3 +52,20 @@ def test_plot_refuses_the_serving_run(capsys):
     with pytest.raises(SystemExit):
         _profile_script().main(["--serving", "--plot", "out.png"])
     assert "--plot draws the forward or --backward sweep" in capsys.readouterr().err
+
+
+def test_backward_rows_plot_without_the_forward_grids_fields():
+    """--backward rows have no heads_kv (the targets grid's GQA field): plotting them must not
+    ask for it."""
+    script = _profile_script()
+    results = [dict(cfg, backward={"ptxattn-hopper": 400.0, "torch-sdpa-cudnn": None})
+               for cfg in script.backward_configs(quick=True)]
+    rows = script.backward_plot_rows(results)
+    assert [row["head_dim"] for row in rows] == [cfg["head_dim"] for cfg in results]
+    assert all("heads_kv" not in row and row["ptxattn-hopper"] == 400.0 for row in rows)
+
+
+def test_the_targets_grid_is_refused_with_another_run(capsys):
+    with pytest.raises(SystemExit):
+        _profile_script().main(["--grid", "targets", "--backward"])
+    assert "--grid targets is a forward grid of its own" in capsys.readouterr().err

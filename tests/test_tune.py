@@ -148,6 +148,39 @@ def test_a_malformed_table_names_its_file(tables, monkeypatch):
         _write(named, [_entry(128, False, "huge", A)])
 
 
+def test_a_tune_table_variable_naming_no_file_is_an_error(tables, monkeypatch):
+    monkeypatch.setenv(tune_table.ENV_VAR, str(tables / "typo.json"))
+    _reread()
+    with pytest.raises(ValueError, match=r"PTXATTN_TUNE_TABLE = .*typo.json.* names no file"):
+        hopper.variant("bfloat16", 128, False)
+
+
+def test_a_user_table_this_ptxattn_cannot_read_is_skipped_with_a_warning(tables):
+    """Else a table of an older format would block every call, and the tuner that rewrites it."""
+    _write(tune_table.shipped_path("sm_90a"), [_entry(128, False, "medium", A)])
+    user = tune_table.user_path("sm_90a")
+    user.parent.mkdir(parents=True, exist_ok=True)
+    user.write_text(json.dumps({"version": 0, "arch": "sm_90a", "entries": []}))
+    _reread()
+    with pytest.warns(RuntimeWarning, match=r"version 0.*skipped"):
+        assert hopper.variant("bfloat16", 128, False).block_n == A.block_n
+
+
+@pytest.mark.parametrize("schedule, message", [
+    ({**dataclasses.asdict(A), "warps": 4}, "unexpected keyword argument 'warps'"),
+    (dataclasses.asdict(Schedule(192, 3, persistent=True, l2_sections=False)),
+     "needs 3[0-9]{5} bytes of shared memory"),
+])
+def test_a_table_schedule_that_cannot_run_is_an_error_naming_the_tables(tables, monkeypatch,
+                                                                        schedule, message):
+    named = tables / "mine.json"
+    _write(named, [dict(_entry(128, False, "medium", A), schedule=schedule)])
+    monkeypatch.setenv(tune_table.ENV_VAR, str(named))
+    _reread()
+    with pytest.raises(ValueError, match=rf"{message}.*python -m ptxattn.tune"):
+        hopper.variant("bfloat16", 128, False)
+
+
 # ---------------------------------------------------------------------------------------------
 # The shipped table and the variants CI compiles
 
@@ -316,3 +349,23 @@ def test_quick_tuning_of_an_fp8_key(tables, capsys):
     assert (entry["family"], entry["dtype"], entry["measured_dtype"]) == (
         "hopper-fp8", "e4m3", "e4m3")
     assert entry["tflops"] > 0
+
+
+def test_the_shipped_schedules_are_always_candidates(tables):
+    """A user's table is read before the shipped one: a run that never tried the shipped
+    schedule could write a slower one over it."""
+    far = Schedule(64, 4, persistent=False, l2_sections=True, consumers=2)
+    _write(tune_table.shipped_path("sm_90a"), [_entry(128, True, "long", far)])
+    target = tune.Target("bfloat16", 128, True)
+    assert far not in tune._searched(target, quick=True)
+    assert far in tune.candidates(target, quick=True)
+
+
+def test_a_narrowed_run_keeps_the_table_s_other_keys(tables):
+    output = tables / "mine.json"
+    _write(output, [_entry(128, False, "medium", A), _entry(64, False, "medium", B)])
+    merged = tune.merged_entries(output, [_entry(128, False, "medium", C)])
+    got = {tune_table.entry_key(e): e["schedule"] for e in merged}
+    assert got == {("hopper", "bfloat16", 128, False, "medium"): dataclasses.asdict(C),
+                   ("hopper", "bfloat16", 64, False, "medium"): dataclasses.asdict(B)}
+    assert tune.merged_entries(tables / "absent.json", merged) == merged
