@@ -110,7 +110,7 @@ def _smem_bytes(head_dim: int, block_n: int, stages: int, fp8: bool = False,
     if fp8:  # Q, K, V, and V transposed in regions of up to 128 keys; two more barriers a stage
         vt_bytes = -(-block_n // 128) * head_dim * min(block_n, 128)
         tiles = (block_m + 2 * stages * block_n) * head_dim + stages * vt_bytes
-        barriers = 8 * (2 + 6 * stages) + 128
+        barriers = 8 * (2 + 6 * stages) + 128  # + the Vt ring's; mailbox and v_end as below
     else:
         tiles = (block_m + 2 * stages * block_n) * head_dim * 2
         barriers = 8 * (2 + 4 * stages) + 128  # + the tile mailbox (two TileWork slots) and v_end

@@ -43,7 +43,9 @@ def all_variants(arch: str) -> list[runtime.KernelSpec]:
     return specs
 
 
-def _row(spec: runtime.KernelSpec, arch: str) -> dict:
+def budget_row(spec: runtime.KernelSpec, arch: str) -> dict:
+    """One variant compiled for ``arch``: its registers, spills, shared memory and whether
+    ptxas serialized its wgmmas, or the error that stopped it (budget_problems reads it)."""
     try:
         compiled = runtime.compile(spec, arch)
         return {"name": spec.name, "arch": arch, "registers": compiled.reported().registers,
@@ -66,9 +68,9 @@ def _warm_one(spec: runtime.KernelSpec, arch: str) -> dict:
     return {"name": spec.name, "compiled": runtime.compile_counts["nvrtc"] - before}
 
 
-def _each(work: Callable[[runtime.KernelSpec, str], dict], specs: list[runtime.KernelSpec],
-          arch: str, jobs: int, on_done: Callable[[int], None] | None = None,
-          mp_context=None) -> list[dict]:
+def for_each_spec(work: Callable[[runtime.KernelSpec, str], dict],
+                  specs: list[runtime.KernelSpec], arch: str, jobs: int,
+                  on_done: Callable[[int], None] | None = None, mp_context=None) -> list[dict]:
     """work(spec, arch) for every spec, in `jobs` processes (0: in this one) started by
     `mp_context` (default: the platform's), in the order of specs; on_done(number finished)
     after each."""
@@ -87,7 +89,7 @@ def _each(work: Callable[[runtime.KernelSpec, str], dict], specs: list[runtime.K
         return [future.result() for future in futures]
 
 
-def _draw_progress(done: int, total: int, width: int = 40) -> None:
+def draw_progress(done: int, total: int, width: int = 40) -> None:
     filled = width * done // total
     end = "\n" if done == total else ""
     print(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end=end, flush=True)
@@ -104,8 +106,8 @@ def warm(arch: str, jobs: int) -> int:
         return 1
     specs = all_variants(arch)
     start = time.perf_counter()
-    on_done = (lambda done: _draw_progress(done, len(specs))) if sys.stdout.isatty() else None
-    rows = _each(_warm_one, specs, arch, jobs, on_done)
+    on_done = (lambda done: draw_progress(done, len(specs))) if sys.stdout.isatty() else None
+    rows = for_each_spec(_warm_one, specs, arch, jobs, on_done)
     failed = [row for row in rows if "error" in row]
     compiled = sum(row["compiled"] for row in rows)
     print(f"{arch}, {root}: {compiled} of {len(specs)} variants compiled by NVRTC, "
@@ -116,7 +118,8 @@ def warm(arch: str, jobs: int) -> int:
     return 1 if failed else 0
 
 
-def _problems(row: dict) -> list[str]:
+def budget_problems(row: dict) -> list[str]:
+    """What keeps a budget_row from passing the CLI's checks (none: it passes)."""
     if "error" in row:
         return ["does not compile, or has no ptxas report"]
     found = []
@@ -146,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.warm:
         return warm(args.arch, (os.cpu_count() or 1) if args.jobs is None else args.jobs)
     specs = all_variants(args.arch)
-    rows = _each(_row, specs, args.arch, 2 if args.jobs is None else args.jobs)
+    rows = for_each_spec(budget_row, specs, args.arch, 2 if args.jobs is None else args.jobs)
 
-    failures = [(row, problem) for row in rows for problem in _problems(row)]
+    failures = [(row, problem) for row in rows for problem in budget_problems(row)]
     if args.json:
         print(json.dumps(rows, indent=1))
     else:

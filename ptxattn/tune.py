@@ -235,12 +235,12 @@ def plan(targets: list[Target], quick: bool, jobs: int) -> list[Plan]:
     print(f"compiling {len(specs)} kernels in {jobs} processes (those in the compile cache "
           f"{runtime.cache_dir()} are read from it)", flush=True)
     start = time.perf_counter()
-    on_done = ((lambda done: kernels._draw_progress(done, len(specs)))
+    on_done = ((lambda done: kernels.draw_progress(done, len(specs)))
                if sys.stdout.isatty() and specs else None)
     # Spawned, not forked: a process that already runs CUDA (tests, notebooks) has threads,
     # which a fork would copy in whatever state they are.
-    rows = dict(zip(specs, kernels._each(_budget_row, specs, ARCH, jobs, on_done,
-                                         multiprocessing.get_context("spawn"))))
+    rows = dict(zip(specs, kernels.for_each_spec(_budget_row, specs, ARCH, jobs, on_done,
+                                                 multiprocessing.get_context("spawn"))))
     unchecked = sum(bool(row.get("unchecked")) for row in rows.values())
     print(f"compiled in {time.perf_counter() - start:.0f} s" + (
         f"; NVRTC {runtime.nvrtc_version()} gave no ptxas report for {unchecked}, whose spills "
@@ -248,7 +248,8 @@ def plan(targets: list[Target], quick: bool, jobs: int) -> list[Plan]:
     by_target = {p.target: p for p in plans}
     for (target, build), build_kernels in needs.items():
         problems = [f"{spec.name}: {problem}" for spec in build_kernels
-                    if not rows[spec].get("unchecked") for problem in kernels._problems(rows[spec])]
+                    if not rows[spec].get("unchecked")
+                    for problem in kernels.budget_problems(rows[spec])]
         by_target[target].dropped[build] = "; ".join(problems) or None
     return plans
 
@@ -263,7 +264,7 @@ def _budget_row(spec: runtime.KernelSpec, arch: str) -> dict:
         pass  # the row says so
     except runtime.PtxattnError:
         return {"name": spec.name, "arch": arch, "unchecked": True}
-    return kernels._row(spec, arch)
+    return kernels.budget_row(spec, arch)
 
 
 def print_plan(plans: list[Plan]) -> None:
