@@ -4,7 +4,8 @@
 the Hopper launcher (``hopper.variant``) takes its schedule from the first table that has the
 call's key, in this order:
 
-1. the file ``$PTXATTN_TUNE_TABLE`` names;
+1. the file ``$PTXATTN_TUNE_TABLE`` names (the value ``builtin``: no table at all, the built-in
+   schedules for every call, as an A/B of kernel code wants);
 2. the user's own: ``<compile cache>/tuned/<arch>.json`` (``runtime.cache_dir()``), which
    ``python -m ptxattn.tune`` writes when given no ``--output``;
 3. the one shipped with the package, ``ptxattn/tuned/<arch>.json``;
@@ -45,6 +46,7 @@ from . import runtime
 
 VERSION = 1
 ENV_VAR = "PTXATTN_TUNE_TABLE"
+BUILTIN_ONLY = "builtin"  # the value of ENV_VAR that turns every table off
 SHIPPED_DIR = Path(__file__).resolve().parent / "tuned"
 
 # seqlen_k buckets: (name, largest seqlen_k in it); the last one takes every longer sequence.
@@ -135,6 +137,8 @@ def _schedules_in(path: Path, arch: str) -> dict[tuple, dict]:
 @functools.cache
 def _tables(arch: str) -> tuple[dict[tuple, dict], ...]:
     named = os.environ.get(ENV_VAR)
+    if named == BUILTIN_ONLY:
+        return ()
     if named and not table_paths(arch)[0].is_file():
         raise ValueError(f"${ENV_VAR} = {named!r} names no file")
     tables = []

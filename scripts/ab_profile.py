@@ -6,7 +6,9 @@
 DIR is another checkout of ptxattn (for example ``git worktree add DIR <commit>``); its package
 is imported as ``ptxattn_before``, so both versions run in the same process on the same inputs,
 timed in alternating rounds (ptxattn.timing.time_ms_interleaved): the way to show that a
-restructure costs no speed. Rows are scripts/profile.py's; each family (Hopper bf16, Hopper FP8
+restructure costs no speed. Both run the built-in tile schedules (PTXATTN_TUNE_TABLE=builtin),
+so that a tuning table on this machine does not make the comparison one of schedules; --tuned
+lets the current checkout read its tables. Rows are scripts/profile.py's; each family (Hopper bf16, Hopper FP8
 with head scales, portable) is called through its launcher module in both versions. Prints
 TFLOP/s of both and the ratio after / before.
 """
@@ -97,7 +99,11 @@ def main(argv=None) -> int:
                                        "suffix for causal, comma-separated (e.g. 4x4096x16x128c)")
     parser.add_argument("--families", help="only these families, comma-separated (hopper, "
                                            "fp8-head, portable)")
+    parser.add_argument("--tuned", action="store_true",
+                        help="let the current checkout take its schedules from the tuning tables")
     args = parser.parse_args(argv)
+    if not args.tuned:
+        os.environ["PTXATTN_TUNE_TABLE"] = "builtin"
 
     import cupy
 

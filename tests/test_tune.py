@@ -369,3 +369,10 @@ def test_a_narrowed_run_keeps_the_table_s_other_keys(tables):
     assert got == {("hopper", "bfloat16", 128, False, "medium"): dataclasses.asdict(C),
                    ("hopper", "bfloat16", 64, False, "medium"): dataclasses.asdict(B)}
     assert tune.merged_entries(tables / "absent.json", merged) == merged
+
+
+def test_builtin_turns_every_table_off(tables, monkeypatch):
+    _write(tune_table.shipped_path("sm_90a"), [_entry(128, False, "medium", A)])
+    monkeypatch.setenv(tune_table.ENV_VAR, tune_table.BUILTIN_ONLY)
+    _reread()
+    assert hopper.variant("bfloat16", 128, False).block_n == hopper.SCHEDULES[128, False].block_n
