@@ -117,6 +117,13 @@ def _smem_bytes(head_dim: int, block_n: int, stages: int, fp8: bool = False,
     return tiles + out + barriers + 1024  # + alignment of the base to the 1024-byte swizzle atom
 
 
+def schedule_smem_bytes(head_dim: int, schedule: Schedule, fp8: bool) -> int:
+    """The least shared memory a schedule's kernel needs (the output not staged): above
+    SMEM_LIMIT it cannot run."""
+    return _smem_bytes(head_dim, schedule.block_n, schedule.stages, fp8,
+                       consumers=schedule.consumers)
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """The template arguments of one ``attn_fwd_sm90<Sm90Config<...>>`` instantiation
@@ -222,19 +229,18 @@ def _schedule(dtype: str, head_dim: int, causal: bool, seqlen_k: int | None,
         return SCHEDULES_SERVING[head_dim, causal]
     tuned = tune_table.lookup(ARCHS[0], *tune_key(dtype), head_dim, causal, seqlen_k)
     if tuned is not None:
-        where = (f"the tuning table's schedule {tuned!r} for {tune_key(dtype)}, head_dim "
-                 f"{head_dim}, causal={causal} (tables: "
-                 f"{', '.join(map(str, tune_table.table_paths(ARCHS[0])))})")
+        def refuse(problem: str) -> ValueError:
+            tables = ", ".join(map(str, tune_table.table_paths(ARCHS[0])))
+            return ValueError(f"the tuning table's schedule {tuned!r} for {tune_key(dtype)}, "
+                              f"head_dim {head_dim}, causal={causal} (tables: {tables}) "
+                              f"{problem}; write a new table with python -m ptxattn.tune")
         try:
             schedule = Schedule(**tuned)
         except TypeError as err:
-            raise ValueError(f"{where}: {err}; write a new table with python -m ptxattn.tune") \
-                from err
-        smem = _smem_bytes(head_dim, schedule.block_n, schedule.stages, dtype == FP8,
-                           consumers=schedule.consumers)
+            raise refuse(f"does not fit: {err}") from err
+        smem = schedule_smem_bytes(head_dim, schedule, dtype == FP8)
         if smem > SMEM_LIMIT:
-            raise ValueError(f"{where} needs {smem} bytes of shared memory, more than "
-                             f"{SMEM_LIMIT}; write a new table with python -m ptxattn.tune")
+            raise refuse(f"needs {smem} bytes of shared memory, more than {SMEM_LIMIT}")
         return schedule
     return (SCHEDULES_FP8 if dtype == FP8 else SCHEDULES)[head_dim, causal]
 

@@ -12,8 +12,8 @@ seqlen_k bucket (``tune_table``). ``--quick`` tries the built-in schedule and it
 for the key are always tried too. A run writes its keys into the table and keeps the others.
 
 1. Pruned on the CPU, with the accounting of ../shared seed 002 as the kernel does it
-   (``Sm90Config`` in ptx_src/mainloop_sm90.cuh): shared memory (``hopper._smem_bytes`` against
-   ``hopper.SMEM_LIMIT``), then a register estimate per consumer thread (the S, P, O and Q
+   (``Sm90Config`` in ptx_src/mainloop_sm90.cuh): shared memory
+   (``hopper.schedule_smem_bytes`` against ``hopper.SMEM_LIMIT``), then a register estimate per consumer thread (the S, P, O and Q
    fragments against what setmaxnreg gives a consumer thread, less seed 002's allowance for
    everything else). A schedule over the estimate spills; one under it may still spill.
 2. The survivors compiled by NVRTC in a process pool (the compile cache keeps them); a build
@@ -140,8 +140,7 @@ def register_estimate(target: Target, s: Schedule) -> tuple[int, int]:
 
 def cpu_problem(target: Target, s: Schedule) -> str | None:
     """Why ``s`` cannot run well for ``target`` by the accounting alone, or None."""
-    smem = hopper._smem_bytes(target.head_dim, s.block_n, s.stages, target.fp8,
-                              staged_out=False, consumers=s.consumers)
+    smem = hopper.schedule_smem_bytes(target.head_dim, s, target.fp8)
     if smem > hopper.SMEM_LIMIT:
         return f"shared memory {smem} B > {hopper.SMEM_LIMIT} B"
     fragments, budget = register_estimate(target, s)
