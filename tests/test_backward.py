@@ -105,6 +105,41 @@ def test_grouped_query_heads(backend, group, head_dim, causal, rng):
     _assert_close(grads, dout, q, k, v, causal=causal)
 
 
+def _portable_tiles():
+    from ptxattn import portable
+    return [(head_dim, tile) for head_dim, tiles in portable.BWD_TILES.items()
+            for _, tile in tiles]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim,tile", _portable_tiles(),
+                         ids=lambda x: x.label() if hasattr(x, "label") else f"d{x}")
+def test_every_portable_tile_runs_here(head_dim, tile, causal, rng):
+    """Each portable backward tile, also those chosen for other GPUs (sm_80's, the 99 KB
+    archs'), forced on this one where its shared memory fits: their warp grids are otherwise
+    checked only on GPUs this suite may never see. Tails, GQA and seqlen_q != seqlen_k."""
+    import cupy
+    import ptxattn
+    from ptxattn import archs, portable
+    from ptxattn.problem import AttentionProblem
+    from ptxattn.runtime import device_arch
+
+    arch = device_arch()
+    if arch not in portable.ARCHS:
+        pytest.skip(f"the portable family does not run on {arch}")
+    if tile.smem_bytes(head_dim) > archs.get(arch).smem_per_block:
+        pytest.skip(f"{tile.label()} needs more shared memory than {arch} has")
+    q = _random((2, 257, 4, head_dim), "bfloat16", rng)
+    k = _random((2, 300, 2, head_dim), "bfloat16", rng)
+    v = _random((2, 300, 2, head_dim), "bfloat16", rng)
+    dout = _random((2, 257, 4, head_dim), "bfloat16", rng)
+    out, lse = ptxattn.attention(q, k, v, causal=causal, return_lse=True)
+    problem = AttentionProblem.from_backward(dout, q, k, v, out, lse, causal=causal)
+    grads = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
+    portable.backward(problem, dout, q, k, v, out, lse, *grads, deterministic=False, tile=tile)
+    _assert_close(grads, dout, q, k, v, causal=causal)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_strided_inputs_gradients_and_dout(backend, causal, rng):
