@@ -255,7 +255,8 @@ def torch_runners() -> dict:
 
 def fa3_runners() -> dict:
     """FlashAttention-3's forward from the fa3-fwd wheel: bf16, and FP8 e4m3 (q, k, v quantized
-    once per input set with per-(batch, head) descales, bf16 output, as ptxattn-fp8-head)."""
+    once per input set with per-(batch, head) descales, bf16 output, as ptxattn-fp8-head; with
+    GQA, FA3 takes one q descale per kv head, so q's is the largest of its group's heads)."""
     try:
         import fa3_fwd_config
         import torch
@@ -269,11 +270,14 @@ def fa3_runners() -> dict:
         return flash_attn_func(q, k, v, causal=causal)
 
     def quantize(q, k, v):
-        def per_head(x):
-            scale = (x.abs().amax(dim=(1, 3)).float() / 448.0).clamp_min(1e-12)
-            x8 = (x.float() / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+        def per_head(x, group=1):
+            amax = x.abs().amax(dim=(1, 3)).float()
+            scale = (amax.unflatten(1, (-1, group)).amax(dim=2) / 448.0).clamp_min(1e-12)
+            per_row_head = scale.repeat_interleave(group, dim=1)
+            x8 = (x.float() / per_row_head[:, None, :, None]).to(torch.float8_e4m3fn)
             return x8, scale.contiguous()
-        (q8, qd), (k8, kd), (v8, vd) = (per_head(x) for x in (q, k, v))
+        (q8, qd) = per_head(q, q.shape[2] // k.shape[2])
+        (k8, kd), (v8, vd) = (per_head(x) for x in (k, v))
         return q8, k8, v8, qd, kd, vd
 
     def fp8(operands, causal):
