@@ -276,7 +276,7 @@ def fa3_runners() -> dict:
             per_row_head = scale.repeat_interleave(group, dim=1)
             x8 = (x.float() / per_row_head[:, None, :, None]).to(torch.float8_e4m3fn)
             return x8, scale.contiguous()
-        (q8, qd) = per_head(q, q.shape[2] // k.shape[2])
+        q8, qd = per_head(q, q.shape[2] // k.shape[2])
         (k8, kd), (v8, vd) = (per_head(x) for x in (k, v))
         return q8, k8, v8, qd, kd, vd
 
