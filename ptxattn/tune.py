@@ -259,8 +259,8 @@ def _budget_row(spec: runtime.KernelSpec, arch: str) -> dict:
     NVRTC 13.0 leaves out of some logs: it may run, but its budgets cannot be read."""
     try:
         runtime.compile(spec, arch).reported()
-    except runtime.CompileError:
-        pass  # the row says so
+    except runtime.CompileError as err:  # kernels.budget_row's row, without compiling again
+        return {"name": spec.name, "arch": arch, "error": err.log}
     except runtime.PtxattnError:
         return {"name": spec.name, "arch": arch, "unchecked": True}
     return kernels.budget_row(spec, arch)
@@ -340,7 +340,7 @@ class ShapeRun:
                 continue
             launch = hopper.launcher(q, k, v, out, lse, causal=target.causal,
                                      softmax_scale=target.head_dim ** -0.5, descales=descales,
-                                     **_launch_overrides(target, s, shape))
+                                     **dict(self.key[s]))
             out.fill(float("nan"))
             launch()
             result = out.astype(cupy.float32)
