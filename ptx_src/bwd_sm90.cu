@@ -12,7 +12,8 @@
 //                 warp 1 adds each step's dQ at head_dim 128 and with deterministic sums
 //                 (then in the tile's turn);
 //   warpgroups 1-2 the consumers: 64 keys each, the step's five GEMMs, dQ added into the FP32
-//                 accumulator, and at the end dK and dV written from registers.
+//                 accumulator, and at the end dK and dV staged in shared memory and written by
+//                 TMA stores (mainloop_bwd_sm90.cuh).
 // The launcher (ptxattn/hopper_backward.py) instantiates attn_bwd_sm90<BwdSm90Config<...>> by
 // name; every runtime argument is in BwdParams (params.cuh), whose q/k/v/dout maps are 4-d with
 // coordinates (d, head, row, batch) and boxes of 64 columns x kBlockM (q, dout) or 128 (k, v)

@@ -7,17 +7,13 @@
 // order therefore starts long causal tiles first and lets short ones fill the tail
 // (longest-processing-time first). section_heads = 1 is plain pair-by-pair order.
 //
-// A scheduler gives each thread block a sequence of tile indices, ending with one at or past
-// num_tiles(). Its interface is what a kernel's warps call:
-//   next()            the producer (or, with no producer, every thread): the block's next tile,
-//                     its first on the first call;
-//   receive()         every other warp: the same sequence, as the producer took it (and, with a
-//                     mailbox, release() once done with it).
-// GridTiles: one block per tile (tile = blockIdx.x). PersistentTiles: fewer blocks than tiles,
-// each going through them in a static stride or, given a counter, dynamically: each next tile
-// is the next unclaimed index, so blocks that drew short (causal) tiles take more of them; the
-// producer thread passes each tile, resolved, to the other warps through a two-slot mailbox in
-// shared memory. A varlen or split-KV scheduler implements the same calls over its own numbering.
+// A scheduler gives each thread block a sequence of tiles, ending with one at or past
+// num_tiles(). GridTiles: one block per tile (tile = blockIdx.x), its indices through next(n)
+// and receive(n). PersistentTiles: fewer blocks than tiles, each going through them in a static
+// stride or, given a counter, dynamically: each next tile is the next unclaimed index, so blocks
+// that drew short (causal) tiles take more of them. Its producer thread claims a tile and
+// resolves it into the kernel's Work (next(n, resolve)); the other warps get that Work through a
+// two-slot mailbox in shared memory (receive()) and free the slot when done (release()).
 #pragma once
 #include "common.cuh"
 #include "mbarrier.cuh"
@@ -150,9 +146,9 @@ struct PersistentTiles {
 //               come in the order the blocks reach it: block l at step (m - l r) mod
 //               num_m_blocks, after every block of the groups before. A block may wait for a
 //               later block of its own group, which can be resident beside it, so the wait ends.
-//               (In index order, as before, block n waited n steps at its first tile, and every
-//               block after it as long: a quarter to a half of a head's time.) With fewer tiles
-//               than the group's blocks, the tiles are walked from 0 in index order.
+//               (In index order block n would wait n steps at its first tile, and every block
+//               after it as long: a quarter to a half of a head's time.) With fewer tiles than
+//               the group's blocks, the tiles are walked from 0 in index order.
 // Without deterministic sums, blocks walk from their first tile in index order, or, non-causal
 // and asked to (`staggered`), round from the same staggered starts as above, so that at any
 // step the blocks of a head add into different tiles' dQ rather than all into tile 0, then all
