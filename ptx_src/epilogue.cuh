@@ -111,21 +111,23 @@ __device__ __forceinline__ void store_staged_rows(const uint8_t* smem, TileOffse
     }
 }
 
-// Staged path for one warpgroup's 64 x kHeadDim output tile, in `staging` (kBytes of shared
+// Staged path for one warpgroup's 64 x kCols output tile, in `staging` (kBytes of shared
 // memory, 1024-byte aligned). `barrier_id` is a named barrier for the warpgroup's 128 threads.
-template <int kHeadDim, bool kBf16>
+template <int kCols, bool kBf16>
 struct StagedTmaStore {
     static constexpr uint32_t kSlabBytes = 64 * 128;
-    static constexpr uint32_t kBytes = kSlabBytes * (kHeadDim / 64);
+    static constexpr uint32_t kBytes = kSlabBytes * (kCols / 64);
 
     uint8_t* staging;
     uint32_t barrier_id;
 
     // o in the accumulator layout of a 64-row wgmma tile; row h of the thread scaled by
-    // factor[h]. The thread of warpgroup index 0 then issues the stores at (row0 of the tile).
-    __device__ __forceinline__ void store(const float (&o)[kHeadDim / 8][4],
+    // factor[h]. The thread of warpgroup index 0 then issues the stores at (row0 of the tile,
+    // column col0).
+    __device__ __forceinline__ void store(const float (&o)[kCols / 8][4],
                                           const float (&factor)[2], const TensorMap* map,
-                                          int head, int tile_row0, int batch) const {
+                                          int head, int tile_row0, int batch,
+                                          int col0 = 0) const {
         const int wg_thread = threadIdx.x % 128;
         const int lane = threadIdx.x % 32;
         const bool issuer = wg_thread == 0;
@@ -135,7 +137,7 @@ struct StagedTmaStore {
         // Column chunks i and i + 1 of the warp's 16 rows (x4_row); 8 chunks a 64-column slab.
         const int row = 16 * (wg_thread / 32) + x4_row(lane);
 #pragma unroll
-        for (int i = 0; i < kHeadDim / 8; i += 2) {
+        for (int i = 0; i < kCols / 8; i += 2) {
             const int chunk = i + lane / 16;
             const uint32_t addr = smem_addr(staging + (chunk / 8) * kSlabBytes +
                                             swizzled_offset<128>(row, chunk % 8));
@@ -148,8 +150,9 @@ struct StagedTmaStore {
         named_barrier_sync(barrier_id, 128);
         if (issuer) {
 #pragma unroll
-            for (int slab = 0; slab < kHeadDim / 64; ++slab) {
-                tma_store_4d(map, staging + slab * kSlabBytes, 64 * slab, head, tile_row0, batch);
+            for (int slab = 0; slab < kCols / 64; ++slab) {
+                tma_store_4d(map, staging + slab * kSlabBytes, col0 + 64 * slab, head, tile_row0,
+                             batch);
             }
             tma_store_commit();
         }

@@ -2,7 +2,9 @@
 // warpgroups' five GEMMs per query tile, on wgmma.
 //
 // A block owns kBlockN = 128 keys of one (batch, kv head); each of its two consumer warpgroups
-// holds 64 of them (one wgmma M) and keeps their dK and dV in registers. The producer thread
+// holds 64 of them (one wgmma M) and keeps their dK and dV in registers. At head_dim 256 a block
+// owns 64 keys, which both warpgroups hold, each keeping dK and dV for half of the columns
+// (BwdSm90Config::kSharedKeys). The producer thread
 // loads K and V once, then the (Q, dO) tile pair of every step (BwdSteps: each q head sharing
 // the kv head, over the query tiles that see the block's keys) into a ring of kStages slots.
 // Per step a warpgroup computes, with rows = its keys and columns = the tile's kBlockM queries:
@@ -18,13 +20,16 @@
 //                                shared memory and added by a TMA reduce (cp.reduce.async.bulk),
 //                                which runs on while the next step computes (issued by the
 //                                producer's writer warp at head_dim 128 and for
-//                                deterministic sums, there in the tile's turn)
+//                                deterministic sums, there in the tile's turn; at head_dim 256
+//                                by the consumer, in two rounds of 64 columns)
 // Computing S^T rather than S keeps both dV's and dK's A operand in registers, straight from
 // the accumulators; only dQ needs dS in shared memory. For dQ each warpgroup takes 64 columns:
 // head_dim 128 splits the columns (each warpgroup reads both warpgroups' dS, so they meet at a
 // named barrier), head_dim 64 splits the keys (each reads its own dS and the two add into the
-// same accumulator rows). dS is double-buffered: a warpgroup writes step i's buffer only after
-// the barrier of step i - 1, which both passed after finishing step i - 2's dQ, the last reader.
+// same accumulator rows), head_dim 256 gives each warpgroup 128 columns over the keys both hold
+// (each reads the dS it wrote itself). Split by columns, dS is double-buffered: a warpgroup
+// writes step i's buffer only after the barrier of step i - 1, which both passed after finishing
+// step i - 2's dQ, the last reader.
 // Each step's LSE (in log2 units) and D arrive with its Q and dO: the producer copies their
 // kBlockM rows from the workspace (bulk copies; the rows are padded to 128 there), so no consumer
 // waits on a global load (reading them with __ldg per thread cost 25% at head_dim 128).
@@ -46,13 +51,13 @@
 
 namespace ptxattn {
 
-// The compile-time shape of a Hopper backward kernel: kHeadDim 64 or 128; kBf16 the 16-bit
+// The compile-time shape of a Hopper backward kernel: kHeadDim 64, 128 or 256; kBf16 the 16-bit
 // type; kCausal; kBlockM query rows per step (64 or 128: the N of S^T and dP^T, whose SS wgmmas
 // read shared memory at the tensor cores' pace at N = 64 and at 3/4 of it at N = 128); kStages
-// the depth of the (Q, dO) ring; kDeterministic: dQ summed in a fixed order by the writer warp
-// (a build of its own: one kernel with both ways of summing ran 2-5% slower without, and
-// spilled at head_dim 64); kSmemBytes the dynamic shared memory the launcher requests (checked
-// against the layout below).
+// the depth of the (Q, dO) ring; kDeterministic: dQ summed in a fixed order by the writer warp,
+// or at head_dim 256 by each consumer warpgroup (a build of its own: one kernel with both ways
+// of summing ran 2-5% slower without, and spilled at head_dim 64); kSmemBytes the dynamic
+// shared memory the launcher requests (checked against the layout below).
 template <int HeadDim, bool Bf16, bool Causal, int BlockM, int Stages, bool Deterministic,
           int SmemBytes>
 struct BwdSm90Config {
@@ -65,36 +70,51 @@ struct BwdSm90Config {
     static constexpr uint32_t kSmemBytes = SmemBytes;
 
     static constexpr int kConsumers = 2;
-    static constexpr int kKeysPerConsumer = 64;  // one wgmma M
-    static constexpr int kBlockN = kConsumers * kKeysPerConsumer;
+    // head_dim 256 (kSharedKeys): dK and dV of 64 keys take 256 registers a thread at that
+    // width, so both consumer warpgroups work on the same 64 keys, each computing the same S^T
+    // and dP^T (7 GEMM units a step where 5 would do) and holding dK and dV, and adding dQ, for
+    // half of the columns. Otherwise each warpgroup owns 64 keys of the block, all columns.
+    static constexpr bool kSharedKeys = kHeadDim == 256;
+    static constexpr int kBlockN = kSharedKeys ? 64 : 64 * kConsumers;
+    static constexpr int kDkvCols = kSharedKeys ? kHeadDim / kConsumers : kHeadDim;
     static constexpr int kThreads = 128 * (1 + kConsumers);
     static constexpr int kConsumerWarps = 4 * kConsumers;
 
     // Tiles in shared memory: rows of head_dim in 128-byte swizzled slabs of 64 columns, one TMA
-    // box each; dS [kBlockM x kBlockN] in slabs of 64 keys, each written by one warpgroup.
+    // box each; dS [kBlockM x 64 keys] a slab per warpgroup, each written by it.
     static constexpr int kSlabs = kHeadDim / 64;
     static constexpr uint32_t kQSlabBytes = kBlockM * 128;
     static constexpr uint32_t kQBytes = kQSlabBytes * kSlabs;
     static constexpr uint32_t kKVSlabBytes = kBlockN * 128;
     static constexpr uint32_t kKVBytes = kKVSlabBytes * kSlabs;
     static constexpr uint32_t kDsSlabBytes = kBlockM * 128;
-    static constexpr uint32_t kDsBytes = kDsSlabBytes * (kBlockN / 64);
+    static constexpr uint32_t kDsBytes = kDsSlabBytes * kConsumers;
     static constexpr uint32_t kSwizzleAtomBytes = 1024;
     // A step's LSE log2 and D: kBlockM floats each, after the ring's (Q, dO) tiles.
     static constexpr uint32_t kRowValuesBytes = 2 * kBlockM * 4;
-    // dQ staging per consumer warpgroup: [64 x 64] float32 in two TMA boxes of 32 columns
-    // (128-byte rows, 128-byte swizzle), 8 KB each.
-    static constexpr uint32_t kDqBoxBytes = kBlockM * 128;
-    static constexpr uint32_t kDqStageBytes = 2 * kDqBoxBytes;
 
-    // dQ per warpgroup: 64 columns, over its own keys (head_dim 64) or all keys (128), in
-    // kBlockM / 64 wgmmas of 64 rows. Split by keys, a warpgroup reads only the dS it wrote, so
-    // one dS buffer serves; split by columns, both read both, and dS is double-buffered.
+    // dQ per warpgroup, in kBlockM / 64 wgmmas of 64 rows: 64 columns over its own keys (head_dim
+    // 64, kDqSplitKeys) or over all keys (128), or its 128 columns over the shared keys (256).
+    // Reading only the dS it wrote, a warpgroup needs one dS buffer (kOwnDs); split by columns,
+    // both read both, and dS is double-buffered.
     static constexpr bool kDqSplitKeys = kHeadDim == 64;
-    static constexpr int kDqCols = 64;
-    static constexpr int kDqKeys = kDqSplitKeys ? kKeysPerConsumer : kBlockN;
+    static constexpr bool kOwnDs = kDqSplitKeys || kSharedKeys;
+    static constexpr int kDqCols = kSharedKeys ? kDkvCols : 64;
+    static constexpr int kDqKeys = kOwnDs ? 64 : kBlockN;
     static constexpr int kDqRowBlocks = kBlockM / 64;
-    static constexpr int kDsBuffers = kDqSplitKeys ? 1 : 2;
+    static constexpr int kDsBuffers = kOwnDs ? 1 : 2;
+    // dQ staging per consumer warpgroup for the TMA reduces: [kBlockM x 32] float32 boxes
+    // (128-byte rows, 128-byte swizzle), two a round. head_dim 256 stages its 128 columns in two
+    // rounds (kDqRounds), in the warpgroup's dS slab (free once dQ's GEMM has read it) and one
+    // box of its own: K, V, two (Q, dO) stages and dS fill 210 KB and leave no room for 2 x 32 KB.
+    // (Added from registers by red.global adds instead, dQ's sums doubled the kernel's time, with
+    // L2 at 72% of its peak.) Its deterministic sums take turns per warpgroup, each adding its
+    // own columns, so there the semaphores are per (tile, warpgroup).
+    static constexpr int kDqRounds = kSharedKeys ? 2 : 1;
+    static constexpr int kDqRoundCols = kDqCols / kDqRounds;
+    static constexpr int kSemaphoresPerTile = kSharedKeys ? kConsumers : 1;
+    static constexpr uint32_t kDqBoxBytes = kBlockM * 128;
+    static constexpr uint32_t kDqStageBytes = (kSharedKeys ? 1 : 2) * kDqBoxBytes;
     // Non-causal blocks walk the query tiles from staggered starts (BwdWalk) even without
     // deterministic sums at head_dim 64, where it measured +5-7% at seqlen 16384 (two A/B runs);
     // at 128 it cost 2%.
@@ -102,17 +122,17 @@ struct BwdSm90Config {
     // The producer's writer warp issues the dQ reduces (write_dq; without
     // deterministic sums it takes no turns), so that no consumer waits for its staging to be
     // read: always with deterministic sums, and at head_dim 128.
-    static constexpr bool kDqWriter = kDeterministic || !kDqSplitKeys;
+    static constexpr bool kDqWriter = !kSharedKeys && (kDeterministic || !kDqSplitKeys);
 
     // Launched at 168 registers a thread; the producer keeps 24 and each consumer warpgroup
-    // takes 240: dK and dV (head_dim each), S^T and dP^T (32 each), dQ (32) and the A fragments.
+    // takes 240: dK and dV (kDkvCols each), S^T and dP^T (32 each), dQ and the A fragments.
     static constexpr int kProducerRegs = 24;
     static constexpr int kConsumerRegs = 240;
 
-    static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
+    static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim 64, 128, 256");
     static_assert(kBlockM == 64 || kBlockM == 128, "64 or 128 query rows a step");
     static_assert(kDqSplitKeys ? kDqCols == kHeadDim : kDqCols * kConsumers == kHeadDim,
-                  "dQ: 64 columns a warpgroup");
+                  "dQ: 64 columns a warpgroup, or half of them");
     static_assert((65536 / kThreads / 8 * 8) * (1 + kConsumers) >=
                       kProducerRegs + kConsumers * kConsumerRegs,
                   "setmaxnreg: the consumers take more than the block was launched with");
@@ -155,19 +175,29 @@ struct BwdSm90Mainloop {
         (kRowValuesOffset + kStages * Cfg::kRowValuesBytes + 1023) / 1024 * 1024;
     static constexpr uint32_t kDqOffset = kDsOffset + Cfg::kDsBuffers * kDsBytes;
     static constexpr uint32_t kBarrierOffset = kDqOffset + Cfg::kConsumers * Cfg::kDqStageBytes;
+    // A warpgroup's dQ staging: its boxes from kDqOffset on, or (kSharedKeys) its dS slab and then
+    // its box from kDqOffset, the same distance further for both warpgroups.
+    static constexpr uint32_t kDqStagingOffset = Cfg::kSharedKeys ? kDsOffset : kDqOffset;
+    static constexpr uint32_t kDqStagingStride =
+        Cfg::kSharedKeys ? kDsSlabBytes : Cfg::kDqStageBytes;
+    static constexpr uint32_t kDqBoxStride =
+        Cfg::kSharedKeys ? kDqOffset - kDsOffset : Cfg::kDqBoxBytes;
+    static_assert(!Cfg::kSharedKeys || Cfg::kDsBuffers == 1, "one dS slab a warpgroup");
     static_assert(kBarrierOffset + sizeof(Barriers) + Cfg::kSwizzleAtomBytes <= Cfg::kSmemBytes,
                   "kSmemBytes too small for this tile configuration");
 
     // Named barriers (0 is __syncthreads): dS complete, for both warpgroups (head_dim 128) or
-    // per warpgroup (64); dQ staged, per warpgroup; and with the writer warp (kDqWriter) the
+    // per warpgroup (64, 256); dQ staged, per warpgroup; and with the writer warp (kDqWriter) the
     // hand-offs of the staged dQ to it (full, then free again) and, at head_dim 64, of the
     // second warpgroup's dQ to the first (full, then read).
-    static constexpr uint32_t kDsBarrier = 1;      // + warpgroup when split by keys
+    static constexpr uint32_t kDsBarrier = 1;      // + warpgroup when it reads its own dS
     static constexpr uint32_t kDqWriterFull = 3;
     static constexpr uint32_t kDqBarrier = 4;      // + warpgroup: its dQ staged
     static constexpr uint32_t kDqHandOffFull = 6;
     static constexpr uint32_t kDqHandOffFree = 7;
     static constexpr uint32_t kDqWriterFree = 8;
+    // kSharedKeys: both consumer warpgroups done with every step, so the ring can stage dK / dV.
+    static constexpr uint32_t kConsumersDone = 9;
     // Threads meeting at the writer's barriers: the consumers that stage what it reduces (one
     // warpgroup with dQ split by keys, both by columns) and the writer warp.
     static constexpr uint32_t kWriterSyncThreads = 128 * (Cfg::kDqSplitKeys ? 1 : Cfg::kConsumers) + 32;
@@ -215,14 +245,14 @@ struct BwdSm90Mainloop {
         }
     }
 
-    // The TMA reduces of one staged warpgroup dQ (columns col0..) into the accumulator, by the
-    // issuing thread: a consumer's (reduce_dq) or the writer warp's.
+    // The TMA reduces of one staged round of a warpgroup's dQ (columns col0..) into the
+    // accumulator, by the issuing thread: a consumer's (reduce_dq) or the writer warp's.
     static __device__ __forceinline__ void issue_dq_reduce(const BwdParams& p,
                                                            const uint8_t* staging, int col0,
                                                            int m_block, int head, int batch) {
 #pragma unroll
-        for (int box = 0; box < Cfg::kDqCols / 32; ++box) {
-            tma_reduce_add_3d(&p.dq_accum_map, staging + box * Cfg::kDqBoxBytes, col0 + 32 * box,
+        for (int box = 0; box < Cfg::kDqRoundCols / 32; ++box) {
+            tma_reduce_add_3d(&p.dq_accum_map, staging + box * kDqBoxStride, col0 + 32 * box,
                               m_block * kBlockM, batch * p.heads_q + head);
         }
     }
@@ -291,26 +321,27 @@ struct BwdSm90Mainloop {
         }
     }
 
-    // acc[64 x head_dim] += A B over the tile's 64 queries: A as fragments (P^T or dS^T), B a Q or
-    // dO tile read MN-major (k-steps of 16 rows).
-    static __device__ __forceinline__ void gemm_fragments(float (&acc)[kHeadDim / 2],
+    // acc[64 x kDkvCols] += A B over the tile's queries: A as fragments (P^T or dS^T), B the
+    // columns of a Q or dO tile from its slab b_tile, read MN-major (k-steps of 16 rows).
+    static __device__ __forceinline__ void gemm_fragments(float (&acc)[Cfg::kDkvCols / 2],
                                                           const uint32_t (&a)[kBlockM / 4],
                                                           uint32_t b_tile) {
         const uint64_t b_desc = wgmma_desc_sw128(b_tile, kQSlabBytes, Cfg::kSwizzleAtomBytes);
 #pragma unroll
         for (int kk = 0; kk < kBlockM / 16; ++kk) {
-            Wgmma16<kHeadDim>::template rs<kBf16>(acc, a[4 * kk], a[4 * kk + 1], a[4 * kk + 2],
-                                                  a[4 * kk + 3],
-                                                  wgmma_desc_advance(b_desc, kk * 16 * 128), 1);
+            Wgmma16<Cfg::kDkvCols>::template rs<kBf16>(
+                acc, a[4 * kk], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3],
+                wgmma_desc_advance(b_desc, kk * 16 * 128), 1);
         }
     }
 
-    // dq[64 r.. x 64] = dS[64 r.., keys] K[keys, columns] for each 64-row block r: dS K-major
-    // from its buffer (slabs of 64 keys), K MN-major from its slab `col_slab` (16-key k-steps of
-    // 16 rows).
+    // dq[64 r.. x kDqCols] = dS[64 r.., keys] K[keys, columns] for each 64-row block r: dS
+    // K-major from its buffer's key ds_key0 on (slabs of 64 keys), K's rows key0.. MN-major from
+    // its slab `col_slab` on (16-key k-steps of 16 rows). The two starts differ where both
+    // warpgroups hold the same keys and each reads the dS slab it wrote (kSharedKeys).
     using DqTiles = float[Cfg::kDqRowBlocks][Cfg::kDqCols / 2];
     static __device__ __forceinline__ void gemm_dq(DqTiles& dq, uint32_t ds, uint32_t k_tile,
-                                                   int key0, int col_slab) {
+                                                   int ds_key0, int key0, int col_slab) {
         const uint64_t a_desc = wgmma_desc_kmajor<128>(ds);
         const uint64_t b_desc = wgmma_desc_sw128(k_tile + col_slab * kKVSlabBytes, kKVSlabBytes,
                                                  Cfg::kSwizzleAtomBytes);
@@ -318,12 +349,12 @@ struct BwdSm90Mainloop {
         for (int r = 0; r < Cfg::kDqRowBlocks; ++r) {
 #pragma unroll
             for (int kk = 0; kk < Cfg::kDqKeys / 16; ++kk) {
-                const uint32_t key = key0 + 16 * kk;
+                const uint32_t ds_key = ds_key0 + 16 * kk;
                 Wgmma16<Cfg::kDqCols>::template ss<kBf16, true>(
                     dq[r],
-                    wgmma_desc_advance(a_desc, r * 64 * 128 + (key / 64) * kDsSlabBytes +
-                                                   (key % 64) * 2),
-                    wgmma_desc_advance(b_desc, key * 128), kk > 0);
+                    wgmma_desc_advance(a_desc, r * 64 * 128 + (ds_key / 64) * kDsSlabBytes +
+                                                   (ds_key % 64) * 2),
+                    wgmma_desc_advance(b_desc, (key0 + 16 * kk) * 128), kk > 0);
             }
         }
     }
@@ -335,11 +366,11 @@ struct BwdSm90Mainloop {
 
         uint8_t* smem;
         Barriers& bars;
-        int wg;    // which consumer warpgroup: keys 64 wg.. of the block
+        int wg;    // which consumer warpgroup: keys 64 wg.. of the block, or columns (kSharedKeys)
         int warp;  // warp within the warpgroup: keys 16 warp.. of the warpgroup's
         int lane;
-        float dk[kHeadDim / 2];
-        float dv[kHeadDim / 2];
+        float dk[Cfg::kDkvCols / 2];
+        float dv[Cfg::kDkvCols / 2];
         Ring ring;
 
         __device__ __forceinline__ void release() const {
@@ -351,9 +382,7 @@ struct BwdSm90Mainloop {
                                              const BwdWalk& walk, int head, int m_block,
                                              int batch, int step_index) {
             const int query0 = m_block * kBlockM + 2 * (lane % 4);  // the thread's first column
-            const int first_key = walk.n_block * kBlockN + 64 * wg + 16 * warp + lane / 4;
-            const int64_t row_base =
-                (static_cast<int64_t>(batch) * p.heads_q + head) * p.seqlen_q;
+            const int first_key = walk.n_block * kBlockN + key0() + 16 * warp + lane / 4;
             // The step's LSE log2 (then D) at the thread's columns 8 i + 2 t, + 1.
             const uint32_t row_values = smem_addr(smem + kRowValuesOffset) +
                                         ring.stage() * Cfg::kRowValuesBytes + 8 * (lane % 4);
@@ -361,7 +390,10 @@ struct BwdSm90Mainloop {
             const uint32_t v_tile = smem_addr(smem + kVOffset);
             const uint32_t q_tile = smem_addr(smem + kQOffset + ring.stage() * kQBytes);
             const uint32_t do_tile = smem_addr(smem + kDoOffset + ring.stage() * kQBytes);
-            const uint32_t rows = 64 * wg * 128;  // this warpgroup's keys within a K / V slab
+            const uint32_t rows = key0() * 128;  // this warpgroup's keys within a K / V slab
+            // this warpgroup's dK / dV columns within a Q / dO tile
+            const uint32_t dkv_cols =
+                Cfg::kSharedKeys ? wg * (Cfg::kDkvCols / 64) * kQSlabBytes : 0;
 
             float s[kBlockM / 2];
             float dp[kBlockM / 2];
@@ -386,7 +418,7 @@ struct BwdSm90Mainloop {
 #pragma unroll
             for (int j = 0; j < kBlockM / 4; ++j) pt[j] = pack_f32x2<kBf16>(s[2 * j], s[2 * j + 1]);
             wgmma_fence();
-            gemm_fragments(dv, pt, do_tile);
+            gemm_fragments(dv, pt, do_tile + dkv_cols);
             wgmma_commit();
             wgmma_wait<1>();
             wgmma_fence_operand(dp);
@@ -399,6 +431,12 @@ struct BwdSm90Mainloop {
             // warpgroup's slab of the step's dS buffer: stmatrix x4 number x takes i = 2x, 2x + 1.
             const uint32_t ds =
                 smem_addr(smem + kDsOffset + (step_index % Cfg::kDsBuffers) * kDsBytes);
+            if constexpr (Cfg::kSharedKeys) {
+                // The warpgroup's dS slab is also its dQ staging: the step before's reduces must
+                // have read it.
+                if (dq_issuer()) tma_store_wait_read<0>();
+                named_barrier_sync(kDqBarrier + wg, 128);
+            }
             {
                 const int matrix = lane / 8;
                 const uint32_t slab = ds + wg * kDsSlabBytes;
@@ -413,12 +451,12 @@ struct BwdSm90Mainloop {
             }
             fence_proxy_async();
             wgmma_fence();
-            gemm_fragments(dk, dst, q_tile);
+            gemm_fragments(dk, dst, q_tile + dkv_cols);
             wgmma_commit();
             // The dS barrier also tells the warpgroup that its dQ staging is free again: its
             // last TMA reduce has read it (kDqWriter: the writer warp's barriers do).
-            if (!Cfg::kDqWriter && dq_issuer()) tma_store_wait_read<0>();
-            if constexpr (Cfg::kDqSplitKeys) {
+            if (!Cfg::kDqWriter && !Cfg::kSharedKeys && dq_issuer()) tma_store_wait_read<0>();
+            if constexpr (Cfg::kOwnDs) {
                 named_barrier_sync(kDsBarrier + wg, 128);
             } else {
                 named_barrier_sync(kDsBarrier, 128 * Cfg::kConsumers);
@@ -429,7 +467,8 @@ struct BwdSm90Mainloop {
             wgmma_fence_operand(dv);
             DqTiles dq;
             wgmma_fence();
-            gemm_dq(dq, ds, k_tile, Cfg::kDqSplitKeys ? 64 * wg : 0, Cfg::kDqSplitKeys ? 0 : wg);
+            gemm_dq(dq, ds, k_tile, Cfg::kOwnDs ? 64 * wg : 0, Cfg::kDqSplitKeys ? 64 * wg : 0,
+                    Cfg::kDqSplitKeys ? 0 : wg * (Cfg::kDqCols / 64));
             wgmma_commit();
             wgmma_wait<0>();
             wgmma_fence_operand(dk);
@@ -440,8 +479,13 @@ struct BwdSm90Mainloop {
             if constexpr (Cfg::kDqWriter) {
                 hand_dq_to_writer(dq, step_index == 0);
             } else {
-                reduce_dq(p, dq, m_block, head, batch);
+                reduce_dq(p, info, walk, dq, m_block, head, batch);
             }
+        }
+
+        // The first of the warpgroup's keys within the block.
+        __device__ __forceinline__ int key0() const {
+            return Cfg::kSharedKeys ? 0 : 64 * wg;
         }
 
         // The thread of each consumer warpgroup that issues its dQ reduces.
@@ -451,17 +495,41 @@ struct BwdSm90Mainloop {
 
         // dQ of the step staged in shared memory (the TMA box layout: 128-byte rows of 32
         // floats, 16-byte chunks swizzled by row % 8, so a warp's stores hit distinct banks) and
-        // added into the accumulator by one TMA reduce a box; rows past seqlen_q are clipped.
-        __device__ __forceinline__ void reduce_dq(const BwdParams& p, DqTiles& dq,
-                                                  int m_block, int head, int batch) const {
-            uint8_t* staging = smem + kDqOffset + wg * Cfg::kDqStageBytes;
-            stage_dq<false>(staging, dq);
-            fence_proxy_async();
-            named_barrier_sync(kDqBarrier + wg, 128);
-            if (dq_issuer()) {
-                issue_dq_reduce(p, staging, Cfg::kDqSplitKeys ? 0 : Cfg::kDqCols * wg, m_block,
-                                head, batch);
-                tma_store_commit();
+        // added into the accumulator by one TMA reduce a box, round by round; rows past
+        // seqlen_q are clipped. Deterministic sums (here only kSharedKeys: elsewhere the writer
+        // warp adds them) wait for the warpgroup's turn and pass it once the reduces are done.
+        __device__ __forceinline__ void reduce_dq(const BwdParams& p, const Info& info,
+                                                  const BwdWalk& walk, DqTiles& dq, int m_block,
+                                                  int head, int batch) const {
+            uint8_t* staging = smem + kDqStagingOffset + wg * kDqStagingStride;
+            const int col0 = Cfg::kDqSplitKeys ? 0 : Cfg::kDqCols * wg;
+            int* turn = nullptr;
+            if constexpr (Cfg::kDeterministic) {
+                turn = p.dq_semaphore + ((static_cast<int64_t>(batch) * p.heads_q + head) *
+                                             p.num_m_blocks + m_block) * Cfg::kSemaphoresPerTile +
+                       wg;
+            }
+#pragma unroll
+            for (int round = 0; round < Cfg::kDqRounds; ++round) {
+                if (round > 0) {
+                    if (dq_issuer()) tma_store_wait_read<0>();
+                    named_barrier_sync(kDqBarrier + wg, 128);
+                }
+                stage_dq<false>(staging, dq, 0, round);
+                fence_proxy_async();
+                named_barrier_sync(kDqBarrier + wg, 128);
+                if (dq_issuer()) {
+                    if (Cfg::kDeterministic && round == 0) {
+                        wait_turn(turn, walk.turn(m_block, info.n_max(m_block)));
+                    }
+                    issue_dq_reduce(p, staging, col0 + round * Cfg::kDqRoundCols, m_block, head,
+                                    batch);
+                    tma_store_commit();
+                }
+            }
+            if (Cfg::kDeterministic && dq_issuer()) {
+                tma_store_wait<0>();
+                pass_turn(turn);
             }
         }
 
@@ -470,10 +538,11 @@ struct BwdSm90Mainloop {
         // (2 (i % 4) + t / 2) ^ g takes four values, and the rest are constants. (Left to
         // swizzled_offset, ptxas kept one address per store live across the loop and spilled at
         // 128 rows a step.) kAdd: first add what the staging `addend` bytes further holds at those
-        // places (the same thread of the other warpgroup wrote it there).
+        // places (the same thread of the other warpgroup wrote it there). Round `round` stages
+        // columns kDqRoundCols round.. .
         template <bool kAdd>
         __device__ __forceinline__ void stage_dq(uint8_t* staging, DqTiles& dq,
-                                                 uint32_t addend = 0) const {
+                                                 uint32_t addend = 0, int round = 0) const {
             const int g = lane / 4;
             const uint32_t thread_row = smem_addr(staging) + (16 * warp + g) * 128 + 8 * (lane % 2);
             uint32_t chunk[4];
@@ -484,11 +553,12 @@ struct BwdSm90Mainloop {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
 #pragma unroll
-                    for (int i = 0; i < Cfg::kDqCols / 8; ++i) {
+                    for (int i = 0; i < Cfg::kDqRoundCols / 8; ++i) {
                         const uint32_t addr = thread_row + chunk[i % 4] +
-                                              (i / 4) * Cfg::kDqBoxBytes + (64 * r + 8 * h) * 128;
-                        float& x = dq[r][4 * i + 2 * h];
-                        float& y = dq[r][4 * i + 2 * h + 1];
+                                              (i / 4) * kDqBoxStride + (64 * r + 8 * h) * 128;
+                        const int j = round * (Cfg::kDqRoundCols / 8) + i;
+                        float& x = dq[r][4 * j + 2 * h];
+                        float& y = dq[r][4 * j + 2 * h + 1];
                         if constexpr (kAdd) {
                             const float2 other = ld_shared_f32x2(addr + addend);
                             x += other.x;
@@ -543,19 +613,30 @@ struct BwdSm90Mainloop {
         // (free once its last reduce has read it) and written by TMA stores, which clip keys
         // past seqlen_k. (From registers, 4-byte stores, the epilogue of a seqlen-2048 block took
         // a few percent of its time.)
+        // kSharedKeys has no dQ staging: once both warpgroups are past their last step, the
+        // (Q, dO) ring's first stage is free (every load was waited for) and stages both.
         __device__ __forceinline__ void store(const BwdParams& p, int n_block, int kv_head,
                                               int batch) const {
-            using Output = StagedTmaStore<kHeadDim, kBf16>;
-            static_assert(Output::kBytes <= Cfg::kDqStageBytes, "dK / dV staging");
-            using Rows = float[kHeadDim / 8][4];
-            const Output output{smem + kDqOffset + wg * Cfg::kDqStageBytes, kDqBarrier + wg};
-            const int key0 = n_block * kBlockN + 64 * wg;
+            using Output = StagedTmaStore<Cfg::kDkvCols, kBf16>;
+            using Rows = float[Cfg::kDkvCols / 8][4];
+            uint8_t* staging;
+            if constexpr (Cfg::kSharedKeys) {
+                static_assert(Cfg::kConsumers * Output::kBytes <= kQBytes, "dK / dV staging");
+                named_barrier_sync(kConsumersDone, 128 * Cfg::kConsumers);
+                staging = smem + kQOffset + wg * Output::kBytes;
+            } else {
+                static_assert(Output::kBytes <= Cfg::kDqStageBytes, "dK / dV staging");
+                staging = smem + kDqOffset + wg * Cfg::kDqStageBytes;
+            }
+            const Output output{staging, kDqBarrier + wg};
+            const int first_key = n_block * kBlockN + key0();
+            const int col0 = Cfg::kSharedKeys ? wg * Cfg::kDkvCols : 0;
             const float dk_scale[2] = {p.softmax_scale, p.softmax_scale};
             const float dv_scale[2] = {1.0f, 1.0f};
-            output.store(reinterpret_cast<const Rows&>(dk), dk_scale, &p.dk_map, kv_head, key0,
-                         batch);
-            output.store(reinterpret_cast<const Rows&>(dv), dv_scale, &p.dv_map, kv_head, key0,
-                         batch);
+            output.store(reinterpret_cast<const Rows&>(dk), dk_scale, &p.dk_map, kv_head,
+                         first_key, batch, col0);
+            output.store(reinterpret_cast<const Rows&>(dv), dv_scale, &p.dv_map, kv_head,
+                         first_key, batch, col0);
             output.finish();
         }
 
@@ -565,7 +646,7 @@ struct BwdSm90Mainloop {
                                             const BwdWalk& walk, const BwdSteps& steps,
                                             int kv_head, int batch) {
 #pragma unroll
-            for (int i = 0; i < kHeadDim / 2; ++i) {
+            for (int i = 0; i < Cfg::kDkvCols / 2; ++i) {
                 dk[i] = 0.0f;
                 dv[i] = 0.0f;
             }

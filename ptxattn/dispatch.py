@@ -65,7 +65,7 @@ class Route:
 TABLE: tuple[Route, ...] = (
     Route("hopper", "hopper", SIXTEEN_BIT, (64, 128, 256)),
     Route("hopper", "hopper", SIXTEEN_BIT, (64, 128, 256), features=PREFILL, launcher="prefill"),
-    Route("hopper", "hopper", SIXTEEN_BIT, (64, 128), features=FORWARD | {"backward"},
+    Route("hopper", "hopper", SIXTEEN_BIT, (64, 128, 256), features=FORWARD | {"backward"},
           launcher="hopper_backward"),
     Route("portable", "portable", SIXTEEN_BIT, (64, 128, 256),
           features=FORWARD | {"backward"}),

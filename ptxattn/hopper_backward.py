@@ -1,12 +1,12 @@
 """Launcher of the Hopper (sm_90a) backward kernel, ``ptx_src/bwd_sm90.cu``, between the pre- and
 postprocess every backward family shares (ptxattn/backward.py).
 
-A block owns 128 keys of one (batch, kv head) and walks the query tiles (64 or 128 rows) that see them,
-for every q head sharing its kv head, so dK and dV are complete in its registers at the end and
-GQA needs no second reduction; dQ is summed into the FP32 accumulator across blocks by TMA
-reduces through a 3-d map of the accumulator. Q, dO, K and V arrive through 4-d TMA maps (batch,
-seqlen, heads, head_dim) with boxes of 64 head_dim columns (128 bytes, 128-byte swizzle) by the
-variant's query rows a step (Q, dO) or 128 (K, V) rows.
+A block owns 128 keys (64 at head_dim 256) of one (batch, kv head) and walks the query tiles (64
+or 128 rows) that see them, for every q head sharing its kv head, so dK and dV are complete in its
+registers at the end and GQA needs no second reduction; dQ is summed into the FP32 accumulator
+across blocks by TMA reduces through a 3-d map of the accumulator. Q, dO, K and V arrive through
+4-d TMA maps (batch, seqlen, heads, head_dim) with boxes of 64 head_dim columns (128 bytes,
+128-byte swizzle) by the variant's query rows a step (Q, dO) or its block's keys (K, V).
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from . import backward as shared_backward
 
 SOURCE = "bwd_sm90.cu"
 ARCHS = archs.running("hopper")
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 DTYPES = {"bfloat16": 1, "float16": 0}
-BLOCK_N = 128   # keys per block: 64 per consumer warpgroup
 BOX_COLS = 64   # head_dim columns per TMA box
 THREADS = 384   # the producer warpgroup and two consumer warpgroups
 
@@ -37,14 +36,32 @@ class Variant:
     stages: int
     deterministic: bool
 
+    # The layout of BwdSm90Config and BwdSm90Mainloop (mainloop_bwd_sm90.cuh): at head_dim 256
+    # both consumer warpgroups hold the same 64 keys (kSharedKeys), read only the dS each wrote
+    # (kOwnDs, as head_dim 64 does), stage dQ in two rounds, and take deterministic turns each
+    # (kSemaphoresPerTile).
+    @property
+    def shared_keys(self) -> bool:
+        return self.head_dim == 256
+
+    @property
+    def block_n(self) -> int:
+        return 64 if self.shared_keys else 128
+
+    @property
+    def semaphores_per_tile(self) -> int:
+        return 2 if self.shared_keys else 1  # one per consumer warpgroup
+
     @property
     def smem_bytes(self) -> int:
-        k_v = 2 * BLOCK_N * self.head_dim * 2
+        k_v = 2 * self.block_n * self.head_dim * 2
         q_do = 2 * self.stages * self.block_m * self.head_dim * 2
         row_values = -(-self.stages * 2 * self.block_m * 4 // 1024) * 1024  # LSE and D a step
-        ds_buffers = 1 if self.head_dim == 64 else 2  # (mainloop_bwd_sm90.cuh, kDsBuffers)
-        ds = ds_buffers * self.block_m * BLOCK_N * 2
-        dq_staging = 2 * self.block_m * 64 * 4  # per consumer warpgroup
+        ds_buffers = 1 if self.head_dim != 128 else 2
+        ds = ds_buffers * 2 * self.block_m * 64 * 2  # a [block_m x 64] slab per warpgroup
+        # both warpgroups: two boxes of [block_m x 32] float32 each, one at head_dim 256 (whose
+        # other box is its dS slab)
+        dq_staging = 2 * (1 if self.shared_keys else 2) * self.block_m * 32 * 4
         barriers = 8 * (1 + 2 * self.stages)
         # + aligning the base to the swizzle atom
         return k_v + q_do + row_values + ds + dq_staging + barriers + 1024
@@ -62,8 +79,9 @@ class Variant:
 
 
 # Per head_dim: (query rows per step, (Q, dO) ring depth). head_dim 128 has the registers for
-# 64 rows only (dK, dV, S^T and dP^T take 256 at 128); shared memory holds two stages.
-TILES = {64: (128, 2), 128: (64, 2)}
+# 64 rows only (dK, dV, S^T and dP^T take 256 at 128), and so has 256 (the half columns' dK and
+# dV take 128); shared memory holds two stages.
+TILES = {64: (128, 2), 128: (64, 2), 256: (64, 2)}
 
 
 def variant(dtype: str, head_dim: int, causal: bool, deterministic: bool = False) -> Variant:
@@ -81,13 +99,14 @@ def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: boo
     v_info = variant(problem.format, problem.head_dim, problem.causal, deterministic)
     kernel = runtime.load(v_info.spec())
     block_m = v_info.block_m
-    ws = shared_backward.Workspace.allocate(problem, block_m, deterministic)
+    ws = shared_backward.Workspace.allocate(problem, block_m, deterministic,
+                                            v_info.semaphores_per_tile)
     p = shared_backward.make_params(problem, dout, q, k, v, out, lse, dq, dk, dv, ws, block_m)
     swizzle = BOX_COLS * q.itemsize
     p.q_map = runtime.tensor_map(q, (1, block_m, 1, BOX_COLS), swizzle=swizzle)
     p.dout_map = runtime.tensor_map(dout, (1, block_m, 1, BOX_COLS), swizzle=swizzle)
-    p.k_map = runtime.tensor_map(k, (1, BLOCK_N, 1, BOX_COLS), swizzle=swizzle)
-    p.v_map = runtime.tensor_map(v, (1, BLOCK_N, 1, BOX_COLS), swizzle=swizzle)
+    p.k_map = runtime.tensor_map(k, (1, v_info.block_n, 1, BOX_COLS), swizzle=swizzle)
+    p.v_map = runtime.tensor_map(v, (1, v_info.block_n, 1, BOX_COLS), swizzle=swizzle)
     # dK and dV leave through TMA stores of each consumer warpgroup's 64 keys
     p.dk_map = runtime.tensor_map(dk, (1, 64, 1, BOX_COLS), swizzle=swizzle)
     p.dv_map = runtime.tensor_map(dv, (1, 64, 1, BOX_COLS), swizzle=swizzle)
@@ -95,7 +114,7 @@ def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: boo
     p.dq_accum_map = runtime.tensor_map(
         ws.dq_accum.reshape(problem.batch * problem.heads_q, problem.seqlen_q, problem.head_dim),
         (1, block_m, 32), swizzle=128)
-    grid = (math.ceil(problem.seqlen_k / BLOCK_N), problem.heads_kv, problem.batch)
+    grid = (math.ceil(problem.seqlen_k / v_info.block_n), problem.heads_kv, problem.batch)
     shared_backward.preprocess(problem, p)()
     runtime.PreparedLaunch(kernel, grid=grid, block=(THREADS,), args=[p])()
     shared_backward.postprocess(problem, p)()

@@ -145,19 +145,19 @@ def test_serving_calls_route_by_their_query_rows():
                            features={"varlen"}).module_name == "ptxattn.decode"
 
 
-def test_backward_calls_run_hopper_at_head_dim_64_and_128_and_portable_otherwise():
-    for head_dim in (64, 128):
+def test_backward_calls_run_hopper_on_sm_90a_and_portable_otherwise():
+    for head_dim in (64, 128, 256):
         route = dispatch.select("sm_90a", "bfloat16", head_dim,
                                 features={"backward", "causal", "gqa"})
         assert route.module_name == "ptxattn.hopper_backward", head_dim
-    assert dispatch.select("sm_90a", "float16", 256,
-                           features={"backward"}).module_name == "ptxattn.portable"
     assert dispatch.select("sm_90a", "bfloat16", 128, features={"backward"},
                            backend="portable").module_name == "ptxattn.portable"
     assert dispatch.select("sm_80", "bfloat16", 128,
                            features={"backward"}).module_name == "ptxattn.portable"
-    with pytest.raises(ValueError, match=r"with backward at head_dim 256 does not run on sm_90a"):
-        dispatch.select("sm_90a", "bfloat16", 256, features={"backward"}, backend="hopper")
+    with pytest.raises(ValueError, match=r"with backward, softcap at head_dim 128 does not run "
+                                         r"on sm_90a"):
+        dispatch.select("sm_90a", "bfloat16", 128, features={"backward", "softcap"},
+                        backend="hopper")
 
 
 def test_a_route_lacking_a_feature_is_passed_over(monkeypatch):
