@@ -69,7 +69,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False,
     back in the input dtype (written into ``dq``, ``dk``, ``dv`` if given), computed with FP32
     accumulation. ``deterministic=True`` makes them bit-identical from run to run: dQ's sum over
     key blocks then runs in a fixed order. ``backend`` as in the forward: on Hopper 'hopper'
-    (head_dim 64 and 128, the default there) or 'portable'.
+    (the default there) or 'portable'.
     """
     import cupy
 
