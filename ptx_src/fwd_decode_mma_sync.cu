@@ -71,18 +71,35 @@ attn_fwd_decode(const __grid_constant__ FwdParams p) {
 
     const uint32_t q_tile = smem_addr(smem);
     const uint32_t ring = q_tile + Cfg::kQTileBytes;
+    const typename Cfg::Pages pages{reinterpret_cast<int*>(smem + Cfg::kPagesOffset)};
+    // Ring stage `iter`'s K and V (all of its pages staged) and the pages of stage
+    // iter + kStages - 1, in one commit group.
+    const auto load_stage = [&](int iter) {
+        const int key0 = (n_begin + iter) * kBlockN;
+        if (iter < n_blocks) {
+            Loader::load_kv(ring + (iter % kStages) * Cfg::kStageBytes, p, kv, pages.slot(iter),
+                            k_head, v_head, key0, seqlen_k, tid);
+        }
+        if (iter + kStages - 1 < n_blocks) {
+            pages.prefetch(kv, iter + kStages - 1, key0 + (kStages - 1) * kBlockN, seqlen_k, tid);
+        }
+        cp_async_commit();
+    };
     Loader::load_q(q_tile, tile_rows, [&](int r) {
         const int row = first_row + r;
         return q_seq + packed.token(row) * p.q_stride_s + packed.head(row) * p.q_stride_h;
     }, tid);
+    if (kv.pages != nullptr) {  // the pages of the prologue's stages, before their copies
 #pragma unroll
-    for (int iter = 0; iter < kStages - 1; ++iter) {
-        if (iter < n_blocks) {
-            Loader::load_kv(ring + iter * Cfg::kStageBytes, p, kv, k_head, v_head,
-                            (n_begin + iter) * kBlockN, seqlen_k, tid);
+        for (int iter = 0; iter < kStages - 1 && iter < n_blocks; ++iter) {
+            pages.prefetch(kv, iter, (n_begin + iter) * kBlockN, seqlen_k, tid);
         }
         cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
     }
+#pragma unroll
+    for (int iter = 0; iter < kStages - 1; ++iter) load_stage(iter);
 
     const auto q_lane = Mainloop::a_frag_lane(lane);
     const auto k_lane = Mainloop::k_frag_lane(lane);
@@ -98,12 +115,7 @@ attn_fwd_decode(const __grid_constant__ FwdParams p) {
     for (int iter = 0; iter < n_blocks; ++iter) {
         cp_async_wait<kStages - 2>();
         __syncthreads();  // the stage has landed and every warp is done with iter - 1
-        const int next = iter + kStages - 1;
-        if (next < n_blocks) {
-            Loader::load_kv(ring + (next % kStages) * Cfg::kStageBytes, p, kv, k_head, v_head,
-                            (n_begin + next) * kBlockN, seqlen_k, tid);
-        }
-        cp_async_commit();
+        load_stage(iter + kStages - 1);
 
         // this warp's keys of the stage
         const uint32_t k_tile =

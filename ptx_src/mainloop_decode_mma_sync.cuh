@@ -8,9 +8,9 @@
 // reading K and V, so the ring is deep and the stage loads locate every row on its own
 // (kv_cache.cuh: contiguous or paged caches alike).
 //
-// Shared memory: [Q: kRows rows][stage 0: K, V: kBlockN rows each][stage 1]..., the same
-// swizzled row tiles as the forward (smem_tile.cuh). After the loop the ring holds the merge's
-// per-warp row statistics and output slabs.
+// Shared memory: [Q: kRows rows][stage 0: K, V: kBlockN rows each][stage 1]...[paged caches'
+// staged table entries], the same swizzled row tiles as the forward (smem_tile.cuh). After the
+// loop the ring holds the merge's per-warp row statistics and output slabs.
 #pragma once
 #include "common.cuh"
 #include "cp_async.cuh"
@@ -51,8 +51,10 @@ struct DecodeConfig {
     // merge_warps: each warp's row max and sum, then its scaled output rows in float32
     static constexpr int kStatBytes = 2 * kWarps * kRows * 4;
     static constexpr int kMergeBytes = kStatBytes + kWarps * kRows * kHeadDim * 4;
-    static constexpr int kSmemBytes =
+    using Pages = StagedPages<kBlockN, kStages>;
+    static constexpr int kPagesOffset =
         kQTileBytes + (kRingBytes > kMergeBytes ? kRingBytes : kMergeBytes);
+    static constexpr int kSmemBytes = kPagesOffset + Pages::kBytes;
 
     static_assert(kWarpKeys % 16 == 0, "a warp's keys are whole P V k steps");
     static_assert(kHeadDim % 64 == 0, "the swizzle permutes 8 chunks of 16 bytes: head_dim >= 64");
@@ -66,6 +68,7 @@ struct DecodeMainloop {
     static constexpr int kThreads = Cfg::kThreads;
     static constexpr int kChunksPerRow = Cfg::kChunksPerRow;
     static constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+    static_assert(kRowsPerPass <= 16, "a thread's rows step at most one page (16 rows or more)");
     using Tile = SwizzledTile<Cfg::kRowBytes>;
 
     // The packed Q tile: row r (< rows) from q_row(r), a pointer to its first element; rows past
@@ -82,13 +85,15 @@ struct DecodeMainloop {
     }
 
     // One ring stage: the K and V rows of keys key0 .. key0 + kBlockN of the sequence (located
-    // by `kv`; k_head and v_head point at the kv head's column of slot 0, row 0), zero-filled
-    // from `keys` on.
+    // by `kv` from the stage's staged pages; k_head and v_head point at the kv head's column of
+    // slot 0, row 0), zero-filled from `keys` on.
     static __device__ __forceinline__ void load_kv(uint32_t stage, const FwdParams& p,
-                                                   const KvRows& kv, const uint16_t* k_head,
+                                                   const KvRows& kv, const int* staged,
+                                                   const uint16_t* k_head,
                                                    const uint16_t* v_head, int key0, int keys,
                                                    int tid) {
         const int chunk = tid % kChunksPerRow;
+        KvRows::StageRows rows = kv.stage_rows(key0, tid / kChunksPerRow, staged);
 #pragma unroll
         for (int pass = 0; pass < Cfg::kBlockN / kRowsPerPass; ++pass) {
             const int row = tid / kChunksPerRow + pass * kRowsPerPass;
@@ -96,12 +101,13 @@ struct DecodeMainloop {
             const uint16_t* k_src = k_head;
             const uint16_t* v_src = v_head;
             if (valid) {
-                const int2 at = kv.locate(key0 + row);
+                const int2 at = rows.at();
                 k_src += at.x * p.k_stride_b + at.y * p.k_stride_s + chunk * 8;
                 v_src += at.x * p.v_stride_b + at.y * p.v_stride_s + chunk * 8;
             }
             cp_async_16(stage + Tile::offset(row, chunk), k_src, valid);
             cp_async_16(stage + Cfg::kKVTileBytes + Tile::offset(row, chunk), v_src, valid);
+            rows.advance(kRowsPerPass);
         }
     }
 };

@@ -46,7 +46,8 @@ class DecodeTile:
     def smem_bytes(self, head_dim: int) -> int:
         ring = self.stages * 2 * self.block_n * head_dim * 2
         merge = 2 * self.warps * self.rows * 4 + self.warps * self.rows * head_dim * 4
-        return self.rows * head_dim * 2 + max(ring, merge)
+        staged_pages = 2 * self.stages * (self.block_n // 16 + 1) * 4  # kv_cache.cuh StagedPages
+        return self.rows * head_dim * 2 + max(ring, merge) + staged_pages
 
     def label(self) -> str:
         return (f"m{self.m_tiles}_n{self.block_n}_w{self.warps}_s{self.stages}"
@@ -115,9 +116,9 @@ def choose_splits(tiles: int, key_blocks: int, slots: int) -> int:
     tiles, given ``key_blocks`` key blocks per tile and ``slots`` blocks resident at once (SMs
     times blocks per SM): 1 when the tiles fill most slots; else the fewest splits whose waves
     are at least 85% as full as the best count's (FlashAttention's rule), no split holding less
-    than one block. (One-token decode over a contiguous cache with few tiles counts one block an SM
-    instead, splits_one_wave: session 15 saw 2918 and then 2053 GB/s that way at batch 8 x 32768,
-    session 19 2896-2970 in four runs, and paged caches lose 30-40% with it.)"""
+    than one block. (One-token decode with few tiles counts one block an SM instead,
+    splits_one_wave: session 15 saw 2918 and then 2053 GB/s that way at batch 8 x 32768, session
+    19 2896-2970 in four runs.)"""
     if tiles >= 0.8 * slots or key_blocks <= 1:
         return 1
     candidates = range(1, min(MAX_SPLITS, key_blocks) + 1)
@@ -131,9 +132,9 @@ def choose_splits(tiles: int, key_blocks: int, slots: int) -> int:
 
 
 def splits_one_wave(tiles: int, key_blocks: int, sms: int) -> int:
-    """Splits for tiles of one token's query rows over a contiguous cache, at most ``sms`` / 2
-    tiles: as many as keep all blocks in one wave of one block an SM. Such a block reads at
-    memory speed alone, and an SM holding more blocks than another finishes later: on the H100
+    """Splits for tiles of one token's query rows, at most ``sms`` / 2 tiles: as many as keep
+    all blocks in one wave of one block an SM. Such a block reads at memory speed alone, and an
+    SM holding more blocks than another finishes later: on the H100
     (32/8 heads, head_dim 128) batch 8 x 32768 keys read 2896-2970 GB/s at 2 splits (128
     blocks) against 2810-2881 at 4 (two an SM), batch 1 x 131072 2628-2803 at 16 (128 blocks)
     against 2574-2698 at 15. (Between sms / 2 and sms tiles it would leave SMs idle; the
@@ -177,14 +178,14 @@ def _prepare(problem, q, k, v, out, lse, *, seqused_k, block_table, cu_seqlens_q
     if m_blocks == 0:
         return lambda: None  # no query rows (varlen with max_seqlen_q 0)
     tiles = m_blocks * problem.heads_kv * problem.batch
-    # One token over a contiguous cache, its tiles at most half the SMs: one wave of one block an
-    # SM (splits_one_wave). Paged caches and chunks of queries need a second block an SM to hide
-    # their page lookups and query work (one an SM, they lost 30-40% on the H100), so there, and
-    # where every tile taking two SMs would not fill the GPU, the waves count resident blocks.
+    # One token, its tiles at most half the SMs: one wave of one block an SM (splits_one_wave),
+    # over contiguous and paged caches alike. Chunks of queries need a second block an SM to hide
+    # their query work (one an SM, 16 and 64 tokens over 16k lost 35-40% on the H100), so there,
+    # and where every tile taking two SMs would not fill the GPU, the waves count resident blocks.
     sms = runtime.sm_count(problem.device)
     if problem.num_splits:
         splits = problem.num_splits
-    elif block_table is None and problem.seqlen_q == 1 and 2 * tiles <= sms:
+    elif problem.seqlen_q == 1 and 2 * tiles <= sms:
         splits = splits_one_wave(tiles, key_blocks(problem, tile), sms)
     else:
         splits = choose_splits(tiles, key_blocks(problem, tile), sms * tile.min_blocks)

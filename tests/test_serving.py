@@ -112,6 +112,34 @@ def test_decode_paged_matches_reference(page_size, dtype, rng):
     assert bool((contiguous == out).all()), "paged and contiguous caches differ"
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("page_size", [16, 48])
+def test_decode_paged_long_sequences(page_size, head_dim, rng):
+    """One block walks 1500 keys: the staged page table's slots (kv_cache.cuh StagedPages) wrap
+    many times, and every head_dim steps its rows through the pages at its own stride."""
+    import cupy
+    import ptxattn
+
+    batch, capacity, heads_q, heads_kv = 2, 1500, 8, 2
+    q = _random((batch, 1, heads_q, head_dim), rng)
+    k = _random((batch, capacity, heads_kv, head_dim), rng)
+    v = _random((batch, capacity, heads_kv, head_dim), rng)
+    k_pages, table = _paged(k, page_size, rng)
+    v_pages = cupy.zeros_like(k_pages)
+    v_pages[table.ravel()] = cupy.pad(v, ((0, 0), (0, table.shape[1] * page_size - capacity),
+                                          (0, 0), (0, 0))).reshape(-1, page_size, heads_kv,
+                                                                   head_dim)
+    lengths = [1500, 1377]
+    seqlens = cupy.asarray(np.array(lengths, dtype=np.int32))
+    out, lse = ptxattn.attention_with_kvcache(q, k_pages, v_pages, block_table=table,
+                                              num_splits=1, cache_seqlens=seqlens,
+                                              return_lse=True)
+    _check_kvcache(q, k, v, lengths, out, lse, causal=True)
+    contiguous = ptxattn.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, num_splits=1)
+    assert bool((contiguous == out).all()), "paged and contiguous caches differ"
+
+
+
 def test_every_split_count_gives_the_same_answer(rng):
     import cupy
     import ptxattn
