@@ -20,8 +20,8 @@
 //                                shared memory and added by a TMA reduce (cp.reduce.async.bulk),
 //                                which runs on while the next step computes (issued by the
 //                                producer's writer warp at head_dim 128 and for
-//                                deterministic sums, there in the tile's turn; at head_dim 256
-//                                by the consumer, in two rounds of 64 columns)
+//                                deterministic sums, there in the tile's turn, else by the
+//                                consumer; at head_dim 256 in two rounds of 64 columns)
 // Computing S^T rather than S keeps both dV's and dK's A operand in registers, straight from
 // the accumulators; only dQ needs dS in shared memory. For dQ each warpgroup takes 64 columns:
 // head_dim 128 splits the columns (each warpgroup reads both warpgroups' dS, so they meet at a
@@ -54,9 +54,9 @@ namespace ptxattn {
 // The compile-time shape of a Hopper backward kernel: kHeadDim 64, 128 or 256; kBf16 the 16-bit
 // type; kCausal; kBlockM query rows per step (64 or 128: the N of S^T and dP^T, whose SS wgmmas
 // read shared memory at the tensor cores' pace at N = 64 and at 3/4 of it at N = 128); kStages
-// the depth of the (Q, dO) ring; kDeterministic: dQ summed in a fixed order by the writer warp,
-// or at head_dim 256 by each consumer warpgroup (a build of its own: one kernel with both ways
-// of summing ran 2-5% slower without, and spilled at head_dim 64); kSmemBytes the dynamic
+// the depth of the (Q, dO) ring; kDeterministic: dQ summed in a fixed order by the writer warp
+// (a build of its own: one kernel with both ways of summing ran 2-5% slower without, and
+// spilled at head_dim 64); kSmemBytes the dynamic
 // shared memory the launcher requests (checked against the layout below).
 template <int HeadDim, bool Bf16, bool Causal, int BlockM, int Stages, bool Deterministic,
           int SmemBytes>
@@ -108,21 +108,21 @@ struct BwdSm90Config {
     // rounds (kDqRounds), in the warpgroup's dS slab (free once dQ's GEMM has read it) and one
     // box of its own: K, V, two (Q, dO) stages and dS fill 210 KB and leave no room for 2 x 32 KB.
     // (Added from registers by red.global adds instead, dQ's sums doubled the kernel's time, with
-    // L2 at 72% of its peak.) Its deterministic sums take turns per warpgroup, each adding its
-    // own columns, so there the semaphores are per (tile, warpgroup).
+    // L2 at 72% of its peak.)
     static constexpr int kDqRounds = kSharedKeys ? 2 : 1;
     static constexpr int kDqRoundCols = kDqCols / kDqRounds;
-    static constexpr int kSemaphoresPerTile = kSharedKeys ? kConsumers : 1;
     static constexpr uint32_t kDqBoxBytes = kBlockM * 128;
     static constexpr uint32_t kDqStageBytes = (kSharedKeys ? 1 : 2) * kDqBoxBytes;
     // Non-causal blocks walk the query tiles from staggered starts (BwdWalk) even without
     // deterministic sums at head_dim 64, where it measured +5-7% at seqlen 16384 (two A/B runs);
     // at 128 it cost 2%.
     static constexpr bool kStaggeredWalk = kDeterministic || kDqSplitKeys;
-    // The producer's writer warp issues the dQ reduces (write_dq; without
-    // deterministic sums it takes no turns), so that no consumer waits for its staging to be
-    // read: always with deterministic sums, and at head_dim 128.
-    static constexpr bool kDqWriter = !kSharedKeys && (kDeterministic || !kDqSplitKeys);
+    // The producer's writer warp issues the dQ reduces (write_dq; without deterministic sums it
+    // takes no turns), so that no consumer waits for its staging to be read (head_dim 128) or
+    // for the tile's turn and its reduces' completion (deterministic sums): always with
+    // deterministic sums, and at head_dim 128. (At head_dim 256 the consumers waited for both
+    // themselves, and deterministic sums cost 20-32%.)
+    static constexpr bool kDqWriter = kDeterministic || (!kDqSplitKeys && !kSharedKeys);
 
     // Launched at 168 registers a thread; the producer keeps 24 and each consumer warpgroup
     // takes 240: dK and dV (kDkvCols each), S^T and dP^T (32 each), dQ and the A fragments.
@@ -257,12 +257,12 @@ struct BwdSm90Mainloop {
         }
     }
 
-    // The writer warp (kDqWriter): per step, once the consumers staged the block's dQ, its lane
-    // 0 adds the staging into the accumulator with TMA reduces and frees the staging once they
-    // have read it; with deterministic sums it first waits for the tile's turn (BwdWalk) and
-    // passes the turn once the reduces have completed. Waiting here rather than in a consumer
-    // keeps the waits off the wgmma pipeline: the consumers run up to a step ahead. Every lane
-    // calls it.
+    // The writer warp (kDqWriter): per step and round, once the consumers staged the block's
+    // dQ, its lane 0 adds the staging into the accumulator with TMA reduces and frees the
+    // staging once they have read it; with deterministic sums it first waits for the tile's
+    // turn (BwdWalk) and passes the turn once the step's reduces have completed. Waiting here
+    // rather than in a consumer keeps the waits off the wgmma pipeline: the consumers run up to
+    // a step ahead. Every lane calls it.
     static __device__ __forceinline__ void write_dq(const BwdParams& p, uint8_t* smem,
                                                     const Info& info, const BwdWalk& walk,
                                                     const BwdSteps& steps, int kv_head,
@@ -277,23 +277,27 @@ struct BwdSm90Mainloop {
                                   (static_cast<int64_t>(batch) * p.heads_q + head) *
                                       p.num_m_blocks + m_block
                             : nullptr;
-            __syncwarp();
-            named_barrier_sync(kDqWriterFull, kWriterSyncThreads);
-            if (leader) {
-                if constexpr (Cfg::kDeterministic) {
-                    wait_turn(turn, walk.turn(m_block, info.n_max(m_block)));
-                }
-                // Split by keys, the first warpgroup's staging holds the block's sum.
 #pragma unroll
-                for (int w = 0; w < (Cfg::kDqSplitKeys ? 1 : Cfg::kConsumers); ++w) {
-                    issue_dq_reduce(p, smem + kDqOffset + w * Cfg::kDqStageBytes,
-                                    Cfg::kDqCols * w, m_block, head, batch);
+            for (int round = 0; round < Cfg::kDqRounds; ++round) {
+                __syncwarp();
+                named_barrier_sync(kDqWriterFull, kWriterSyncThreads);
+                if (leader) {
+                    if (Cfg::kDeterministic && round == 0) {
+                        wait_turn(turn, walk.turn(m_block, info.n_max(m_block)));
+                    }
+                    // Split by keys, the first warpgroup's staging holds the block's sum.
+#pragma unroll
+                    for (int w = 0; w < (Cfg::kDqSplitKeys ? 1 : Cfg::kConsumers); ++w) {
+                        issue_dq_reduce(p, smem + kDqStagingOffset + w * kDqStagingStride,
+                                        Cfg::kDqCols * w + round * Cfg::kDqRoundCols, m_block,
+                                        head, batch);
+                    }
+                    tma_store_commit();
+                    tma_store_wait_read<0>();
                 }
-                tma_store_commit();
-                tma_store_wait_read<0>();
+                __syncwarp();
+                named_barrier_arrive(kDqWriterFree, kWriterSyncThreads);
             }
-            __syncwarp();
-            named_barrier_arrive(kDqWriterFree, kWriterSyncThreads);
             if (Cfg::kDeterministic && leader) {
                 tma_store_wait<0>();
                 pass_turn(turn);
@@ -434,8 +438,12 @@ struct BwdSm90Mainloop {
             if constexpr (Cfg::kSharedKeys) {
                 // The warpgroup's dS slab is also its dQ staging: the step before's reduces must
                 // have read it.
-                if (dq_issuer()) tma_store_wait_read<0>();
-                named_barrier_sync(kDqBarrier + wg, 128);
+                if constexpr (Cfg::kDqWriter) {
+                    if (step_index > 0) named_barrier_sync(kDqWriterFree, kWriterSyncThreads);
+                } else {
+                    if (dq_issuer()) tma_store_wait_read<0>();
+                    named_barrier_sync(kDqBarrier + wg, 128);
+                }
             }
             {
                 const int matrix = lane / 8;
@@ -479,7 +487,7 @@ struct BwdSm90Mainloop {
             if constexpr (Cfg::kDqWriter) {
                 hand_dq_to_writer(dq, step_index == 0);
             } else {
-                reduce_dq(p, info, walk, dq, m_block, head, batch);
+                reduce_dq(p, dq, m_block, head, batch);
             }
         }
 
@@ -496,19 +504,12 @@ struct BwdSm90Mainloop {
         // dQ of the step staged in shared memory (the TMA box layout: 128-byte rows of 32
         // floats, 16-byte chunks swizzled by row % 8, so a warp's stores hit distinct banks) and
         // added into the accumulator by one TMA reduce a box, round by round; rows past
-        // seqlen_q are clipped. Deterministic sums (here only kSharedKeys: elsewhere the writer
-        // warp adds them) wait for the warpgroup's turn and pass it once the reduces are done.
-        __device__ __forceinline__ void reduce_dq(const BwdParams& p, const Info& info,
-                                                  const BwdWalk& walk, DqTiles& dq, int m_block,
+        // seqlen_q are clipped. (Deterministic sums are the writer warp's.)
+        __device__ __forceinline__ void reduce_dq(const BwdParams& p, DqTiles& dq, int m_block,
                                                   int head, int batch) const {
+            static_assert(!Cfg::kDeterministic, "the writer warp takes the turns");
             uint8_t* staging = smem + kDqStagingOffset + wg * kDqStagingStride;
             const int col0 = Cfg::kDqSplitKeys ? 0 : Cfg::kDqCols * wg;
-            int* turn = nullptr;
-            if constexpr (Cfg::kDeterministic) {
-                turn = p.dq_semaphore + ((static_cast<int64_t>(batch) * p.heads_q + head) *
-                                             p.num_m_blocks + m_block) * Cfg::kSemaphoresPerTile +
-                       wg;
-            }
 #pragma unroll
             for (int round = 0; round < Cfg::kDqRounds; ++round) {
                 if (round > 0) {
@@ -519,17 +520,10 @@ struct BwdSm90Mainloop {
                 fence_proxy_async();
                 named_barrier_sync(kDqBarrier + wg, 128);
                 if (dq_issuer()) {
-                    if (Cfg::kDeterministic && round == 0) {
-                        wait_turn(turn, walk.turn(m_block, info.n_max(m_block)));
-                    }
                     issue_dq_reduce(p, staging, col0 + round * Cfg::kDqRoundCols, m_block, head,
                                     batch);
                     tma_store_commit();
                 }
-            }
-            if (Cfg::kDeterministic && dq_issuer()) {
-                tma_store_wait<0>();
-                pass_turn(turn);
             }
         }
 
@@ -574,11 +568,23 @@ struct BwdSm90Mainloop {
         // has freed the staging of the step before. Split by columns (head_dim 128), each
         // warpgroup stages its columns; split by keys (64, deterministic sums), the second
         // warpgroup hands its dQ to the first, which adds it to its own in a fixed order and
-        // stages the sum (two reduces into the same rows could land in either order).
+        // stages the sum (two reduces into the same rows could land in either order). Over
+        // shared keys (256, deterministic sums) each stages its columns in two rounds, in its dS
+        // slab (freed before the step wrote dS) and box.
         __device__ __forceinline__ void hand_dq_to_writer(DqTiles& dq, bool first_step) const {
             constexpr uint32_t kConsumerThreads = 128 * Cfg::kConsumers;
             uint8_t* staging = smem + kDqOffset;
-            if constexpr (Cfg::kDqSplitKeys) {
+            if constexpr (Cfg::kSharedKeys) {
+#pragma unroll
+                for (int round = 0; round < Cfg::kDqRounds; ++round) {
+                    if (round > 0) named_barrier_sync(kDqWriterFree, kWriterSyncThreads);
+                    stage_dq<false>(smem + kDqStagingOffset + wg * kDqStagingStride, dq, 0,
+                                    round);
+                    fence_proxy_async();
+                    named_barrier_arrive(kDqWriterFull, kWriterSyncThreads);
+                }
+                return;
+            } else if constexpr (Cfg::kDqSplitKeys) {
                 // The second warpgroup's staging is the hand-off, free again once the first has
                 // read it.
                 if (wg == 1) {

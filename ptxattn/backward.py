@@ -11,8 +11,7 @@ A backward call runs three kernels on one stream:
 The workspace is the FP32 accumulator (batch * heads_q * seqlen_q * head_dim floats), dpsum and
 the LSE in log2 units (batch * heads_q * seqlen_q floats each, seqlen_q padded to ROW_PADDING so
 that a kernel may copy whole blocks of rows) and, for ``deterministic=True``, one int per (batch,
-head, query tile), or one per (tile, consumer warpgroup) where each adds its own columns: nothing
-of O(seqlen^2).
+head, query tile): nothing of O(seqlen^2).
 """
 
 from __future__ import annotations
@@ -54,15 +53,14 @@ class Workspace:
     dq_semaphore: object | None
 
     @classmethod
-    def allocate(cls, problem, block_m: int, deterministic: bool,
-                 semaphores_per_tile: int = 1) -> "Workspace":
+    def allocate(cls, problem, block_m: int, deterministic: bool) -> "Workspace":
         import cupy
         heads = problem.batch * problem.heads_q
         padded_rows = heads * rounded_rows(problem.seqlen_q)
         semaphore = None
         if deterministic:
-            semaphore = cupy.zeros(heads * math.ceil(problem.seqlen_q / block_m) *
-                                   semaphores_per_tile, dtype=cupy.int32)
+            semaphore = cupy.zeros(heads * math.ceil(problem.seqlen_q / block_m),
+                                   dtype=cupy.int32)
         return cls(cupy.empty(heads * problem.seqlen_q * problem.head_dim, dtype=cupy.float32),
                    cupy.empty(padded_rows, dtype=cupy.float32),
                    cupy.empty(padded_rows, dtype=cupy.float32), semaphore)

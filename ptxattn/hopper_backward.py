@@ -38,8 +38,7 @@ class Variant:
 
     # The layout of BwdSm90Config and BwdSm90Mainloop (mainloop_bwd_sm90.cuh): at head_dim 256
     # both consumer warpgroups hold the same 64 keys (kSharedKeys), read only the dS each wrote
-    # (kOwnDs, as head_dim 64 does), stage dQ in two rounds, and take deterministic turns each
-    # (kSemaphoresPerTile).
+    # (kOwnDs, as head_dim 64 does) and stage dQ in two rounds.
     @property
     def shared_keys(self) -> bool:
         return self.head_dim == 256
@@ -47,10 +46,6 @@ class Variant:
     @property
     def block_n(self) -> int:
         return 64 if self.shared_keys else 128
-
-    @property
-    def semaphores_per_tile(self) -> int:
-        return 2 if self.shared_keys else 1  # one per consumer warpgroup
 
     @property
     def smem_bytes(self) -> int:
@@ -99,8 +94,7 @@ def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: boo
     v_info = variant(problem.format, problem.head_dim, problem.causal, deterministic)
     kernel = runtime.load(v_info.spec())
     block_m = v_info.block_m
-    ws = shared_backward.Workspace.allocate(problem, block_m, deterministic,
-                                            v_info.semaphores_per_tile)
+    ws = shared_backward.Workspace.allocate(problem, block_m, deterministic)
     p = shared_backward.make_params(problem, dout, q, k, v, out, lse, dq, dk, dv, ws, block_m)
     swizzle = BOX_COLS * q.itemsize
     p.q_map = runtime.tensor_map(q, (1, block_m, 1, BOX_COLS), swizzle=swizzle)
