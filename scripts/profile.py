@@ -498,13 +498,18 @@ def serving_main(args) -> int:
     def as_torch(*xs):
         return tuple(torch.from_dlpack(x) for x in xs)
 
-    def paged(k, page_size):
+    def paged(k, v, page_size):
+        """Paged copies of the caches k and v, their pages shuffled by one block table."""
         batch, seqlen, heads, dim = k.shape
         per_seq = seqlen // page_size
         table = rng.permutation(batch * per_seq).reshape(batch, per_seq).astype(np.int32)
-        pool = cupy.empty((batch * per_seq, page_size, heads, dim), dtype=k.dtype)
-        pool[cupy.asarray(table.ravel())] = k.reshape(batch * per_seq, page_size, heads, dim)
-        return pool, cupy.asarray(table)
+        pools = []
+        for cache in (k, v):
+            pool = cupy.empty((batch * per_seq, page_size, heads, dim), dtype=cache.dtype)
+            pool[cupy.asarray(table.ravel())] = cache.reshape(batch * per_seq, page_size, heads,
+                                                              dim)
+            pools.append(pool)
+        return (*pools, cupy.asarray(table))
 
     def runnable(calls: dict) -> dict:
         """The calls that run (each called once: compiles, warms); a peer that refuses a shape
@@ -534,8 +539,7 @@ def serving_main(args) -> int:
         calls = {"ptxattn": lambda: ptxattn.attention_with_kvcache(
             q, k, v, cache_seqlens=lengths, check_contents=False)}
         for page_size in (16, 64):
-            kp, table = paged(k, page_size)
-            vp, _ = paged(v, page_size)
+            kp, vp, table = paged(k, v, page_size)
             calls[f"ptxattn-paged{page_size}"] = (
                 lambda kp=kp, vp=vp, table=table: ptxattn.attention_with_kvcache(
                     q, kp, vp, cache_seqlens=lengths, block_table=table, check_contents=False))
@@ -584,8 +588,7 @@ def serving_main(args) -> int:
 
     k, v = normal((1, 16384, 8, 128)), normal((1, 16384, 8, 128))
     lengths = cupy.full(1, 16384, dtype=cupy.int32)
-    kp, table = paged(k, 64)
-    vp, _ = paged(v, 64)
+    kp, vp, table = paged(k, v, 64)
     for chunk in (16, 64, 256):
         q = normal((1, chunk, 32, 128))
         calls = {"ptxattn": lambda: ptxattn.attention_with_kvcache(

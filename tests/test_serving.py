@@ -115,12 +115,14 @@ def test_decode_paged_matches_reference(page_size, dtype, rng):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("page_size", [16, 48])
 def test_decode_paged_long_sequences(page_size, head_dim, rng):
-    """One block walks 1500 keys: the staged page table's slots (kv_cache.cuh StagedPages) wrap
-    many times, and every head_dim steps its rows through the pages at its own stride."""
+    """One block walks 1500 keys (one split): the staged page table's slots (kv_cache.cuh
+    StagedPages) wrap many times, and every head_dim steps its rows through the pages at its
+    own stride. Then the launcher's own split: 64 tiles take one wave of one block an SM (two
+    splits on an H100), with its own tile at head_dim 128."""
     import cupy
     import ptxattn
 
-    batch, capacity, heads_q, heads_kv = 2, 1500, 8, 2
+    batch, capacity, heads_q, heads_kv = 8, 1500, 16, 8
     q = _random((batch, 1, heads_q, head_dim), rng)
     k = _random((batch, capacity, heads_kv, head_dim), rng)
     v = _random((batch, capacity, heads_kv, head_dim), rng)
@@ -129,14 +131,16 @@ def test_decode_paged_long_sequences(page_size, head_dim, rng):
     v_pages[table.ravel()] = cupy.pad(v, ((0, 0), (0, table.shape[1] * page_size - capacity),
                                           (0, 0), (0, 0))).reshape(-1, page_size, heads_kv,
                                                                    head_dim)
-    lengths = [1500, 1377]
+    lengths = [1500, 1377, 1500, 900, 1499, 1200, 1, 1450]
     seqlens = cupy.asarray(np.array(lengths, dtype=np.int32))
-    out, lse = ptxattn.attention_with_kvcache(q, k_pages, v_pages, block_table=table,
-                                              num_splits=1, cache_seqlens=seqlens,
-                                              return_lse=True)
-    _check_kvcache(q, k, v, lengths, out, lse, causal=True)
-    contiguous = ptxattn.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, num_splits=1)
-    assert bool((contiguous == out).all()), "paged and contiguous caches differ"
+    for splits in (1, 0):
+        out, lse = ptxattn.attention_with_kvcache(q, k_pages, v_pages, block_table=table,
+                                                  num_splits=splits, cache_seqlens=seqlens,
+                                                  return_lse=True)
+        _check_kvcache(q, k, v, lengths, out, lse, causal=True)
+        contiguous = ptxattn.attention_with_kvcache(q, k, v, cache_seqlens=seqlens,
+                                                    num_splits=splits)
+        assert bool((contiguous == out).all()), (splits, "paged and contiguous caches differ")
 
 
 
