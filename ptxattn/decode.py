@@ -70,21 +70,8 @@ TILES: dict[int, list[tuple[tuple[str, ...], DecodeTile]]] = {
 }
 
 
-# head_dim -> [(archs, tile)] for one-token decode over a paged cache with the one-wave split
-# (one block an SM): a deeper ring, for reads that wait on random pages' translations. On the
-# H100 (head_dim 128, batch 8 x 32768, 16- and 64-row pages) 2963 and 2966 GB/s against 2889 and
-# 2943 at 3 stages, the contiguous cache 2995-3022 (whose reads gain nothing from a fourth stage:
-# 2915-2934). Same rows per tile as TILES'.
-ONE_WAVE_PAGED_TILES: dict[int, list[tuple[tuple[str, ...], DecodeTile]]] = {
-    128: [(_SMEM_200K, DecodeTile(64, 4, 4, 1))],
-}
-
-
-def tile_for(head_dim: int, arch: str, one_wave_paged: bool = False) -> DecodeTile:
-    candidates = TILES[head_dim]
-    if one_wave_paged:
-        candidates = ONE_WAVE_PAGED_TILES.get(head_dim, []) + candidates
-    for tile_archs, tile in candidates:
+def tile_for(head_dim: int, arch: str) -> DecodeTile:
+    for tile_archs, tile in TILES[head_dim]:
         if arch in tile_archs:
             return tile
     raise runtime.PtxattnError(f"no decode tile for head_dim {head_dim} on {arch}")
@@ -119,8 +106,8 @@ COMBINE_PAIRS = (("float32", "bfloat16"), ("float32", "float16"), ("float32", "f
 
 def variants() -> list[runtime.KernelSpec]:
     decode = [spec(dtype, head_dim, tile, tile_archs)
-              for dtype in DTYPES for table in (TILES, ONE_WAVE_PAGED_TILES)
-              for head_dim, tiles in table.items() for tile_archs, tile in tiles]
+              for dtype in DTYPES for head_dim, tiles in TILES.items()
+              for tile_archs, tile in tiles]
     return decode + [combine_spec(part, out) for part, out in COMBINE_PAIRS]
 
 
@@ -185,24 +172,20 @@ _launches = runtime.LaunchCache()
 def _prepare(problem, q, k, v, out, lse, *, seqused_k, block_table, cu_seqlens_q, cu_seqlens_k,
              sinks, tile: DecodeTile | None) -> Callable[[], None]:
     arch = runtime.device_arch()
-    rows = (tile or tile_for(problem.head_dim, arch)).rows
-    m_blocks = math.ceil(problem.seqlen_q * problem.gqa_ratio / rows)
+    tile = tile or tile_for(problem.head_dim, arch)
+    kernel = runtime.load(spec(problem.format, problem.head_dim, tile, (arch,)))
+    m_blocks = math.ceil(problem.seqlen_q * problem.gqa_ratio / tile.rows)
     if m_blocks == 0:
         return lambda: None  # no query rows (varlen with max_seqlen_q 0)
     tiles = m_blocks * problem.heads_kv * problem.batch
     # One token, its tiles at most half the SMs: one wave of one block an SM (splits_one_wave),
-    # over contiguous and paged caches alike (paged with a deeper ring). Chunks of queries need a
-    # second block an SM to hide their query work (one an SM, 16 and 64 tokens over 16k lost
-    # 35-40% on the H100), so there, and where every tile taking two SMs would not fill the GPU,
-    # the waves count resident blocks.
+    # over contiguous and paged caches alike. Chunks of queries need a second block an SM to hide
+    # their query work (one an SM, 16 and 64 tokens over 16k lost 35-40% on the H100), so there,
+    # and where every tile taking two SMs would not fill the GPU, the waves count resident blocks.
     sms = runtime.sm_count(problem.device)
-    one_wave = not problem.num_splits and problem.seqlen_q == 1 and 2 * tiles <= sms
-    tile = tile or tile_for(problem.head_dim, arch,
-                            one_wave_paged=one_wave and block_table is not None)
-    kernel = runtime.load(spec(problem.format, problem.head_dim, tile, (arch,)))
     if problem.num_splits:
         splits = problem.num_splits
-    elif one_wave:
+    elif problem.seqlen_q == 1 and 2 * tiles <= sms:
         splits = splits_one_wave(tiles, key_blocks(problem, tile), sms)
     else:
         splits = choose_splits(tiles, key_blocks(problem, tile), sms * tile.min_blocks)
