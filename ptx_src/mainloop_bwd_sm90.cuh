@@ -119,9 +119,10 @@ struct BwdSm90Config {
     static constexpr bool kStaggeredWalk = kDeterministic || kDqSplitKeys;
     // The producer's writer warp issues the dQ reduces (write_dq; without deterministic sums it
     // takes no turns), so that no consumer waits for its staging to be read (head_dim 128) or
-    // for the tile's turn and its reduces' completion (deterministic sums): always with
-    // deterministic sums, and at head_dim 128. (At head_dim 256 the consumers waited for both
-    // themselves, and deterministic sums cost 20-32%.)
+    // for its reduces' completion before passing the tile's turn (deterministic sums): always
+    // with deterministic sums, and at head_dim 128. (At head_dim 256, where the staging is the
+    // dS slab, the consumers still wait for the turn within the step, since round 1 and the next
+    // dS reuse round 0's staging; taking the turns themselves there cost 20-32%.)
     static constexpr bool kDqWriter = kDeterministic || (!kDqSplitKeys && !kSharedKeys);
 
     // Launched at 168 registers a thread; the producer keeps 24 and each consumer warpgroup
@@ -261,8 +262,8 @@ struct BwdSm90Mainloop {
     // dQ, its lane 0 adds the staging into the accumulator with TMA reduces and frees the
     // staging once they have read it; with deterministic sums it first waits for the tile's
     // turn (BwdWalk) and passes the turn once the step's reduces have completed. Waiting here
-    // rather than in a consumer keeps the waits off the wgmma pipeline: the consumers run up to
-    // a step ahead. Every lane calls it.
+    // rather than in a consumer keeps the waits off the wgmma pipeline: where the staging is
+    // its own (head_dim 64 and 128) the consumers run up to a step ahead. Every lane calls it.
     static __device__ __forceinline__ void write_dq(const BwdParams& p, uint8_t* smem,
                                                     const Info& info, const BwdWalk& walk,
                                                     const BwdSteps& steps, int kv_head,
@@ -572,8 +573,6 @@ struct BwdSm90Mainloop {
         // shared keys (256, deterministic sums) each stages its columns in two rounds, in its dS
         // slab (freed before the step wrote dS) and box.
         __device__ __forceinline__ void hand_dq_to_writer(DqTiles& dq, bool first_step) const {
-            constexpr uint32_t kConsumerThreads = 128 * Cfg::kConsumers;
-            uint8_t* staging = smem + kDqOffset;
             if constexpr (Cfg::kSharedKeys) {
 #pragma unroll
                 for (int round = 0; round < Cfg::kDqRounds; ++round) {
@@ -584,7 +583,10 @@ struct BwdSm90Mainloop {
                     named_barrier_arrive(kDqWriterFull, kWriterSyncThreads);
                 }
                 return;
-            } else if constexpr (Cfg::kDqSplitKeys) {
+            }
+            constexpr uint32_t kConsumerThreads = 128 * Cfg::kConsumers;
+            uint8_t* staging = smem + kDqOffset;
+            if constexpr (Cfg::kDqSplitKeys) {
                 // The second warpgroup's staging is the hand-off, free again once the first has
                 // read it.
                 if (wg == 1) {
@@ -606,7 +608,8 @@ struct BwdSm90Mainloop {
         }
 
         // kDqWriter, after the last step: the stagings are free for dK and dV (the
-        // writer's last reduces have read them, the first warpgroup the last hand-off).
+        // writer's last reduces have read them, the first warpgroup the last hand-off; at
+        // head_dim 256, which stages dK and dV in the ring, this closes the writer's last round).
         __device__ __forceinline__ void wait_dq_staging_free() const {
             if (Cfg::kDqSplitKeys && wg == 1) {
                 named_barrier_sync(kDqHandOffFree, 128 * Cfg::kConsumers);

@@ -5,8 +5,8 @@
 // and scores its own kWarpKeys of each kBlockN-key stage, with a softmax state of its own. The
 // GEMMs are the forward's (mainloop_mma_sync.cuh), run on the warp's slice of the stage; at the
 // end the warps' states are merged through shared memory (merge_warps). The kernel is bound by
-// reading K and V, so the ring is deep and the stage loads locate every row on its own
-// (kv_cache.cuh: contiguous or paged caches alike).
+// reading K and V, so the ring is deep and a thread steps through its rows of a stage, from the
+// stage's staged page-table entries for a paged cache (kv_cache.cuh).
 //
 // Shared memory: [Q: kRows rows][stage 0: K, V: kBlockN rows each][stage 1]...[paged caches'
 // staged table entries], the same swizzled row tiles as the forward (smem_tile.cuh). After the

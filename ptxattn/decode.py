@@ -6,8 +6,8 @@ batch with the query heads of a kv head packed in one tile and the keys split ov
 
 The decode kernel's cost is reading K and V; its warps split each stage's keys, so a tile needs
 only as many query rows as one token's GQA group. The split count is chosen so that the grid
-fills the GPU in whole waves (:func:`choose_splits`; one-token decode over a contiguous cache with
-few tiles: one wave of one block an SM, :func:`splits_one_wave`).
+fills the GPU in whole waves (:func:`choose_splits`; one-token decode with few tiles: one wave of
+one block an SM, :func:`splits_one_wave`).
 """
 
 from __future__ import annotations

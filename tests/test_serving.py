@@ -143,7 +143,6 @@ def test_decode_paged_long_sequences(page_size, head_dim, rng):
         assert bool((contiguous == out).all()), (splits, "paged and contiguous caches differ")
 
 
-
 def test_every_split_count_gives_the_same_answer(rng):
     import cupy
     import ptxattn
