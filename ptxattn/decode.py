@@ -134,11 +134,11 @@ def choose_splits(tiles: int, key_blocks: int, slots: int) -> int:
 def splits_one_wave(tiles: int, key_blocks: int, sms: int) -> int:
     """Splits for tiles of one token's query rows, at most ``sms`` / 2 tiles: as many as keep
     all blocks in one wave of one block an SM. Such a block reads at memory speed alone, and an
-    SM holding more blocks than another finishes later: on the H100
-    (32/8 heads, head_dim 128) batch 8 x 32768 keys read 2896-2970 GB/s at 2 splits (128
-    blocks) against 2810-2881 at 4 (two an SM), batch 1 x 131072 2628-2803 at 16 (128 blocks)
-    against 2574-2698 at 15. (Between sms / 2 and sms tiles it would leave SMs idle; the
-    launcher takes choose_splits there.)"""
+    SM holding more blocks than another finishes later: on the H100 (32/8 heads, head_dim 128)
+    batch 8 x 32768 keys read 2896-2970 GB/s at 2 splits (128 blocks) against 2810-2881 at 4
+    (two an SM), batch 1 x 131072 2628-2803 at 16 (128 blocks) against 2574-2698 at 15.
+    (Between sms / 2 and sms tiles it would leave SMs idle; the launcher takes choose_splits
+    there.)"""
     return max(1, min(MAX_SPLITS, key_blocks, sms // tiles))
 
 
