@@ -57,7 +57,7 @@ namespace ptxattn {
 // the depth of the (Q, dO) ring; kDeterministic: dQ summed in a fixed order by the writer warp
 // (a build of its own: one kernel with both ways of summing ran 2-5% slower without, and
 // spilled at head_dim 64); kSmemBytes the dynamic
-// shared memory the launcher requests (checked against the layout below).
+// shared memory the launcher requests (equal to the layout below, checked).
 template <int HeadDim, bool Bf16, bool Causal, int BlockM, int Stages, bool Deterministic,
           int SmemBytes>
 struct BwdSm90Config {
@@ -184,8 +184,10 @@ struct BwdSm90Mainloop {
     static constexpr uint32_t kDqBoxStride =
         Cfg::kSharedKeys ? kDqOffset - kDsOffset : Cfg::kDqBoxBytes;
     static_assert(!Cfg::kSharedKeys || Cfg::kDsBuffers == 1, "one dS slab a warpgroup");
-    static_assert(kBarrierOffset + sizeof(Barriers) + Cfg::kSwizzleAtomBytes <= Cfg::kSmemBytes,
-                  "kSmemBytes too small for this tile configuration");
+    // The launcher's mirror of this layout (hopper_backward.Variant.smem_bytes) must give the
+    // same size: a smaller one would overrun the block's shared memory, a larger one waste it.
+    static_assert(kBarrierOffset + sizeof(Barriers) + Cfg::kSwizzleAtomBytes == Cfg::kSmemBytes,
+                  "kSmemBytes differs from this tile configuration's layout");
 
     // Named barriers (0 is __syncthreads): dS complete, for both warpgroups (head_dim 128) or
     // per warpgroup (64, 256); dQ staged, per warpgroup; and with the writer warp (kDqWriter) the

@@ -36,7 +36,8 @@ class Variant:
     stages: int
     deterministic: bool
 
-    # The layout of BwdSm90Config and BwdSm90Mainloop (mainloop_bwd_sm90.cuh): at head_dim 256
+    # The layout of BwdSm90Config and BwdSm90Mainloop (mainloop_bwd_sm90.cuh), whose
+    # static_assert refuses to compile a kernel whose smem_bytes differs from it: at head_dim 256
     # both consumer warpgroups hold the same 64 keys (kSharedKeys), read only the dS each wrote
     # (kOwnDs, as head_dim 64 does) and stage dQ in two rounds.
     @property
