@@ -410,6 +410,17 @@ struct BwdSm90Mainloop {
             wgmma_commit();
             gemm_rows(dp, v_tile + rows, do_tile);
             wgmma_commit();
+            // The step's LSE at the thread's columns, loaded while the GEMMs run: loaded where
+            // it is used, its latency stalled the exponents' arithmetic (ncu, head_dim 128: 8%
+            // of the stall samples). Not at 128 query rows a step (head_dim 64): spills.
+            constexpr bool kEarlyLse = kBlockM == 64;
+            float2 lse_log2[kEarlyLse ? kBlockM / 8 : 1];
+            if constexpr (kEarlyLse) {
+#pragma unroll
+                for (int i = 0; i < kBlockM / 8; ++i) {
+                    lse_log2[i] = ld_shared_f32x2(row_values + 32 * i);
+                }
+            }
             wgmma_wait<1>();
             wgmma_fence_operand(s);
 
@@ -420,10 +431,24 @@ struct BwdSm90Mainloop {
             uint32_t pt[kBlockM / 4];
             recompute_probabilities_transposed(
                 reinterpret_cast<Tiles&>(s),
-                [row_values](int i) { return ld_shared_f32x2(row_values + 32 * i); },
+                [&lse_log2, row_values](int i) {
+                    if constexpr (kEarlyLse) {
+                        return lse_log2[i];
+                    } else {
+                        return ld_shared_f32x2(row_values + 32 * i);
+                    }
+                },
                 p.scale_log2);
 #pragma unroll
             for (int j = 0; j < kBlockM / 4; ++j) pt[j] = pack_f32x2<kBf16>(s[2 * j], s[2 * j + 1]);
+            // D likewise, once S^T's registers are free, ahead of dV's GEMM.
+            float2 dpsum[kEarlyLse ? kBlockM / 8 : 1];
+            if constexpr (kEarlyLse) {
+#pragma unroll
+                for (int i = 0; i < kBlockM / 8; ++i) {
+                    dpsum[i] = ld_shared_f32x2(row_values + 4 * kBlockM + 32 * i);
+                }
+            }
             wgmma_fence();
             gemm_fragments(dv, pt, do_tile + dkv_cols);
             wgmma_commit();
@@ -432,8 +457,13 @@ struct BwdSm90Mainloop {
             // dS^T = P^T (dP^T - D), as A fragments of dK's GEMM and, transposed, into dS.
             uint32_t dst[kBlockM / 4];
             score_gradient_transposed<kBf16>(
-                dst, reinterpret_cast<const Tiles&>(dp), pt,
-                [row_values](int i) { return ld_shared_f32x2(row_values + 4 * kBlockM + 32 * i); });
+                dst, reinterpret_cast<const Tiles&>(dp), pt, [&dpsum, row_values](int i) {
+                    if constexpr (kEarlyLse) {
+                        return dpsum[i];
+                    } else {
+                        return ld_shared_f32x2(row_values + 4 * kBlockM + 32 * i);
+                    }
+                });
             // dS^T's 8x8 matrices (keys 16 warp + 8 h.., queries 8 i..) land transposed in this
             // warpgroup's slab of the step's dS buffer: stmatrix x4 number x takes i = 2x, 2x + 1.
             const uint32_t ds =
@@ -461,9 +491,6 @@ struct BwdSm90Mainloop {
                 }
             }
             fence_proxy_async();
-            wgmma_fence();
-            gemm_fragments(dk, dst, q_tile + dkv_cols);
-            wgmma_commit();
             // The dS barrier also tells the warpgroup that its dQ staging is free again: its
             // last TMA reduce has read it (kDqWriter: the writer warp's barriers do).
             if (!Cfg::kDqWriter && !Cfg::kSharedKeys && dq_issuer()) tma_store_wait_read<0>();
@@ -472,26 +499,33 @@ struct BwdSm90Mainloop {
             } else {
                 named_barrier_sync(kDsBarrier, 128 * Cfg::kConsumers);
             }
-            // dV's GEMM is done with P^T (only dK's may still run), so dQ's accumulators can
-            // take P^T's registers: at 128 rows a step, holding both spilled.
-            wgmma_wait<1>();
+            // dQ's accumulators take P^T's registers once dV's GEMM is done with them (at 128
+            // rows a step, holding both spilled). dQ goes first and dK after it, so that dQ is
+            // staged and its reduce issued while dK's GEMM runs on; dK's reads Q, so the ring
+            // slot is released only after it. (Head_dim 64's deterministic hand-off adds the
+            // other warpgroup's dQ to its own, which with dK's A fragments still held spilled:
+            // it waits for dK as well.)
+            wgmma_wait<0>();
             wgmma_fence_operand(dv);
             DqTiles dq;
             wgmma_fence();
             gemm_dq(dq, ds, k_tile, Cfg::kOwnDs ? 64 * wg : 0, Cfg::kDqSplitKeys ? 64 * wg : 0,
                     Cfg::kDqSplitKeys ? 0 : wg * (Cfg::kDqCols / 64));
             wgmma_commit();
-            wgmma_wait<0>();
-            wgmma_fence_operand(dk);
+            gemm_fragments(dk, dst, q_tile + dkv_cols);
+            wgmma_commit();
+            wgmma_wait<Cfg::kDqWriter && Cfg::kDqSplitKeys ? 0 : 1>();
 #pragma unroll
             for (int r = 0; r < Cfg::kDqRowBlocks; ++r) wgmma_fence_operand(dq[r]);
-            release();
-            ++ring.count;
             if constexpr (Cfg::kDqWriter) {
                 hand_dq_to_writer(dq, step_index == 0);
             } else {
                 reduce_dq(p, dq, m_block, head, batch);
             }
+            wgmma_wait<0>();
+            wgmma_fence_operand(dk);
+            release();
+            ++ring.count;
         }
 
         // The first of the warpgroup's keys within the block.
@@ -534,17 +568,26 @@ struct BwdSm90Mainloop {
         // staging layout: every row of the thread has g = lane / 4 for row % 8, so its chunk
         // (2 (i % 4) + t / 2) ^ g takes four values, and the rest are constants. (Left to
         // swizzled_offset, ptxas kept one address per store live across the loop and spilled at
-        // 128 rows a step.) kAdd: first add what the staging `addend` bytes further holds at those
-        // places (the same thread of the other warpgroup wrote it there). Round `round` stages
-        // columns kDqRoundCols round.. .
+        // 128 rows a step.) A 64-bit store is served by half-warps, and rows g and g ^ 1 of one
+        // half put the same i on the same two chunks, which made every store two-way conflicted
+        // (ncu: 2^27 excess wavefronts, 9% of the head_dim 128 kernel's shared-memory traffic).
+        // So the threads of odd g store columns 8 (i ^ 2) + 2 t where the others store 8 i + 2 t:
+        // each half-warp's sixteen 8-byte stores then fill the 32 banks once.
+        // kAdd: first add what the staging `addend` bytes further holds at those places (the
+        // same thread of the other warpgroup wrote it there). Round `round` stages columns
+        // kDqRoundCols round.. .
         template <bool kAdd>
         __device__ __forceinline__ void stage_dq(uint8_t* staging, DqTiles& dq,
                                                  uint32_t addend = 0, int round = 0) const {
+            static_assert(Cfg::kDqRoundCols % 32 == 0, "i ^ 2 stays in i's box of 32 columns");
             const int g = lane / 4;
+            const bool flip = g & 1;
             const uint32_t thread_row = smem_addr(staging) + (16 * warp + g) * 128 + 8 * (lane % 2);
             uint32_t chunk[4];
 #pragma unroll
-            for (int c = 0; c < 4; ++c) chunk[c] = 16 * ((2 * c + (lane % 4) / 2) ^ g);
+            for (int c = 0; c < 4; ++c) {
+                chunk[c] = 16 * ((2 * (flip ? c ^ 2 : c) + (lane % 4) / 2) ^ g);
+            }
 #pragma unroll
             for (int r = 0; r < Cfg::kDqRowBlocks; ++r) {
 #pragma unroll
@@ -554,8 +597,9 @@ struct BwdSm90Mainloop {
                         const uint32_t addr = thread_row + chunk[i % 4] +
                                               (i / 4) * kDqBoxStride + (64 * r + 8 * h) * 128;
                         const int j = round * (Cfg::kDqRoundCols / 8) + i;
-                        float& x = dq[r][4 * j + 2 * h];
-                        float& y = dq[r][4 * j + 2 * h + 1];
+                        const int j_flipped = round * (Cfg::kDqRoundCols / 8) + (i ^ 2);
+                        float x = flip ? dq[r][4 * j_flipped + 2 * h] : dq[r][4 * j + 2 * h];
+                        float y = flip ? dq[r][4 * j_flipped + 2 * h + 1] : dq[r][4 * j + 2 * h + 1];
                         if constexpr (kAdd) {
                             const float2 other = ld_shared_f32x2(addr + addend);
                             x += other.x;
