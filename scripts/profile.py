@@ -536,14 +536,21 @@ def serving_main(args) -> int:
         q = normal((batch, 1, 32, 128))
         k, v = normal((batch, seqlen, 8, 128)), normal((batch, seqlen, 8, 128))
         lengths = cupy.full(batch, seqlen, dtype=cupy.int32)
-        calls = {"ptxattn": lambda: ptxattn.attention_with_kvcache(
-            q, k, v, cache_seqlens=lengths, check_contents=False)}
+        contiguous = lambda: ptxattn.attention_with_kvcache(  # noqa: E731
+            q, k, v, cache_seqlens=lengths, check_contents=False)
+        # The caches take turns among themselves, apart from the peers: a peer reads the same
+        # arrays as the contiguous cache, so its turn would leave the contiguous cache's address
+        # translations warm and the pages' cold (on the H100 that alone moved 64-row pages from
+        # 0.98 to 0.94 of the contiguous cache; docs/hopper-tuning.md, session 24). Taking turns,
+        # each cache starts every sample after another's reads, as it would after other layers.
+        layouts = {"ptxattn": contiguous}
         for page_size in (16, 64):
             kp, vp, table = paged(k, v, page_size)
-            calls[f"ptxattn-paged{page_size}"] = (
+            layouts[f"ptxattn-paged{page_size}"] = (
                 lambda kp=kp, vp=vp, table=table: ptxattn.attention_with_kvcache(
                     q, kp, vp, cache_seqlens=lengths, block_table=table, check_contents=False))
-        calls["ptxattn-fixed-length"] = lambda: ptxattn.attention(q, k, v)
+        calls = {"ptxattn": contiguous,
+                 "ptxattn-fixed-length": lambda: ptxattn.attention(q, k, v)}
         if torch is not None:
             tq, tk, tv = as_torch(q, k, v)
             calls["torch-sdpa"] = lambda: sdpa(tq.transpose(1, 2), tk.transpose(1, 2),
@@ -552,12 +559,13 @@ def serving_main(args) -> int:
             tlen = torch.from_dlpack(lengths)
             calls["fa3"] = lambda: fa3.flash_attn_with_kvcache(tq, tk, tv, cache_seqlens=tlen,
                                                                causal=True)
-        ms = time_ms_interleaved(runnable(calls), warmup=3, repeats=repeats)
         kv_bytes = 2 * k.nbytes
-        print(f"  batch {batch:3d} seqlen_k {seqlen:6d}: " + ", ".join(
-            f"{name} {kv_bytes / t / 1e6:.0f} ({kv_bytes / t / 1e6 / copy_gbs:.2f})"
-            for name, t in ms.items()))
-        del q, k, v, calls
+        for title, group in (("caches", layouts), ("peers", calls)):
+            ms = time_ms_interleaved(runnable(group), warmup=3, repeats=repeats)
+            print(f"  batch {batch:3d} seqlen_k {seqlen:6d}, {title}: " + ", ".join(
+                f"{name} {kv_bytes / t / 1e6:.0f} ({kv_bytes / t / 1e6 / copy_gbs:.2f})"
+                for name, t in ms.items()))
+        del q, k, v, calls, layouts
 
     print("prefill, TFLOP/s over the visible (query, key) pairs, 32 heads (8 kv), head_dim 128")
 
