@@ -69,25 +69,11 @@ TILES: dict[int, list[tuple[tuple[str, ...], DecodeTile]]] = {
     256: [(_SMEM_200K + _SMEM_163K, DecodeTile(64, 4, 2, 1)), (_SMEM_99K, DecodeTile(32, 2, 2, 1))],
 }
 
-# One-token decode over a paged cache in one wave of one block an SM (splits_one_wave): a fourth
-# stage in flight. A shuffled block table scatters a stage's rows over more address-translation
-# pages than a contiguous cache does, and the deeper ring covers the longer latency: on the H100
-# (batch 8 x 32768, 32/8 heads) 2978 against 2909 GB/s with 16-row pages and 2978-2984 against
-# 2950 with 64-row pages, where the contiguous cache read 3031-3034 with 3 stages and 2942-2947
-# with 4 (docs/hopper-tuning.md, session 24). Elsewhere TILES' tile serves paged caches too.
-PAGED_ONE_WAVE_TILES: dict[int, list[tuple[tuple[str, ...], DecodeTile]]] = {
-    128: [(_SMEM_200K, DecodeTile(64, 4, 4, 1))],
-}
 
-
-def tile_for(head_dim: int, arch: str, paged_one_wave: bool = False) -> DecodeTile:
-    """The decode tile of ``head_dim`` on ``arch``; ``paged_one_wave``: for one-token decode
-    over a paged cache in one wave of one block an SM (PAGED_ONE_WAVE_TILES, where it has one)."""
-    tables = ([PAGED_ONE_WAVE_TILES.get(head_dim, [])] if paged_one_wave else []) + [TILES[head_dim]]
-    for table in tables:
-        for tile_archs, tile in table:
-            if arch in tile_archs:
-                return tile
+def tile_for(head_dim: int, arch: str) -> DecodeTile:
+    for tile_archs, tile in TILES[head_dim]:
+        if arch in tile_archs:
+            return tile
     raise runtime.PtxattnError(f"no decode tile for head_dim {head_dim} on {arch}")
 
 
@@ -120,8 +106,8 @@ COMBINE_PAIRS = (("float32", "bfloat16"), ("float32", "float16"), ("float32", "f
 
 def variants() -> list[runtime.KernelSpec]:
     decode = [spec(dtype, head_dim, tile, tile_archs)
-              for dtype in DTYPES for table in (TILES, PAGED_ONE_WAVE_TILES)
-              for head_dim, tiles in table.items() for tile_archs, tile in tiles]
+              for dtype in DTYPES for head_dim, tiles in TILES.items()
+              for tile_archs, tile in tiles]
     return decode + [combine_spec(part, out) for part, out in COMBINE_PAIRS]
 
 
@@ -186,25 +172,20 @@ _launches = runtime.LaunchCache()
 def _prepare(problem, q, k, v, out, lse, *, seqused_k, block_table, cu_seqlens_q, cu_seqlens_k,
              sinks, tile: DecodeTile | None) -> Callable[[], None]:
     arch = runtime.device_arch()
-    chosen = tile or tile_for(problem.head_dim, arch)
-    m_blocks = math.ceil(problem.seqlen_q * problem.gqa_ratio / chosen.rows)
+    tile = tile or tile_for(problem.head_dim, arch)
+    kernel = runtime.load(spec(problem.format, problem.head_dim, tile, (arch,)))
+    m_blocks = math.ceil(problem.seqlen_q * problem.gqa_ratio / tile.rows)
     if m_blocks == 0:
         return lambda: None  # no query rows (varlen with max_seqlen_q 0)
     tiles = m_blocks * problem.heads_kv * problem.batch
     # One token, its tiles at most half the SMs: one wave of one block an SM (splits_one_wave),
-    # over contiguous and paged caches alike (a paged one with its own ring, tile_for). Chunks of
-    # queries need a second block an SM to hide their query work (one an SM, 16 and 64 tokens over
-    # 16k lost 35-40% on the H100), so there, and where every tile taking two SMs would not fill
-    # the GPU, the waves count resident blocks.
+    # over contiguous and paged caches alike. Chunks of queries need a second block an SM to hide
+    # their query work (one an SM, 16 and 64 tokens over 16k lost 35-40% on the H100), so there,
+    # and where every tile taking two SMs would not fill the GPU, the waves count resident blocks.
     sms = runtime.sm_count(problem.device)
-    one_wave = not problem.num_splits and problem.seqlen_q == 1 and 2 * tiles <= sms
-    if tile is None and one_wave and block_table is not None:
-        chosen = tile_for(problem.head_dim, arch, paged_one_wave=True)
-    tile = chosen
-    kernel = runtime.load(spec(problem.format, problem.head_dim, tile, (arch,)))
     if problem.num_splits:
         splits = problem.num_splits
-    elif one_wave:
+    elif problem.seqlen_q == 1 and 2 * tiles <= sms:
         splits = splits_one_wave(tiles, key_blocks(problem, tile), sms)
     else:
         splits = choose_splits(tiles, key_blocks(problem, tile), sms * tile.min_blocks)

@@ -1,10 +1,8 @@
-"""The decode launcher's choices that need no GPU: the split count and the tiles."""
+"""The decode launcher's choices that need no GPU: the split count."""
 
 import pytest
 
-from ptxattn import archs
-from ptxattn.decode import (ARCHS, MAX_SPLITS, PAGED_ONE_WAVE_TILES, choose_splits,
-                            splits_one_wave, tile_for)
+from ptxattn.decode import MAX_SPLITS, choose_splits, splits_one_wave
 
 
 @pytest.mark.parametrize("tiles, key_blocks, sms, expected", [
@@ -34,15 +32,3 @@ def test_splits_fill_the_gpu_in_nearly_whole_waves():
 ])
 def test_one_wave_split_count(tiles, key_blocks, sms, expected):
     assert splits_one_wave(tiles, key_blocks, sms) == expected
-
-
-@pytest.mark.parametrize("head_dim", sorted(PAGED_ONE_WAVE_TILES))
-@pytest.mark.parametrize("arch", ARCHS)
-def test_paged_one_wave_tile_keeps_the_split_and_the_sums(head_dim, arch):
-    """The launcher counts tiles and splits with TILES' tile before it picks the paged one-wave
-    tile, and paged caches must give the contiguous cache's bits: the two tiles may differ in
-    their ring alone (the warps score the same keys of each stage)."""
-    paged, default = tile_for(head_dim, arch, paged_one_wave=True), tile_for(head_dim, arch)
-    assert (paged.rows, paged.block_n, paged.warps) == (default.rows, default.block_n,
-                                                        default.warps)
-    assert paged.smem_bytes(head_dim) <= archs.get(arch).smem_per_block

@@ -118,8 +118,7 @@ def test_decode_paged_long_sequences(page_size, head_dim, rng):
     """One block walks 1500 keys (one split): the staged page table's slots (kv_cache.cuh
     StagedPages) wrap many times, and every head_dim steps its rows through the pages at its
     own stride. Then the launcher's own split: 64 tiles take one wave of one block an SM (two
-    splits on an H100), where paged caches take their own deeper ring at head_dim 128
-    (decode.PAGED_ONE_WAVE_TILES) and must still give the contiguous cache's bits."""
+    splits on an H100)."""
     import cupy
     import ptxattn
 
