@@ -601,8 +601,10 @@ struct BwdSm90Mainloop {
                                               (i / 4) * kDqBoxStride + (64 * r + 8 * h) * 128;
                         const int j = round * (Cfg::kDqRoundCols / 8) + i;
                         const int j_flipped = round * (Cfg::kDqRoundCols / 8) + (i ^ 2);
-                        float x = flip ? dq[r][4 * j_flipped + 2 * h] : dq[r][4 * j + 2 * h];
-                        float y = flip ? dq[r][4 * j_flipped + 2 * h + 1] : dq[r][4 * j + 2 * h + 1];
+                        const int at = 4 * j + 2 * h;
+                        const int at_flipped = 4 * j_flipped + 2 * h;
+                        float x = flip ? dq[r][at_flipped] : dq[r][at];
+                        float y = flip ? dq[r][at_flipped + 1] : dq[r][at + 1];
                         if constexpr (kAdd) {
                             const float2 other = ld_shared_f32x2(addr + addend);
                             x += other.x;
