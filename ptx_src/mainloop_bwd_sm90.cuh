@@ -13,7 +13,6 @@
 //   P^T  = exp2(S^T scale_log2 - LSE log2(e)) in registers (masked first where the tile needs it)
 //   dV  += P^T dO                RS: P^T as A fragments, dO MN-major (as the forward's P V)
 //   dS^T = P^T (dP^T - D)        in registers, P rounded to 16 bits as dV's GEMM saw it
-//   dK  += dS^T Q                RS: dS^T as A fragments, Q MN-major
 //   dQ   = dS K                  SS with transposed B: dS from shared memory, where each
 //                                warpgroup stores its dS^T transposed (stmatrix .trans), K
 //                                MN-major; then added into the FP32 accumulator: staged in
@@ -22,6 +21,8 @@
 //                                producer's writer warp at head_dim 128 and for
 //                                deterministic sums, there in the tile's turn, else by the
 //                                consumer; at head_dim 256 in two rounds of 64 columns)
+//   dK  += dS^T Q                RS: dS^T as A fragments, Q MN-major; issued after dQ's GEMM
+//                                and running on while dQ is staged
 // Computing S^T rather than S keeps both dV's and dK's A operand in registers, straight from
 // the accumulators; only dQ needs dS in shared memory. For dQ each warpgroup takes 64 columns:
 // head_dim 128 splits the columns (each warpgroup reads both warpgroups' dS, so they meet at a
@@ -50,6 +51,29 @@
 #include "wgmma.cuh"
 
 namespace ptxattn {
+
+// kCount float2 values at a thread's columns of one of a step's row-value rows (the LSE or D of
+// columns 8 i + 2 t, + 1; `addr` the thread's first, in shared memory): read into registers
+// ahead of their use (kAhead, read_ahead) or from shared memory at it.
+template <bool kAhead, int kCount>
+struct ColumnValues {
+    uint32_t addr;
+    float2 held[kAhead ? kCount : 1];
+
+    __device__ __forceinline__ void read_ahead() {
+        if constexpr (kAhead) {
+#pragma unroll
+            for (int i = 0; i < kCount; ++i) held[i] = ld_shared_f32x2(addr + 32 * i);
+        }
+    }
+    __device__ __forceinline__ float2 operator()(int i) const {
+        if constexpr (kAhead) {
+            return held[i];
+        } else {
+            return ld_shared_f32x2(addr + 32 * i);
+        }
+    }
+};
 
 // The compile-time shape of a Hopper backward kernel: kHeadDim 64, 128 or 256; kBf16 the 16-bit
 // type; kCausal; kBlockM query rows per step (64 or 128: the N of S^T and dP^T, whose SS wgmmas
@@ -203,7 +227,8 @@ struct BwdSm90Mainloop {
     static constexpr uint32_t kConsumersDone = 9;
     // Threads meeting at the writer's barriers: the consumers that stage what it reduces (one
     // warpgroup with dQ split by keys, both by columns) and the writer warp.
-    static constexpr uint32_t kWriterSyncThreads = 128 * (Cfg::kDqSplitKeys ? 1 : Cfg::kConsumers) + 32;
+    static constexpr uint32_t kWriterSyncThreads =
+        128 * (Cfg::kDqSplitKeys ? 1 : Cfg::kConsumers) + 32;
 
     // ---- Producer ---------------------------------------------------------------------------
 
@@ -413,17 +438,12 @@ struct BwdSm90Mainloop {
             wgmma_commit();
             gemm_rows(dp, v_tile + rows, do_tile);
             wgmma_commit();
-            // The step's LSE at the thread's columns, loaded while the GEMMs run: loaded where
-            // it is used, its latency stalled the exponents' arithmetic (ncu, head_dim 128: 8%
-            // of the stall samples). Not at 128 query rows a step (head_dim 64): spills.
-            constexpr bool kEarlyLse = kBlockM == 64;
-            float2 lse_log2[kEarlyLse ? kBlockM / 8 : 1];
-            if constexpr (kEarlyLse) {
-#pragma unroll
-                for (int i = 0; i < kBlockM / 8; ++i) {
-                    lse_log2[i] = ld_shared_f32x2(row_values + 32 * i);
-                }
-            }
+            // The step's LSE at the thread's columns, read while the GEMMs run: read where it is
+            // used, its latency stalled the exponents' arithmetic (ncu, head_dim 128: 8% of the
+            // stall samples). Not at 128 query rows a step (head_dim 64): spills.
+            constexpr bool kEarly = kBlockM == 64;
+            ColumnValues<kEarly, kBlockM / 8> lse_log2{row_values};
+            lse_log2.read_ahead();
             wgmma_wait<1>();
             wgmma_fence_operand(s);
 
@@ -432,26 +452,13 @@ struct BwdSm90Mainloop {
                 apply_mask_transposed(reinterpret_cast<Tiles&>(s), info.mask, first_key, query0);
             }
             uint32_t pt[kBlockM / 4];
-            recompute_probabilities_transposed(
-                reinterpret_cast<Tiles&>(s),
-                [&lse_log2, row_values](int i) {
-                    if constexpr (kEarlyLse) {
-                        return lse_log2[i];
-                    } else {
-                        return ld_shared_f32x2(row_values + 32 * i);
-                    }
-                },
-                p.scale_log2);
+            recompute_probabilities_transposed(reinterpret_cast<Tiles&>(s), lse_log2,
+                                               p.scale_log2);
 #pragma unroll
             for (int j = 0; j < kBlockM / 4; ++j) pt[j] = pack_f32x2<kBf16>(s[2 * j], s[2 * j + 1]);
             // D likewise, once S^T's registers are free, ahead of dV's GEMM.
-            float2 dpsum[kEarlyLse ? kBlockM / 8 : 1];
-            if constexpr (kEarlyLse) {
-#pragma unroll
-                for (int i = 0; i < kBlockM / 8; ++i) {
-                    dpsum[i] = ld_shared_f32x2(row_values + 4 * kBlockM + 32 * i);
-                }
-            }
+            ColumnValues<kEarly, kBlockM / 8> dpsum{row_values + 4 * kBlockM};
+            dpsum.read_ahead();
             wgmma_fence();
             gemm_fragments(dv, pt, do_tile + dkv_cols);
             wgmma_commit();
@@ -459,14 +466,7 @@ struct BwdSm90Mainloop {
             wgmma_fence_operand(dp);
             // dS^T = P^T (dP^T - D), as A fragments of dK's GEMM and, transposed, into dS.
             uint32_t dst[kBlockM / 4];
-            score_gradient_transposed<kBf16>(
-                dst, reinterpret_cast<const Tiles&>(dp), pt, [&dpsum, row_values](int i) {
-                    if constexpr (kEarlyLse) {
-                        return dpsum[i];
-                    } else {
-                        return ld_shared_f32x2(row_values + 4 * kBlockM + 32 * i);
-                    }
-                });
+            score_gradient_transposed<kBf16>(dst, reinterpret_cast<const Tiles&>(dp), pt, dpsum);
             // dS^T's 8x8 matrices (keys 16 warp + 8 h.., queries 8 i..) land transposed in this
             // warpgroup's slab of the step's dS buffer: stmatrix x4 number x takes i = 2x, 2x + 1.
             const uint32_t ds =
@@ -567,15 +567,15 @@ struct BwdSm90Mainloop {
             }
         }
 
-        // Row 64 r + 8 h + (16 warp + g) and columns 8 i + 2 t, + 1 of the warpgroup's dQ in the
-        // staging layout: every row of the thread has g = lane / 4 for row % 8, so its chunk
-        // (2 (i % 4) + t / 2) ^ g takes four values, and the rest are constants. (Left to
-        // swizzled_offset, ptxas kept one address per store live across the loop and spilled at
-        // 128 rows a step.) A 64-bit store is served by half-warps, and rows g and g ^ 1 of one
-        // half put the same i on the same two chunks, which made every store two-way conflicted
-        // (ncu: 2^27 excess wavefronts, 9% of the head_dim 128 kernel's shared-memory traffic).
-        // So the threads of odd g store columns 8 (i ^ 2) + 2 t where the others store 8 i + 2 t:
-        // each half-warp's sixteen 8-byte stores then fill the 32 banks once.
+        // Rows 64 r + 8 h + (16 warp + g) of the warpgroup's dQ in the staging layout, each
+        // thread's columns 8 i + 2 t, + 1 at chunk (2 (i % 4) + t / 2) ^ g, g = lane / 4 being
+        // every row of the thread mod 8: the chunk takes four values, and the rest are constants.
+        // (Left to swizzled_offset, ptxas kept one address per store live across the loop and
+        // spilled at 128 rows a step.) A 64-bit store is served by half-warps, and rows g and
+        // g ^ 1 of one half put the same i on the same two chunks, which made every store two-way
+        // conflicted (ncu: 2^27 excess wavefronts, 9% of the head_dim 128 kernel's shared-memory
+        // traffic). So in store i the threads of odd g store their columns 8 (i ^ 2) + 2 t, the
+        // others 8 i + 2 t: each half-warp's sixteen 8-byte stores then fill the 32 banks once.
         // kAdd: first add what the staging `addend` bytes further holds at those places (the
         // same thread of the other warpgroup wrote it there). Round `round` stages columns
         // kDqRoundCols round.. .

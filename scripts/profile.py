@@ -536,16 +536,20 @@ def serving_main(args) -> int:
         q = normal((batch, 1, 32, 128))
         k, v = normal((batch, seqlen, 8, 128)), normal((batch, seqlen, 8, 128))
         lengths = cupy.full(batch, seqlen, dtype=cupy.int32)
-        contiguous = lambda: ptxattn.attention_with_kvcache(  # noqa: E731
-            q, k, v, cache_seqlens=lengths, check_contents=False)
+
+        def contiguous():
+            return ptxattn.attention_with_kvcache(q, k, v, cache_seqlens=lengths,
+                                                  check_contents=False)
+
         # The caches take turns among themselves, apart from the peers: a peer reads the same
         # arrays as the contiguous cache, so its turn would leave the contiguous cache's address
         # translations warm and the pages' cold (H100, batch 8 x 32768: 64-row pages read
-        # 0.962-0.965 of the contiguous cache where every turn followed another cache's, 0.951-0.962
-        # with the fixed-length kernel or torch SDPA in the turns; a 4-stage ring, which needs
-        # warm translations, 0.88 against 0.98; docs/hopper-tuning.md, session 24). Taking turns,
-        # each cache starts every sample after another's reads, as it would after other layers.
-        layouts = {"ptxattn": contiguous}
+        # 0.962-0.965 of the contiguous cache where every turn followed another cache's,
+        # 0.951-0.962 with the fixed-length kernel or torch SDPA also taking turns; a 4-stage
+        # ring, which needs warm translations, 0.88 against 0.98; docs/hopper-tuning.md,
+        # session 24). Taking turns, each cache starts every sample after another's reads, as it
+        # would after other layers.
+        layouts = {"ptxattn-contiguous": contiguous}
         for page_size in (16, 64):
             kp, vp, table = paged(k, v, page_size)
             layouts[f"ptxattn-paged{page_size}"] = (
