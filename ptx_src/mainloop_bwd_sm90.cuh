@@ -120,12 +120,19 @@ struct BwdSm90Config {
     // dQ per warpgroup, in kBlockM / 64 wgmmas of 64 rows: 64 columns over its own keys (head_dim
     // 64, kDqSplitKeys) or over all keys (128), or its 128 columns over the shared keys (256).
     // Reading only the dS it wrote, a warpgroup needs one dS buffer (kOwnDs); split by columns,
-    // both read both, and dS is double-buffered.
+    // both read both, and dS is double-buffered. Split by columns, dQ is computed transposed
+    // (kDqTransposed): dQ^T = K^T dS^T, the warpgroup's 64 columns the wgmma's M and the step's
+    // queries its N, in one wgmma of kBlockM columns, so kBlockM may be 80 (as FlashAttention-3
+    // takes at head_dim 128 without causal masking: a fourth more work a step for the same
+    // per-step waits, barriers and loads).
     static constexpr bool kDqSplitKeys = kHeadDim == 64;
     static constexpr bool kOwnDs = kDqSplitKeys || kSharedKeys;
+    static constexpr bool kDqTransposed = !kOwnDs;
     static constexpr int kDqCols = kSharedKeys ? kDkvCols : 64;
     static constexpr int kDqKeys = kOwnDs ? 64 : kBlockN;
-    static constexpr int kDqRowBlocks = kBlockM / 64;
+    static constexpr int kDqRowBlocks = kDqTransposed ? 1 : kBlockM / 64;
+    // A thread's dQ accumulators per row block: 64 rows x kDqCols, or kDqCols x kBlockM (dQ^T).
+    static constexpr int kDqValues = (kDqTransposed ? kBlockM : kDqCols) / 2;
     static constexpr int kDsBuffers = kOwnDs ? 1 : 2;
     // dQ staging per consumer warpgroup for the TMA reduces: [kBlockM x 32] float32 boxes
     // (128-byte rows, 128-byte swizzle), two a round. head_dim 256 stages its 128 columns in two
@@ -155,7 +162,8 @@ struct BwdSm90Config {
     static constexpr int kConsumerRegs = 240;
 
     static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim 64, 128, 256");
-    static_assert(kBlockM == 64 || kBlockM == 128, "64 or 128 query rows a step");
+    static_assert(kBlockM == 64 || kBlockM == 128 || (kBlockM == 80 && kDqTransposed),
+                  "64 or 128 query rows a step, or 80 with dQ transposed");
     static_assert(kDqSplitKeys ? kDqCols == kHeadDim : kDqCols * kConsumers == kHeadDim,
                   "dQ: 64 columns a warpgroup, or half of them");
     static_assert((65536 / kThreads / 8 * 8) * (1 + kConsumers) >=
@@ -188,18 +196,21 @@ struct BwdSm90Mainloop {
     using Ring = PipelineState<kStages>;
     using Info = BlockInfo<kBlockM, kBlockN>;
 
-    // Shared memory: [K | V | Q stage 0..S-1 | dO stage 0..S-1 | LSE, D stage 0..S-1 | dS x 1-2 |
-    // dQ staging per consumer | barriers], from a 1024-byte aligned base (the swizzle atom),
-    // which may cost up to 1024 bytes.
+    // Shared memory: [K | V | Q stage 0..S-1 | dO stage 0..S-1 | dS x 1-2 | dQ staging per
+    // consumer | LSE, D stage 0..S-1 | barriers], from a 1024-byte aligned base (the swizzle
+    // atom), which may cost up to 1024 bytes. Every tile is a multiple of 1024 bytes, so each
+    // swizzled one starts on an atom; the row values come last, where they need no padding (80
+    // query rows a step at head_dim 128 leave 1016 bytes free).
     static constexpr uint32_t kKOffset = 0;
     static constexpr uint32_t kVOffset = kKVBytes;
     static constexpr uint32_t kQOffset = 2 * kKVBytes;
     static constexpr uint32_t kDoOffset = kQOffset + kStages * kQBytes;
-    static constexpr uint32_t kRowValuesOffset = kDoOffset + kStages * kQBytes;
-    static constexpr uint32_t kDsOffset =
-        (kRowValuesOffset + kStages * Cfg::kRowValuesBytes + 1023) / 1024 * 1024;
+    static constexpr uint32_t kDsOffset = kDoOffset + kStages * kQBytes;
     static constexpr uint32_t kDqOffset = kDsOffset + Cfg::kDsBuffers * kDsBytes;
-    static constexpr uint32_t kBarrierOffset = kDqOffset + Cfg::kConsumers * Cfg::kDqStageBytes;
+    static constexpr uint32_t kRowValuesOffset = kDqOffset + Cfg::kConsumers * Cfg::kDqStageBytes;
+    static constexpr uint32_t kBarrierOffset = kRowValuesOffset + kStages * Cfg::kRowValuesBytes;
+    static_assert(kQBytes % 1024 == 0 && kDsBytes % 1024 == 0 && Cfg::kDqBoxBytes % 1024 == 0,
+                  "swizzled tiles start on 1024-byte atoms");
     // A warpgroup's dQ staging: its boxes from kDqOffset on, or (kSharedKeys) its dS slab and then
     // its box from kDqOffset, the same distance further for both warpgroups.
     static constexpr uint32_t kDqStagingOffset = Cfg::kSharedKeys ? kDsOffset : kDqOffset;
@@ -303,13 +314,11 @@ struct BwdSm90Mainloop {
         for (int i = 0; i < steps.count; ++i) {
             const int head = steps.head(i, kv_head, p.q_per_kv);
             const int m_block = steps.m_block(i);
-            int* turn = Cfg::kDeterministic
-                            ? p.dq_semaphore +
-                                  (static_cast<int64_t>(batch) * p.heads_q + head) *
-                                      p.num_m_blocks + m_block
-                            : nullptr;
+            // The tile's semaphore as an index: a pointer held across the step spilled the
+            // writer's 24 registers.
+            const int turn = (batch * p.heads_q + head) * p.num_m_blocks + m_block;
             if (Cfg::kDeterministic && leader) {
-                wait_turn(turn, walk.turn(m_block, info.n_max(m_block)));
+                wait_turn(p.dq_semaphore + turn, walk.turn(m_block, info.n_max(m_block)));
             }
 #pragma unroll
             for (int round = 0; round < Cfg::kDqRounds; ++round) {
@@ -331,7 +340,7 @@ struct BwdSm90Mainloop {
             }
             if (Cfg::kDeterministic && leader) {
                 tma_store_wait<0>();
-                pass_turn(turn);
+                pass_turn(p.dq_semaphore + turn);
             }
         }
         // The last reduces must be done before the block exits (and the postprocess reads).
@@ -374,22 +383,27 @@ struct BwdSm90Mainloop {
     // K-major from its buffer's key ds_key0 on (slabs of 64 keys), K's rows key0.. MN-major from
     // its slab `col_slab` on (16-key k-steps of 16 rows). The two starts differ where both
     // warpgroups hold the same keys and each reads the dS slab it wrote (kSharedKeys).
-    using DqTiles = float[Cfg::kDqRowBlocks][Cfg::kDqCols / 2];
+    // kDqTransposed: dq[0] = dQ^T[64 columns x kBlockM queries] = K^T dS^T, the same two tiles
+    // with their roles swapped: K's slab the MN-major A, dS the K-major B.
+    using DqTiles = float[Cfg::kDqRowBlocks][Cfg::kDqValues];
     static __device__ __forceinline__ void gemm_dq(DqTiles& dq, uint32_t ds, uint32_t k_tile,
                                                    int ds_key0, int key0, int col_slab) {
-        const uint64_t a_desc = wgmma_desc_kmajor<128>(ds);
-        const uint64_t b_desc = wgmma_desc_sw128(k_tile + col_slab * kKVSlabBytes, kKVSlabBytes,
+        const uint64_t ds_desc = wgmma_desc_kmajor<128>(ds);
+        const uint64_t k_desc = wgmma_desc_sw128(k_tile + col_slab * kKVSlabBytes, kKVSlabBytes,
                                                  Cfg::kSwizzleAtomBytes);
 #pragma unroll
         for (int r = 0; r < Cfg::kDqRowBlocks; ++r) {
 #pragma unroll
             for (int kk = 0; kk < Cfg::kDqKeys / 16; ++kk) {
                 const uint32_t ds_key = ds_key0 + 16 * kk;
-                Wgmma16<Cfg::kDqCols>::template ss<kBf16, true>(
-                    dq[r],
-                    wgmma_desc_advance(a_desc, r * 64 * 128 + (ds_key / 64) * kDsSlabBytes +
-                                                   (ds_key % 64) * 2),
-                    wgmma_desc_advance(b_desc, (key0 + 16 * kk) * 128), kk > 0);
+                const uint64_t ds_at = wgmma_desc_advance(
+                    ds_desc, r * 64 * 128 + (ds_key / 64) * kDsSlabBytes + (ds_key % 64) * 2);
+                const uint64_t k_at = wgmma_desc_advance(k_desc, (key0 + 16 * kk) * 128);
+                if constexpr (Cfg::kDqTransposed) {
+                    Wgmma16<kBlockM>::template ss<kBf16, false, true>(dq[r], k_at, ds_at, kk > 0);
+                } else {
+                    Wgmma16<Cfg::kDqCols>::template ss<kBf16, true>(dq[r], ds_at, k_at, kk > 0);
+                }
             }
         }
     }
@@ -582,6 +596,11 @@ struct BwdSm90Mainloop {
         template <bool kAdd>
         __device__ __forceinline__ void stage_dq(uint8_t* staging, DqTiles& dq,
                                                  uint32_t addend = 0, int round = 0) const {
+            if constexpr (Cfg::kDqTransposed) {
+                static_assert(!kAdd && Cfg::kDqRounds == 1, "dQ^T is staged whole, as it is");
+                stage_dq_transposed(staging, dq[0]);
+                return;
+            }
             static_assert(Cfg::kDqRoundCols % 32 == 0, "i ^ 2 stays in i's box of 32 columns");
             const int g = lane / 4;
             const bool flip = g & 1;
@@ -611,6 +630,39 @@ struct BwdSm90Mainloop {
                             y += other.y;
                         }
                         st_shared_f32x2(addr, x, y);
+                    }
+                }
+            }
+        }
+
+        // dQ^T's accumulators, dq_t[4 i + 2 h + e] = dQ[query 8 i + 2 t + e][column 16 warp + 8 h +
+        // g], staged in the same box layout one float a store (the columns a thread holds are 8
+        // apart, no pair adjacent): column c of the warpgroup's 64 is word c % 4 of chunk c % 32 / 4
+        // in box c / 32, of row q, at chunk (c % 32 / 4) ^ (q % 8). A store's 32 lanes write rows
+        // 2 t + e (mod 8), columns g of two chunks: the swizzle puts them on 32 distinct banks.
+        __device__ __forceinline__ void stage_dq_transposed(uint8_t* staging,
+                                                            const float (&dq_t)[kBlockM / 2]) const {
+            const int g = lane / 4;
+            const int t = lane % 4;
+            const uint32_t base = smem_addr(staging) + (warp / 2) * Cfg::kDqBoxBytes + 4 * (g % 4);
+            uint32_t offset[2][2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int row = 2 * t + e;
+                    const int chunk = 4 * (warp % 2) + 2 * h + g / 4;
+                    offset[h][e] = row * 128 + 16 * (chunk ^ row);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < kBlockM / 8; ++i) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        st_shared_b32(base + offset[h][e] + 1024 * i,
+                                      __float_as_uint(dq_t[4 * i + 2 * h + e]));
                     }
                 }
             }

@@ -133,6 +133,8 @@ __device__ __forceinline__ void wgmma_fence_operand(uint32_t (&r)[N]) {
 //   ss<kBf16>(d, desc_a, desc_b, accumulate): A and B K-major in shared memory.
 //   ss<kBf16, true>(...): A K-major, B MN-major (imm-trans-b = 1), as the backward's
 //     dQ = dS K reads K: a row-major [keys x d] tile whose rows are the reduction dimension.
+//   ss<kBf16, false, true>(...): A MN-major (imm-trans-a = 1), B K-major, as the backward's
+//     dQ^T = K^T dS^T reads the same K tile as its A operand.
 //   rs<kBf16>(d, a0..a3, desc_b, accumulate): A from registers, B MN-major (transposed) in
 //     shared memory, as a row-major [K x N] tile such as V in P * V.
 // `accumulate` = 0 overwrites D (scale-d predicate false), otherwise D += A * B.
@@ -143,22 +145,24 @@ struct Wgmma16;
 #define PTXATTN_WGMMA16_SHAPE(N, REGS, ACCS, X0, X1, X2, X3, X4, X5)                            \
     template <>                                                                                  \
     struct Wgmma16<N> {                                                                          \
-        template <bool kBf16, bool kTransB = false>                                              \
+        template <bool kBf16, bool kTransB = false, bool kTransA = false>                        \
         static __device__ __forceinline__ void ss(float (&d)[N / 2], uint64_t desc_a,            \
                                                   uint64_t desc_b, uint32_t accumulate) {        \
             if constexpr (kBf16) {                                                               \
                 asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " X2 ", 0;\n"                     \
                              "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.bf16.bf16 {" REGS   \
-                             "}, " X0 ", " X1 ", p, 1, 1, 0, " X3 ";\n}\n"                       \
+                             "}, " X0 ", " X1 ", p, 1, 1, " X4 ", " X3 ";\n}\n"                  \
                              : ACCS                                                              \
-                             : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(int(kTransB))    \
+                             : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(int(kTransB)),   \
+                               "n"(int(kTransA))                                                 \
                              : "memory");                                                        \
             } else {                                                                             \
                 asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " X2 ", 0;\n"                     \
                              "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16 {" REGS     \
-                             "}, " X0 ", " X1 ", p, 1, 1, 0, " X3 ";\n}\n"                       \
+                             "}, " X0 ", " X1 ", p, 1, 1, " X4 ", " X3 ";\n}\n"                  \
                              : ACCS                                                              \
-                             : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(int(kTransB))    \
+                             : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(int(kTransB)),   \
+                               "n"(int(kTransA))                                                 \
                              : "memory");                                                        \
             }                                                                                    \
         }                                                                                        \

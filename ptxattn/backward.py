@@ -41,8 +41,12 @@ def variants() -> list[runtime.KernelSpec]:
             for d in HEAD_DIMS]
 
 
-def rounded_rows(seqlen_q: int) -> int:
-    return -(-seqlen_q // ROW_PADDING) * ROW_PADDING
+def rounded_rows(seqlen_q: int, block_m: int = ROW_PADDING) -> int:
+    """Rows per (batch, head) of dpsum and lse_log2: seqlen_q padded to ROW_PADDING, and to whole
+    query tiles of block_m rows (80 at the Hopper head_dim 128 without causal masking)."""
+    def up(n: int, multiple: int) -> int:
+        return -(-n // multiple) * multiple
+    return max(up(seqlen_q, ROW_PADDING), up(seqlen_q, block_m))
 
 
 @dataclasses.dataclass
@@ -56,7 +60,7 @@ class Workspace:
     def allocate(cls, problem, block_m: int, deterministic: bool) -> "Workspace":
         import cupy
         heads = problem.batch * problem.heads_q
-        padded_rows = heads * rounded_rows(problem.seqlen_q)
+        padded_rows = heads * rounded_rows(problem.seqlen_q, block_m)
         semaphore = None
         if deterministic:
             semaphore = cupy.zeros(heads * math.ceil(problem.seqlen_q / block_m),
@@ -82,7 +86,7 @@ def make_params(problem, dout, q, k, v, out, lse, dq, dk, dv, workspace: Workspa
         softmax_scale=problem.softmax_scale,
         scale_log2=problem.softmax_scale * math.log2(math.e), causal=int(problem.causal),
         num_m_blocks=math.ceil(problem.seqlen_q / block_m),
-        seqlen_q_rounded=rounded_rows(problem.seqlen_q),
+        seqlen_q_rounded=rounded_rows(problem.seqlen_q, block_m),
         # blocks that may wait on one another must fit on the GPU at once: one per SM is a
         # lower bound for every backward kernel
         dq_turn_group=runtime.sm_count(problem.device))
@@ -101,7 +105,7 @@ def _row_grid(problem, rows_per_head: int) -> tuple[int]:
 
 def preprocess(problem, p: params.BwdParams) -> runtime.PreparedLaunch:
     kernel = runtime.load(_spec("preprocess", problem.format, problem.head_dim))
-    return runtime.PreparedLaunch(kernel, grid=_row_grid(problem, rounded_rows(problem.seqlen_q)),
+    return runtime.PreparedLaunch(kernel, grid=_row_grid(problem, p.seqlen_q_rounded),
                                   block=(_THREADS,), args=[p])
 
 

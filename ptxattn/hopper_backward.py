@@ -52,7 +52,7 @@ class Variant:
     def smem_bytes(self) -> int:
         k_v = 2 * self.block_n * self.head_dim * 2
         q_do = 2 * self.stages * self.block_m * self.head_dim * 2
-        row_values = -(-self.stages * 2 * self.block_m * 4 // 1024) * 1024  # LSE and D a step
+        row_values = self.stages * 2 * self.block_m * 4  # LSE and D a step
         ds_buffers = 1 if self.head_dim != 128 else 2
         ds = ds_buffers * 2 * self.block_m * 64 * 2  # a [block_m x 64] slab per warpgroup
         # both warpgroups: two boxes of [block_m x 32] float32 each, one at head_dim 256 (whose
@@ -74,14 +74,17 @@ class Variant:
             smem_bytes=self.smem_bytes, archs=ARCHS)
 
 
-# Per head_dim: (query rows per step, (Q, dO) ring depth). head_dim 128 has the registers for
-# 64 rows only (dK, dV, S^T and dP^T take 256 at 128), and so has 256 (the half columns' dK and
-# dV take 128); shared memory holds two stages.
-TILES = {64: (128, 2), 128: (64, 2), 256: (64, 2)}
+# Per (head_dim, causal): (query rows per step, (Q, dO) ring depth). head_dim 128 has the
+# registers for 80 rows at most (dK, dV, S^T and dP^T take 256 at 128), and so has 256 (the half
+# columns' dK and dV take 128); shared memory holds two stages. With causal masking head_dim 128
+# takes 64 rows, which fit the 128-key blocks' diagonal.
+TILES = {(64, False): (128, 2), (64, True): (128, 2), (128, False): (80, 2),
+         (128, True): (64, 2), (256, False): (64, 2), (256, True): (64, 2)}
 
 
 def variant(dtype: str, head_dim: int, causal: bool, deterministic: bool = False) -> Variant:
-    return Variant(head_dim, bool(DTYPES[dtype]), causal, *TILES[head_dim], deterministic)
+    return Variant(head_dim, bool(DTYPES[dtype]), causal, *TILES[(head_dim, causal)],
+                   deterministic)
 
 
 def variants() -> list[runtime.KernelSpec]:
