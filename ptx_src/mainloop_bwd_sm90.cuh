@@ -122,9 +122,9 @@ struct BwdSm90Config {
     // Reading only the dS it wrote, a warpgroup needs one dS buffer (kOwnDs); split by columns,
     // both read both, and dS is double-buffered. Split by columns, dQ is computed transposed
     // (kDqTransposed): dQ^T = K^T dS^T, the warpgroup's 64 columns the wgmma's M and the step's
-    // queries its N, in one wgmma of kBlockM columns, so kBlockM may be 80 (as FlashAttention-3
-    // takes at head_dim 128 without causal masking: a fourth more work a step for the same
-    // per-step waits, barriers and loads).
+    // queries its N, in one wgmma of kBlockM columns, so kBlockM may be 80 (a fourth more work a
+    // step for the same per-step waits, barriers and loads; FlashAttention-3 takes 80 at head_dim
+    // 128 without causal masking).
     static constexpr bool kDqSplitKeys = kHeadDim == 64;
     static constexpr bool kOwnDs = kDqSplitKeys || kSharedKeys;
     static constexpr bool kDqTransposed = !kOwnDs;
