@@ -15,7 +15,8 @@
 //   dS^T = P^T (dP^T - D)        in registers, P rounded to 16 bits as dV's GEMM saw it
 //   dQ   = dS K                  SS with transposed B: dS from shared memory, where each
 //                                warpgroup stores its dS^T transposed (stmatrix .trans), K
-//                                MN-major; then added into the FP32 accumulator: staged in
+//                                MN-major (at head_dim 128 computed as dQ^T = K^T dS^T, K the
+//                                MN-major A); then added into the FP32 accumulator: staged in
 //                                shared memory and added by a TMA reduce (cp.reduce.async.bulk),
 //                                which runs on while the next step computes (issued by the
 //                                producer's writer warp at head_dim 128 and for
@@ -32,8 +33,9 @@
 // writes step i's buffer only after the barrier of step i - 1, which both passed after finishing
 // step i - 2's dQ, the last reader.
 // Each step's LSE (in log2 units) and D arrive with its Q and dO: the producer copies their
-// kBlockM rows from the workspace (bulk copies; the rows are padded to 128 there), so no consumer
-// waits on a global load (reading them with __ldg per thread cost 25% at head_dim 128).
+// kBlockM rows from the workspace (bulk copies; the rows are padded to whole tiles and to 128
+// there), so no consumer waits on a global load (reading them with __ldg per thread cost 25% at
+// head_dim 128).
 #pragma once
 #include "atomics.cuh"
 #include "block_info.cuh"
@@ -635,16 +637,18 @@ struct BwdSm90Mainloop {
             }
         }
 
-        // dQ^T's accumulators, dq_t[4 i + 2 h + e] = dQ[query 8 i + 2 t + e][column 16 warp + 8 h +
-        // g], staged in the same box layout one float a store (the columns a thread holds are 8
-        // apart, no pair adjacent): column c of the warpgroup's 64 is word c % 4 of chunk c % 32 / 4
-        // in box c / 32, of row q, at chunk (c % 32 / 4) ^ (q % 8). A store's 32 lanes write rows
-        // 2 t + e (mod 8), columns g of two chunks: the swizzle puts them on 32 distinct banks.
-        __device__ __forceinline__ void stage_dq_transposed(uint8_t* staging,
-                                                            const float (&dq_t)[kBlockM / 2]) const {
+        // dQ^T's accumulators, dq_t[4 i + 2 h + e] = dQ[query 8 i + 2 t + e][column 16 warp +
+        // 8 h + g], staged in the same box layout one float a store (the columns a thread holds
+        // are 8 apart, no pair adjacent): column c of the warpgroup's 64 is word c % 4 of chunk
+        // c % 32 / 4 in box c / 32, of row q, at chunk (c % 32 / 4) ^ (q % 8). A store's 32
+        // lanes write rows 2 t + e (mod 8), columns g of two chunks: the swizzle puts them on 32
+        // distinct banks.
+        __device__ __forceinline__ void stage_dq_transposed(
+            uint8_t* staging, const float (&dq_t)[kBlockM / 2]) const {
             const int g = lane / 4;
             const int t = lane % 4;
-            const uint32_t base = smem_addr(staging) + (warp / 2) * Cfg::kDqBoxBytes + 4 * (g % 4);
+            const uint32_t base =
+                smem_addr(staging) + (warp / 2) * Cfg::kDqBoxBytes + 4 * (g % 4);
             uint32_t offset[2][2];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {

@@ -26,6 +26,10 @@
 //                         bytes), B = K MN-major as TMA stores it (wgmma_desc_sw128(slab `half`,
 //                         slab bytes, 1024) advanced 16 rows per k-step, as mma_pv reads V);
 //                         dq starts as NaN, the first k-step overwrites it.
+//   dqt [kHeadDim / 64][64 x 64] = (dS K[:, 64 half ..])^T = K^T dS^T  Wgmma16<64>::ss<kBf16,
+//                         false, true>: the same two descriptors with their roles swapped, A =
+//                         K's slab MN-major (imm-trans-a), B = dS K-major, as the head_dim 128
+//                         backward computes dQ transposed; from NaN likewise.
 // wgmma_e4m3_probe<kHeadDim, N>: q [64 x kHeadDim], k [N x kHeadDim], e4m3 bytes.
 //   s [64 x N] = q k^T   WgmmaE4m3<N>::ss, K-major (wgmma_desc_kmajor<kRowBytes>), s from NaN;
 //   t [64 x N] = q k^T   WgmmaE4m3<N>::rs, A fragments read from global memory in the layout
@@ -146,7 +150,8 @@ __device__ __forceinline__ void store_transposed(uint8_t* slab, const float (&st
 template <int kHeadDim, bool kBf16>
 __global__ void __launch_bounds__(128)
 wgmma16_dq_probe(const float* __restrict__ st, const uint16_t* __restrict__ k,
-                 uint16_t* __restrict__ ds_out, float* __restrict__ dq_out) {
+                 uint16_t* __restrict__ ds_out, float* __restrict__ dq_out,
+                 float* __restrict__ dqt_out) {
     constexpr int kKeys = 128;
     constexpr int kSlabs = kHeadDim / 64;
     constexpr uint32_t kDsSlabBytes = 64 * 128;    // 64 query rows x 64 keys
@@ -179,19 +184,25 @@ wgmma16_dq_probe(const float* __restrict__ st, const uint16_t* __restrict__ k,
         const uint64_t k_desc =
             wgmma_desc_sw128(smem_addr(k_tile + half * kKSlabBytes), kKSlabBytes, 1024);
         float dq[32];
+        float dqt[32];
         fill(dq, __int_as_float(0x7fc00000));
+        fill(dqt, __int_as_float(0x7fc00000));
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kKeys / 16; ++kk) {
             const uint32_t key = 16 * kk;
-            Wgmma16<64>::template ss<kBf16, true>(
-                dq, wgmma_desc_advance(ds_desc, (key / 64) * kDsSlabBytes + (key % 64) * 2),
-                wgmma_desc_advance(k_desc, key * 128), kk > 0);
+            const uint64_t ds_at =
+                wgmma_desc_advance(ds_desc, (key / 64) * kDsSlabBytes + (key % 64) * 2);
+            const uint64_t k_at = wgmma_desc_advance(k_desc, key * 128);
+            Wgmma16<64>::template ss<kBf16, true>(dq, ds_at, k_at, kk > 0);
+            Wgmma16<64>::template ss<kBf16, false, true>(dqt, k_at, ds_at, kk > 0);
         }
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_operand(dq);
+        wgmma_fence_operand(dqt);
         store_accumulator<64>(dq_out + half * 64 * 64, dq);
+        store_accumulator<64>(dqt_out + half * 64 * 64, dqt);
     }
 }
 

@@ -360,7 +360,8 @@ def fa3_jax_backward_runner(shape, causal: bool):
 def backward_main(args) -> int:
     import cupy
     import ptxattn
-    from ptxattn import backward as backward_module, dispatch, problem as problem_module
+    from ptxattn import backward as backward_module, dispatch, hopper_backward
+    from ptxattn import problem as problem_module
     from ptxattn.runtime import device_arch
 
     arch = device_arch()
@@ -418,8 +419,10 @@ def backward_main(args) -> int:
                                       repeats=repeats)
         fwd_flops = flops(cfg)
         p = problem_module.AttentionProblem.from_backward(dout, q, k, v, out, lse, causal=causal)
-        workspace = p.batch * p.heads_q * (p.seqlen_q * p.head_dim
-                                           + 2 * backward_module.rounded_rows(p.seqlen_q)) * 4
+        # the Hopper kernel's workspace: its row values padded to whole query tiles
+        block_m = hopper_backward.variant(p.format, p.head_dim, causal).block_m
+        rows = backward_module.rounded_rows(p.seqlen_q, block_m)
+        workspace = p.batch * p.heads_q * (p.seqlen_q * p.head_dim + 2 * rows) * 4
         results.append(dict(cfg, workspace_mib=workspace / 2 ** 20,
                             backward={n: 2.5 * fwd_flops / ms / 1e9 for n, ms in bwd_ms.items()},
                             forward_backward={n: 3.5 * fwd_flops / ms / 1e9

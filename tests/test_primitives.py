@@ -598,8 +598,9 @@ def test_wgmma16_ss_and_rs(head_dim, block_n, dtype, rng):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("head_dim", DQ_HEAD_DIMS)
-def test_wgmma16_dq_stmatrix_trans_and_transposed_b(head_dim, dtype, rng):
-    """The backward's dQ = dS K. dS^T [128 keys x 64 queries], random FP32, goes through the
+def test_wgmma16_dq_stmatrix_trans_and_transposed_operands(head_dim, dtype, rng):
+    """The backward's dQ = dS K, and dQ^T = K^T dS^T (the transposed A form that the head_dim 128
+    kernel uses). dS^T [128 keys x 64 queries], random FP32, goes through the
     accumulator layout, pack_f32x2 and stmatrix_x4_trans into two swizzled K-major slabs; read
     back, dS must be the transpose of the inputs rounded to 16 bits, bit for bit (cvt.rn and
     NumPy / ml_dtypes both round to nearest even). dQ = dS K (Wgmma16<64>::ss with transposed B
@@ -607,15 +608,17 @@ def test_wgmma16_dq_stmatrix_trans_and_transposed_b(head_dim, dtype, rng):
     16-bit operands: their products are exact in FP32, and the tensor cores add the 128 of them
     in FP32 truncating (aligned to the largest exponent) rather than rounding, each addition
     within 2^-23 of the magnitudes summed so far, so |error| <= 128 * 2^-23 = 2^-16 of the
-    largest sum of magnitudes; one k-step misplaced by 16 keys is far outside that."""
+    largest sum of magnitudes; one k-step misplaced by 16 keys is far outside that. dQ^T, the
+    same sums, must be dQ's transpose within the same bound."""
     import cupy
     kernel = _load(wgmma16_dq_spec(head_dim, dtype))
     st = rng.standard_normal((DQ_KEYS, 64)).astype(np.float32)
     k = rng.standard_normal((DQ_KEYS, head_dim)).astype(np.float32).astype(DTYPES[dtype])
     ds = cupy.zeros((64, DQ_KEYS), cupy.uint16)
     dq = cupy.full((head_dim // 64, 64, 64), np.nan, cupy.float32)
+    dqt = cupy.full((head_dim // 64, 64, 64), np.nan, cupy.float32)
     runtime.launch(kernel, (1,), (128,),
-                   [cupy.asarray(st), cupy.asarray(k.view(np.uint16)), ds, dq])
+                   [cupy.asarray(st), cupy.asarray(k.view(np.uint16)), ds, dq, dqt])
     ds16 = np.ascontiguousarray(st.T).astype(DTYPES[dtype])
     wrong = np.argwhere(ds.get() != ds16.view(np.uint16))
     assert wrong.size == 0, (f"stmatrix_x4_trans: {len(wrong)} of dS's 16-bit values differ, "
@@ -628,6 +631,9 @@ def test_wgmma16_dq_stmatrix_trans_and_transposed_b(head_dim, dtype, rng):
                                err_msg="Wgmma16<64>::ss<kBf16, true>")
     assert not np.allclose(got, a @ np.roll(b, 16, axis=0), rtol=0, atol=tolerance), \
         "the check would not notice K read one k-step off"
+    got_t = dqt.get().transpose(2, 0, 1).reshape(64, head_dim)  # each slab [column, query]
+    np.testing.assert_allclose(got_t, a @ b, rtol=0, atol=tolerance,
+                               err_msg="Wgmma16<64>::ss<kBf16, false, true>")
 
 
 @pytest.mark.gpu
