@@ -228,20 +228,23 @@ struct BwdSm90Mainloop {
 
     // Named barriers (0 is __syncthreads): dS complete, for both warpgroups (head_dim 128) or
     // per warpgroup (64, 256); dQ staged, per warpgroup; and with the writer warp (kDqWriter) the
-    // hand-offs of the staged dQ to it (full, then free again) and, at head_dim 64, of the
-    // second warpgroup's dQ to the first (full, then read).
+    // hand-offs of the staged dQ to it (full, then free again), one pair per warpgroup that
+    // stages (kWriterLanes), and, at head_dim 64, of the second warpgroup's dQ to the first
+    // (full, then read).
     static constexpr uint32_t kDsBarrier = 1;      // + warpgroup when it reads its own dS
-    static constexpr uint32_t kDqWriterFull = 3;
-    static constexpr uint32_t kDqBarrier = 4;      // + warpgroup: its dQ staged
-    static constexpr uint32_t kDqHandOffFull = 6;
-    static constexpr uint32_t kDqHandOffFree = 7;
-    static constexpr uint32_t kDqWriterFree = 8;
+    static constexpr uint32_t kDqWriterFull = 3;   // + writer lane
+    static constexpr uint32_t kDqBarrier = 5;      // + warpgroup: its dQ staged
+    static constexpr uint32_t kDqHandOffFull = 7;
+    static constexpr uint32_t kDqHandOffFree = 8;
+    static constexpr uint32_t kDqWriterFree = 9;   // + writer lane
     // kSharedKeys: both consumer warpgroups done with every step, so the ring can stage dK / dV.
-    static constexpr uint32_t kConsumersDone = 9;
-    // Threads meeting at the writer's barriers: the consumers that stage what it reduces (one
-    // warpgroup with dQ split by keys, both by columns) and the writer warp.
-    static constexpr uint32_t kWriterSyncThreads =
-        128 * (Cfg::kDqSplitKeys ? 1 : Cfg::kConsumers) + 32;
+    static constexpr uint32_t kConsumersDone = 11;
+    // The warpgroups that stage dQ for the writer warp (one with dQ split by keys, both by
+    // columns), each through its own pair of barriers with it: the writer reduces a warpgroup's
+    // staging as soon as that one is full and frees each as soon as its reduce has read it, so
+    // neither warpgroup waits for the other's staging or reduce.
+    static constexpr int kWriterLanes = Cfg::kDqSplitKeys ? 1 : Cfg::kConsumers;
+    static constexpr uint32_t kWriterSyncThreads = 128 + 32;
 
     // ---- Producer ---------------------------------------------------------------------------
 
@@ -324,21 +327,30 @@ struct BwdSm90Mainloop {
             }
 #pragma unroll
             for (int round = 0; round < Cfg::kDqRounds; ++round) {
-                __syncwarp();
-                named_barrier_sync(kDqWriterFull, kWriterSyncThreads);
-                if (leader) {
-                    // Split by keys, the first warpgroup's staging holds the block's sum.
+                // Split by keys, the first warpgroup's staging holds the block's sum.
 #pragma unroll
-                    for (int w = 0; w < (Cfg::kDqSplitKeys ? 1 : Cfg::kConsumers); ++w) {
+                for (int w = 0; w < kWriterLanes; ++w) {
+                    __syncwarp();
+                    named_barrier_sync(kDqWriterFull + w, kWriterSyncThreads);
+                    if (leader) {
                         issue_dq_reduce(p, smem + kDqStagingOffset + w * kDqStagingStride,
                                         Cfg::kDqCols * w + round * Cfg::kDqRoundCols, m_block,
                                         head, batch);
+                        tma_store_commit();
                     }
-                    tma_store_commit();
-                    tma_store_wait_read<0>();
                 }
-                __syncwarp();
-                named_barrier_arrive(kDqWriterFree, kWriterSyncThreads);
+#pragma unroll
+                for (int w = 0; w < kWriterLanes; ++w) {
+                    if (leader) {
+                        if (w + 1 < kWriterLanes) {
+                            tma_store_wait_read<1>();
+                        } else {
+                            tma_store_wait_read<0>();
+                        }
+                    }
+                    __syncwarp();
+                    named_barrier_arrive(kDqWriterFree + w, kWriterSyncThreads);
+                }
             }
             if (Cfg::kDeterministic && leader) {
                 tma_store_wait<0>();
@@ -491,7 +503,9 @@ struct BwdSm90Mainloop {
                 // The warpgroup's dS slab is also its dQ staging: the step before's reduces must
                 // have read it.
                 if constexpr (Cfg::kDqWriter) {
-                    if (step_index > 0) named_barrier_sync(kDqWriterFree, kWriterSyncThreads);
+                    if (step_index > 0) {
+                        named_barrier_sync(kDqWriterFree + writer_lane(), kWriterSyncThreads);
+                    }
                 } else {
                     if (dq_issuer()) tma_store_wait_read<0>();
                     named_barrier_sync(kDqBarrier + wg, 128);
@@ -550,6 +564,11 @@ struct BwdSm90Mainloop {
         // The first of the warpgroup's keys within the block.
         __device__ __forceinline__ int key0() const {
             return Cfg::kSharedKeys ? 0 : 64 * wg;
+        }
+
+        // The pair of barriers through which this warpgroup hands dQ to the writer warp.
+        __device__ __forceinline__ uint32_t writer_lane() const {
+            return Cfg::kDqSplitKeys ? 0 : wg;
         }
 
         // The thread of each consumer warpgroup that issues its dQ reduces.
@@ -683,11 +702,13 @@ struct BwdSm90Mainloop {
             if constexpr (Cfg::kSharedKeys) {
 #pragma unroll
                 for (int round = 0; round < Cfg::kDqRounds; ++round) {
-                    if (round > 0) named_barrier_sync(kDqWriterFree, kWriterSyncThreads);
+                    if (round > 0) {
+                        named_barrier_sync(kDqWriterFree + writer_lane(), kWriterSyncThreads);
+                    }
                     stage_dq<false>(smem + kDqStagingOffset + wg * kDqStagingStride, dq, 0,
                                     round);
                     fence_proxy_async();
-                    named_barrier_arrive(kDqWriterFull, kWriterSyncThreads);
+                    named_barrier_arrive(kDqWriterFull + writer_lane(), kWriterSyncThreads);
                 }
                 return;
             }
@@ -707,11 +728,13 @@ struct BwdSm90Mainloop {
                 stage_dq<true>(staging, dq, Cfg::kDqStageBytes);
                 named_barrier_arrive(kDqHandOffFree, kConsumerThreads);
             } else {
-                if (!first_step) named_barrier_sync(kDqWriterFree, kWriterSyncThreads);
+                if (!first_step) {
+                    named_barrier_sync(kDqWriterFree + writer_lane(), kWriterSyncThreads);
+                }
                 stage_dq<false>(staging + wg * Cfg::kDqStageBytes, dq);
             }
             fence_proxy_async();
-            named_barrier_arrive(kDqWriterFull, kWriterSyncThreads);
+            named_barrier_arrive(kDqWriterFull + writer_lane(), kWriterSyncThreads);
         }
 
         // kDqWriter, after the last step: the stagings are free for dK and dV (the
@@ -721,7 +744,7 @@ struct BwdSm90Mainloop {
             if (Cfg::kDqSplitKeys && wg == 1) {
                 named_barrier_sync(kDqHandOffFree, 128 * Cfg::kConsumers);
             } else {
-                named_barrier_sync(kDqWriterFree, kWriterSyncThreads);
+                named_barrier_sync(kDqWriterFree + writer_lane(), kWriterSyncThreads);
             }
         }
 
