@@ -78,8 +78,9 @@ struct ColumnValues {
 };
 
 // The compile-time shape of a Hopper backward kernel: kHeadDim 64, 128 or 256; kBf16 the 16-bit
-// type; kCausal; kBlockM query rows per step (64 or 128: the N of S^T and dP^T, whose SS wgmmas
-// read shared memory at the tensor cores' pace at N = 64 and at 3/4 of it at N = 128); kStages
+// type; kCausal; kBlockM query rows per step (64, 80 or 128: the N of S^T and dP^T, whose SS
+// wgmmas read shared memory at the tensor cores' pace at N = 64 and at 3/4 of it at N = 128);
+// kStages
 // the depth of the (Q, dO) ring; kDeterministic: dQ summed in a fixed order by the writer warp
 // (a build of its own: one kernel with both ways of summing ran 2-5% slower without, and
 // spilled at head_dim 64); kSmemBytes the dynamic
@@ -119,8 +120,9 @@ struct BwdSm90Config {
     // A step's LSE log2 and D: kBlockM floats each, after the ring's (Q, dO) tiles.
     static constexpr uint32_t kRowValuesBytes = 2 * kBlockM * 4;
 
-    // dQ per warpgroup, in kBlockM / 64 wgmmas of 64 rows: 64 columns over its own keys (head_dim
-    // 64, kDqSplitKeys) or over all keys (128), or its 128 columns over the shared keys (256).
+    // dQ per warpgroup: 64 columns over its own keys (head_dim 64, kDqSplitKeys) or over all keys
+    // (128), or its 128 columns over the shared keys (256); in kBlockM / 64 wgmmas of 64 rows, or
+    // transposed (below) in one of kBlockM columns.
     // Reading only the dS it wrote, a warpgroup needs one dS buffer (kOwnDs); split by columns,
     // both read both, and dS is double-buffered. Split by columns, dQ is computed transposed
     // (kDqTransposed): dQ^T = K^T dS^T, the warpgroup's 64 columns the wgmma's M and the step's
@@ -159,7 +161,8 @@ struct BwdSm90Config {
     static constexpr bool kDqWriter = kDeterministic || (!kDqSplitKeys && !kSharedKeys);
 
     // Launched at 168 registers a thread; the producer keeps 24 and each consumer warpgroup
-    // takes 240: dK and dV (kDkvCols each), S^T and dP^T (32 each), dQ and the A fragments.
+    // takes 240: dK and dV (kDkvCols each), S^T and dP^T (kBlockM / 2 each), dQ and the A
+    // fragments.
     static constexpr int kProducerRegs = 24;
     static constexpr int kConsumerRegs = 240;
 
@@ -202,7 +205,7 @@ struct BwdSm90Mainloop {
     // consumer | LSE, D stage 0..S-1 | barriers], from a 1024-byte aligned base (the swizzle
     // atom), which may cost up to 1024 bytes. Every tile is a multiple of 1024 bytes, so each
     // swizzled one starts on an atom; the row values come last, where they need no padding (80
-    // query rows a step at head_dim 128 leave 1016 bytes free).
+    // query rows a step at head_dim 128 leave 728 bytes free; padded, they would not fit).
     static constexpr uint32_t kKOffset = 0;
     static constexpr uint32_t kVOffset = kKVBytes;
     static constexpr uint32_t kQOffset = 2 * kKVBytes;
@@ -240,9 +243,9 @@ struct BwdSm90Mainloop {
     // kSharedKeys: both consumer warpgroups done with every step, so the ring can stage dK / dV.
     static constexpr uint32_t kConsumersDone = 11;
     // The warpgroups that stage dQ for the writer warp (one with dQ split by keys, both by
-    // columns), each through its own pair of barriers with it: the writer reduces a warpgroup's
-    // staging as soon as that one is full and frees each as soon as its reduce has read it, so
-    // neither warpgroup waits for the other's staging or reduce.
+    // columns), each through its own pair of barriers with it. The writer serves them in
+    // warpgroup order: it reduces the first's staging as soon as that one is full, without
+    // waiting for the second's, and frees each as soon as its own reduce has read it.
     static constexpr int kWriterLanes = Cfg::kDqSplitKeys ? 1 : Cfg::kConsumers;
     static constexpr uint32_t kWriterSyncThreads = 128 + 32;
 
@@ -319,8 +322,8 @@ struct BwdSm90Mainloop {
         for (int i = 0; i < steps.count; ++i) {
             const int head = steps.head(i, kv_head, p.q_per_kv);
             const int m_block = steps.m_block(i);
-            // The tile's semaphore as an index: a pointer held across the step spilled the
-            // writer's 24 registers.
+            // The tile's semaphore as an index (32 bits: the tiles are far fewer than 2^31): a
+            // pointer held across the step spilled the writer's 24 registers.
             const int turn = (batch * p.heads_q + head) * p.num_m_blocks + m_block;
             if (Cfg::kDeterministic && leader) {
                 wait_turn(p.dq_semaphore + turn, walk.turn(m_block, info.n_max(m_block)));
@@ -363,8 +366,8 @@ struct BwdSm90Mainloop {
 
     // ---- Consumer GEMMs -----------------------------------------------------------------------
 
-    // acc[64 x 64] = A B^T over head_dim: A the warpgroup's 64 rows of K or V, B the 64 rows of a
-    // Q or dO tile, both K-major (k-steps of 32 bytes, four per 128-byte slab).
+    // acc[64 x kBlockM] = A B^T over head_dim: A the warpgroup's 64 rows of K or V, B the kBlockM
+    // rows of a Q or dO tile, both K-major (k-steps of 32 bytes, four per 128-byte slab).
     static __device__ __forceinline__ void gemm_rows(float (&acc)[kBlockM / 2], uint32_t a_rows,
                                                      uint32_t b_rows) {
         const uint64_t a_desc = wgmma_desc_kmajor<128>(a_rows);
@@ -467,8 +470,10 @@ struct BwdSm90Mainloop {
             gemm_rows(dp, v_tile + rows, do_tile);
             wgmma_commit();
             // The step's LSE at the thread's columns, read while the GEMMs run: read where it is
-            // used, its latency stalled the exponents' arithmetic (ncu, head_dim 128: 8% of the
-            // stall samples). Not at 128 query rows a step (head_dim 64): spills.
+            // used, its latency stalled the exponents' arithmetic (ncu, head_dim 128 at 64 rows:
+            // 8% of the stall samples). At 64 query rows a step only (now head_dim 256): at 80
+            // (head_dim 128) it spills 92 bytes, and reading part of it ahead measured level; at
+            // 128 (head_dim 64) it spills.
             constexpr bool kEarly = kBlockM == 64;
             ColumnValues<kEarly, kBlockM / 8> lse_log2{row_values};
             lse_log2.read_ahead();

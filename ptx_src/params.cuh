@@ -122,7 +122,7 @@ struct CombineParams {
 // head) with unit stride in head_dim; the workspace arrays are dense, indexed by
 // (batch * heads_q + head) * seqlen_q + row (times head_dim) for dq_accum and by
 // (batch * heads_q + head) * seqlen_q_rounded + row for dpsum and lse_log2, whose padding rows
-// let a kernel copy whole blocks of up to 128 rows.
+// let a kernel copy whole query tiles of rows.
 struct alignas(64) BwdParams {
     // Hopper only (bwd_sm90.cu): 4-d TMA maps of q, k, v and dout, coordinates (d, head, row,
     // batch), boxes of 64 columns x the kernel's rows; the portable kernel leaves them zero.
@@ -169,7 +169,7 @@ struct alignas(64) BwdParams {
     float scale_log2;  // softmax_scale * log2(e)
     int causal;
     int num_m_blocks;  // query blocks of the main kernel's tile
-    int seqlen_q_rounded;  // rows per (batch, head) in dpsum and lse_log2: seqlen_q padded to 128
+    int seqlen_q_rounded;  // rows per (batch, head) in dpsum, lse_log2 (backward.rounded_rows)
     int dq_turn_group;     // deterministic sums: key blocks that may wait on each other, at most
                            // the blocks the GPU holds at once (BwdWalk, tile_scheduler.cuh)
 };

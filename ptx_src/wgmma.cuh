@@ -27,9 +27,9 @@
 //     the hardware applies the swizzle to the absolute address, so this is exact.
 //   A 64-byte swizzle (layout type 2) works the same way with 64-byte rows and 512-byte atoms
 //   (SBO = 512); FP8 operands with 64-byte rows use it (wgmma_desc_kmajor).
-//   MN-major operand (rows indexed by K, 64 N-values per row, used with transpose-B): SBO = 1024
-//     (next 8 K-rows), LBO = distance between consecutive 64-column atoms along N. A k-step of 16
-//     advances the start address by 16 rows = 2048 bytes.
+//   MN-major operand (rows indexed by K, 64 M- or N-values per row, used with transpose-A or
+//     transpose-B): SBO = 1024 (next 8 K-rows), LBO = distance between consecutive 64-column
+//     atoms along M or N. A k-step of 16 advances the start address by 16 rows = 2048 bytes.
 #pragma once
 #include "common.cuh"
 

@@ -9,9 +9,9 @@ A backward call runs three kernels on one stream:
 3. ``bwd_postprocess``: dq = softmax_scale * accumulator, in the input dtype.
 
 The workspace is the FP32 accumulator (batch * heads_q * seqlen_q * head_dim floats), dpsum and
-the LSE in log2 units (batch * heads_q * seqlen_q floats each, seqlen_q padded to ROW_PADDING so
-that a kernel may copy whole blocks of rows) and, for ``deterministic=True``, one int per (batch,
-head, query tile): nothing of O(seqlen^2).
+the LSE in log2 units (batch * heads_q * seqlen_q floats each, seqlen_q padded to ROW_PADDING and
+to whole query tiles, rounded_rows, so that a kernel may copy whole tiles of rows) and, for
+``deterministic=True``, one int per (batch, head, query tile): nothing of O(seqlen^2).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def variants() -> list[runtime.KernelSpec]:
 
 def rounded_rows(seqlen_q: int, block_m: int = ROW_PADDING) -> int:
     """Rows per (batch, head) of dpsum and lse_log2: seqlen_q padded to ROW_PADDING, and to whole
-    query tiles of block_m rows (80 at the Hopper head_dim 128 without causal masking)."""
+    query tiles of block_m rows (80 at the Hopper head_dim 128)."""
     def up(n: int, multiple: int) -> int:
         return -(-n // multiple) * multiple
     return max(up(seqlen_q, ROW_PADDING), up(seqlen_q, block_m))

@@ -1,9 +1,9 @@
 """Launcher of the Hopper (sm_90a) backward kernel, ``ptx_src/bwd_sm90.cu``, between the pre- and
 postprocess every backward family shares (ptxattn/backward.py).
 
-A block owns 128 keys (64 at head_dim 256) of one (batch, kv head) and walks the query tiles (64
-or 128 rows) that see them, for every q head sharing its kv head, so dK and dV are complete in its
-registers at the end and GQA needs no second reduction; dQ is summed into the FP32 accumulator
+A block owns 128 keys (64 at head_dim 256) of one (batch, kv head) and walks the query tiles (64,
+80 or 128 rows) that see them, for every q head sharing its kv head, so dK and dV are complete in
+its registers at the end and GQA needs no second reduction; dQ is summed into the FP32 accumulator
 across blocks by TMA reduces through a 3-d map of the accumulator. Q, dO, K and V arrive through
 4-d TMA maps (batch, seqlen, heads, head_dim) with boxes of 64 head_dim columns (128 bytes,
 128-byte swizzle) by the variant's query rows a step (Q, dO) or its block's keys (K, V).
