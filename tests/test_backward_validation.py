@@ -91,3 +91,18 @@ def test_rows_overlap_compares_rows_not_extents():
     assert rows_overlap(a, MetaArray((1, 4, 1, 64), strides=(1024, 256, 256, 2), ptr=126))
     assert rows_overlap(a, MetaArray((1, 1, 1, 64), ptr=3 * 256 + 100))
     assert not rows_overlap(a, MetaArray((1, 1, 1, 64), ptr=4 * 256 - 128))
+
+
+@pytest.mark.parametrize("block_m", [64, 80, 128])
+def test_row_values_are_padded_to_whole_query_tiles(block_m):
+    """dpsum and lse_log2 hold whole query tiles of rows per (batch, head): the Hopper kernel
+    bulk-copies all of a tile's rows, so the last tile must end inside the head's rows (80-row
+    tiles over 1000 rows end at 1040, past a 128-row padding's 1024), and each copy starts on 16
+    bytes (a multiple of 4 rows)."""
+    from ptxattn import backward
+    for seqlen in (1, 17, 79, 80, 81, 129, 1000, 2048, 16383):
+        rows = backward.rounded_rows(seqlen, block_m)
+        last_tile_end = -(-seqlen // block_m) * block_m
+        assert rows >= last_tile_end, (seqlen, rows)
+        assert rows >= -(-seqlen // backward.ROW_PADDING) * backward.ROW_PADDING, (seqlen, rows)
+        assert rows % 4 == 0, (seqlen, rows)
