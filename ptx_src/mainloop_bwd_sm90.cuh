@@ -80,10 +80,9 @@ struct ColumnValues {
 // The compile-time shape of a Hopper backward kernel: kHeadDim 64, 128 or 256; kBf16 the 16-bit
 // type; kCausal; kBlockM query rows per step (64, 80 or 128: the N of S^T and dP^T, whose SS
 // wgmmas read shared memory at the tensor cores' pace at N = 64 and at 3/4 of it at N = 128);
-// kStages
-// the depth of the (Q, dO) ring; kDeterministic: dQ summed in a fixed order by the writer warp
-// (a build of its own: one kernel with both ways of summing ran 2-5% slower without, and
-// spilled at head_dim 64); kSmemBytes the dynamic
+// kStages the depth of the (Q, dO) ring; kDeterministic: dQ summed in a fixed order by the
+// writer warp (a build of its own: one kernel with both ways of summing ran 2-5% slower without,
+// and spilled at head_dim 64); kSmemBytes the dynamic
 // shared memory the launcher requests (equal to the layout below, checked).
 template <int HeadDim, bool Bf16, bool Causal, int BlockM, int Stages, bool Deterministic,
           int SmemBytes>
