@@ -56,18 +56,23 @@ class Workspace:
     lse_log2: object
     dq_semaphore: object | None
 
+    @staticmethod
+    def sizes(problem, block_m: int, deterministic: bool) -> tuple[int, int, int]:
+        """Elements of the accumulator, of dpsum (and of lse_log2) and semaphores, for a main
+        kernel of block_m query rows a tile: all 4 bytes each."""
+        heads = problem.batch * problem.heads_q
+        semaphores = heads * math.ceil(problem.seqlen_q / block_m) if deterministic else 0
+        return (heads * problem.seqlen_q * problem.head_dim,
+                heads * rounded_rows(problem.seqlen_q, block_m), semaphores)
+
     @classmethod
     def allocate(cls, problem, block_m: int, deterministic: bool) -> "Workspace":
         import cupy
-        heads = problem.batch * problem.heads_q
-        padded_rows = heads * rounded_rows(problem.seqlen_q, block_m)
-        semaphore = None
-        if deterministic:
-            semaphore = cupy.zeros(heads * math.ceil(problem.seqlen_q / block_m),
-                                   dtype=cupy.int32)
-        return cls(cupy.empty(heads * problem.seqlen_q * problem.head_dim, dtype=cupy.float32),
+        accum, padded_rows, semaphores = cls.sizes(problem, block_m, deterministic)
+        return cls(cupy.empty(accum, dtype=cupy.float32),
                    cupy.empty(padded_rows, dtype=cupy.float32),
-                   cupy.empty(padded_rows, dtype=cupy.float32), semaphore)
+                   cupy.empty(padded_rows, dtype=cupy.float32),
+                   cupy.zeros(semaphores, dtype=cupy.int32) if deterministic else None)
 
     @property
     def nbytes(self) -> int:

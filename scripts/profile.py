@@ -419,10 +419,10 @@ def backward_main(args) -> int:
                                       repeats=repeats)
         fwd_flops = flops(cfg)
         p = problem_module.AttentionProblem.from_backward(dout, q, k, v, out, lse, causal=causal)
-        # the Hopper kernel's workspace: its row values padded to whole query tiles
+        # the Hopper kernel's workspace (its row values padded to whole query tiles)
         block_m = hopper_backward.variant(p.format, p.head_dim, causal).block_m
-        padded_rows = backward_module.rounded_rows(p.seqlen_q, block_m)
-        workspace = p.batch * p.heads_q * (p.seqlen_q * p.head_dim + 2 * padded_rows) * 4
+        accum, padded_rows, _ = backward_module.Workspace.sizes(p, block_m, deterministic=False)
+        workspace = (accum + 2 * padded_rows) * 4
         results.append(dict(cfg, workspace_mib=workspace / 2 ** 20,
                             backward={n: 2.5 * fwd_flops / ms / 1e9 for n, ms in bwd_ms.items()},
                             forward_backward={n: 3.5 * fwd_flops / ms / 1e9
