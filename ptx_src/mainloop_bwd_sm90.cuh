@@ -19,19 +19,19 @@
 //                                MN-major A); then added into the FP32 accumulator: staged in
 //                                shared memory and added by a TMA reduce (cp.reduce.async.bulk),
 //                                which runs on while the next step computes (issued by the
-//                                producer's writer warp at head_dim 128 and for
+//                                producer's writer warp at head_dims 64 and 128 and for
 //                                deterministic sums, there in the tile's turn, else by the
 //                                consumer; at head_dim 256 in two rounds of 64 columns)
 //   dK  += dS^T Q                RS: dS^T as A fragments, Q MN-major; issued after dQ's GEMM
 //                                and running on while dQ is staged
 // Computing S^T rather than S keeps both dV's and dK's A operand in registers, straight from
-// the accumulators; only dQ needs dS in shared memory. For dQ each warpgroup takes 64 columns:
-// head_dim 128 splits the columns (each warpgroup reads both warpgroups' dS, so they meet at a
-// named barrier), head_dim 64 splits the keys (each reads its own dS and the two add into the
-// same accumulator rows), head_dim 256 gives each warpgroup 128 columns over the keys both hold
-// (each reads the dS it wrote itself). Split by columns, dS is double-buffered: a warpgroup
-// writes step i's buffer only after the barrier of step i - 1, which both passed after finishing
-// step i - 2's dQ, the last reader.
+// the accumulators; only dQ needs dS in shared memory. For dQ, head_dim 128 splits the columns
+// (each warpgroup 64, over all the block's keys), head_dim 64 the query rows (each warpgroup 64
+// rows of all 64 columns, over all keys): each warpgroup reads both warpgroups' dS, so they meet
+// at a named barrier, and adds into rows and columns of its own. Head_dim 256 gives each
+// warpgroup 128 columns over the keys both hold (each reads the dS it wrote itself). Where both
+// read both, dS is double-buffered: a warpgroup writes step i's buffer only after the barrier of
+// step i - 1, which both passed after finishing step i - 2's dQ, the last reader.
 // Each step's LSE (in log2 units) and D arrive with its Q and dO: the producer copies their
 // kBlockM rows from the workspace (bulk copies; the rows are padded to whole tiles and to 128
 // there), so no consumer waits on a global load (reading them with __ldg per thread cost 25% at
@@ -119,25 +119,31 @@ struct BwdSm90Config {
     // A step's LSE log2 and D: kBlockM floats each, after the ring's (Q, dO) tiles.
     static constexpr uint32_t kRowValuesBytes = 2 * kBlockM * 4;
 
-    // dQ per warpgroup: 64 columns over its own keys (head_dim 64, kDqSplitKeys) or over all keys
-    // (128), or its 128 columns over the shared keys (256); in kBlockM / 64 wgmmas of 64 rows, or
-    // transposed (below) in one of kBlockM columns.
-    // Reading only the dS it wrote, a warpgroup needs one dS buffer (kOwnDs); split by columns,
-    // both read both, and dS is double-buffered. Split by columns, dQ is computed transposed
+    // dQ per warpgroup: 64 query rows x all 64 columns (head_dim 64, kDqSplitRows) or all rows
+    // x 64 columns (128), both over all keys, or all rows x its 128 columns over the shared keys
+    // (256); in one wgmma of 64 rows, or transposed (below) in one of kBlockM columns. (Split by
+    // keys instead, each warpgroup over its own 64 keys and both adding all rows, head_dim 64
+    // read only its own dS but reduced twice the bytes into L2 a step: 0.93-0.99 of the row
+    // split, and 0.85-0.90 with deterministic sums, whose hand-off summed the two first.)
+    // Reading only the dS it wrote, a warpgroup needs one dS buffer (kOwnDs); otherwise both
+    // read both, and dS is double-buffered. Split by columns, dQ is computed transposed
     // (kDqTransposed): dQ^T = K^T dS^T, the warpgroup's 64 columns the wgmma's M and the step's
     // queries its N, in one wgmma of kBlockM columns, so kBlockM may be 80 (a fourth more work a
     // step for the same per-step waits, barriers and loads; FlashAttention-3 takes 80 at head_dim
     // 128 without causal masking).
-    static constexpr bool kDqSplitKeys = kHeadDim == 64;
-    static constexpr bool kOwnDs = kDqSplitKeys || kSharedKeys;
-    static constexpr bool kDqTransposed = !kOwnDs;
+    static constexpr bool kDqSplitRows = kHeadDim == 64;
+    static constexpr bool kOwnDs = kSharedKeys;
+    static constexpr bool kDqTransposed = !kOwnDs && !kDqSplitRows;
     static constexpr int kDqCols = kSharedKeys ? kDkvCols : 64;
     static constexpr int kDqKeys = kOwnDs ? 64 : kBlockN;
-    static constexpr int kDqRowBlocks = kDqTransposed ? 1 : kBlockM / 64;
+    static constexpr int kDqRowBlocks = kDqTransposed || kDqSplitRows ? 1 : kBlockM / 64;
+    // Rows a warpgroup's dQ covers, the height of the accumulator map's box.
+    static constexpr int kDqRows = kDqSplitRows ? 64 : kBlockM;
     // A thread's dQ accumulators per row block: 64 rows x kDqCols, or kDqCols x kBlockM (dQ^T).
+    // (kBlockM / 64 row blocks where a warpgroup covers all rows untransposed: head_dim 256.)
     static constexpr int kDqValues = (kDqTransposed ? kBlockM : kDqCols) / 2;
     static constexpr int kDsBuffers = kOwnDs ? 1 : 2;
-    // dQ staging per consumer warpgroup for the TMA reduces: [kBlockM x 32] float32 boxes
+    // dQ staging per consumer warpgroup for the TMA reduces: [kDqRows x 32] float32 boxes
     // (128-byte rows, 128-byte swizzle), two a round. head_dim 256 stages its 128 columns in two
     // rounds (kDqRounds), in the warpgroup's dS slab (free once dQ's GEMM has read it) and one
     // box of its own: K, V, two (Q, dO) stages and dS fill 210 KB and leave no room for 2 x 32 KB.
@@ -145,19 +151,19 @@ struct BwdSm90Config {
     // L2 at 72% of its peak.)
     static constexpr int kDqRounds = kSharedKeys ? 2 : 1;
     static constexpr int kDqRoundCols = kDqCols / kDqRounds;
-    static constexpr uint32_t kDqBoxBytes = kBlockM * 128;
+    static constexpr uint32_t kDqBoxBytes = kDqRows * 128;
     static constexpr uint32_t kDqStageBytes = (kSharedKeys ? 1 : 2) * kDqBoxBytes;
     // Non-causal blocks walk the query tiles from staggered starts (BwdWalk) even without
     // deterministic sums at head_dim 64, where it measured +5-7% at seqlen 16384 (two A/B runs);
     // at 128 it cost 2%.
-    static constexpr bool kStaggeredWalk = kDeterministic || kDqSplitKeys;
+    static constexpr bool kStaggeredWalk = kDeterministic || kHeadDim == 64;
     // The producer's writer warp issues the dQ reduces (write_dq; without deterministic sums it
-    // takes no turns), so that no consumer waits for its staging to be read (head_dim 128) or
-    // for its reduces' completion before passing the tile's turn (deterministic sums): always
-    // with deterministic sums, and at head_dim 128. (At head_dim 256, where the staging is the
+    // takes no turns), so that no consumer waits for its staging to be read (head_dim 64 and
+    // 128) or for its reduces' completion before passing the tile's turn (deterministic sums):
+    // always with deterministic sums, and at head_dims 64 and 128. (At head_dim 256, where the
     // dS slab, the consumers still wait for the turn within the step, since round 1 and the next
     // dS reuse round 0's staging; taking the turns themselves there cost 20-32%.)
-    static constexpr bool kDqWriter = kDeterministic || (!kDqSplitKeys && !kSharedKeys);
+    static constexpr bool kDqWriter = kDeterministic || !kSharedKeys;
 
     // Launched at 168 registers a thread; the producer keeps 24 and each consumer warpgroup
     // takes 240: dK and dV (kDkvCols each), S^T and dP^T (kBlockM / 2 each), dQ and the A
@@ -168,8 +174,8 @@ struct BwdSm90Config {
     static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim 64, 128, 256");
     static_assert(kBlockM == 64 || kBlockM == 128 || (kBlockM == 80 && kDqTransposed),
                   "64 or 128 query rows a step, or 80 with dQ transposed");
-    static_assert(kDqSplitKeys ? kDqCols == kHeadDim : kDqCols * kConsumers == kHeadDim,
-                  "dQ: 64 columns a warpgroup, or half of them");
+    static_assert(kDqSplitRows ? kDqCols == kHeadDim : kDqCols * kConsumers == kHeadDim,
+                  "dQ: all columns of half the rows a warpgroup, or half of the columns");
     static_assert((65536 / kThreads / 8 * 8) * (1 + kConsumers) >=
                       kProducerRegs + kConsumers * kConsumerRegs,
                   "setmaxnreg: the consumers take more than the block was launched with");
@@ -228,24 +234,20 @@ struct BwdSm90Mainloop {
     static_assert(kBarrierOffset + sizeof(Barriers) + Cfg::kSwizzleAtomBytes == Cfg::kSmemBytes,
                   "kSmemBytes differs from this tile configuration's layout");
 
-    // Named barriers (0 is __syncthreads): dS complete, for both warpgroups (head_dim 128) or
-    // per warpgroup (64, 256); dQ staged, per warpgroup; and with the writer warp (kDqWriter) the
-    // hand-offs of the staged dQ to it (full, then free again), one pair per warpgroup that
-    // stages (kWriterLanes), and, at head_dim 64, of the second warpgroup's dQ to the first
-    // (full, then read).
+    // Named barriers (0 is __syncthreads): dS complete, for both warpgroups (head_dim 64, 128)
+    // or per warpgroup (256); dQ staged, per warpgroup; and with the writer warp (kDqWriter) the
+    // hand-offs of the staged dQ to it (full, then free again), one pair per consumer warpgroup.
     static constexpr uint32_t kDsBarrier = 1;      // + warpgroup when it reads its own dS
-    static constexpr uint32_t kDqWriterFull = 3;   // + writer lane
+    static constexpr uint32_t kDqWriterFull = 3;   // + warpgroup
     static constexpr uint32_t kDqBarrier = 5;      // + warpgroup: its dQ staged
-    static constexpr uint32_t kDqHandOffFull = 7;
-    static constexpr uint32_t kDqHandOffFree = 8;
-    static constexpr uint32_t kDqWriterFree = 9;   // + writer lane
+    static constexpr uint32_t kDqWriterFree = 9;   // + warpgroup
     // kSharedKeys: both consumer warpgroups done with every step, so the ring can stage dK / dV.
     static constexpr uint32_t kConsumersDone = 11;
-    // The warpgroups that stage dQ for the writer warp (one with dQ split by keys, both by
-    // columns), each through its own pair of barriers with it. The writer serves them in
-    // warpgroup order: it reduces the first's staging as soon as that one is full, without
-    // waiting for the second's, and frees each as soon as its own reduce has read it.
-    static constexpr int kWriterLanes = Cfg::kDqSplitKeys ? 1 : Cfg::kConsumers;
+    // Each consumer warpgroup stages its dQ for the writer warp through its own pair of
+    // barriers with it. The writer serves them in warpgroup order: it reduces the first's
+    // staging as soon as that one is full, without waiting for the second's, and frees each as
+    // soon as its own reduce has read it.
+    static constexpr int kWriterLanes = Cfg::kConsumers;
     static constexpr uint32_t kWriterSyncThreads = 128 + 32;
 
     // ---- Producer ---------------------------------------------------------------------------
@@ -295,11 +297,11 @@ struct BwdSm90Mainloop {
     // accumulator, by the issuing thread: a consumer's (reduce_dq) or the writer warp's.
     static __device__ __forceinline__ void issue_dq_reduce(const BwdParams& p,
                                                            const uint8_t* staging, int col0,
-                                                           int m_block, int head, int batch) {
+                                                           int row0, int head, int batch) {
 #pragma unroll
         for (int box = 0; box < Cfg::kDqRoundCols / 32; ++box) {
             tma_reduce_add_3d(&p.dq_accum_map, staging + box * kDqBoxStride, col0 + 32 * box,
-                              m_block * kBlockM, batch * p.heads_q + head);
+                              row0, batch * p.heads_q + head);
         }
     }
 
@@ -329,14 +331,15 @@ struct BwdSm90Mainloop {
             }
 #pragma unroll
             for (int round = 0; round < Cfg::kDqRounds; ++round) {
-                // Split by keys, the first warpgroup's staging holds the block's sum.
 #pragma unroll
                 for (int w = 0; w < kWriterLanes; ++w) {
                     __syncwarp();
                     named_barrier_sync(kDqWriterFull + w, kWriterSyncThreads);
                     if (leader) {
                         issue_dq_reduce(p, smem + kDqStagingOffset + w * kDqStagingStride,
-                                        Cfg::kDqCols * w + round * Cfg::kDqRoundCols, m_block,
+                                        (Cfg::kDqSplitRows ? 0 : Cfg::kDqCols * w) +
+                                            round * Cfg::kDqRoundCols,
+                                        m_block * kBlockM + (Cfg::kDqSplitRows ? 64 * w : 0),
                                         head, batch);
                         tma_store_commit();
                     }
@@ -395,15 +398,16 @@ struct BwdSm90Mainloop {
         }
     }
 
-    // dq[64 r.. x kDqCols] = dS[64 r.., keys] K[keys, columns] for each 64-row block r: dS
-    // K-major from its buffer's key ds_key0 on (slabs of 64 keys), K's rows key0.. MN-major from
-    // its slab `col_slab` on (16-key k-steps of 16 rows). The two starts differ where both
-    // warpgroups hold the same keys and each reads the dS slab it wrote (kSharedKeys).
+    // dq[64 r.. x kDqCols] = dS[64 r.., keys] K[keys, columns] for each 64-row block r of `ds`
+    // (the warpgroup's first row there): dS K-major from its buffer's key ds_key0 on (slabs of
+    // 64 keys), K's rows MN-major from its slab `col_slab` on (16-key k-steps of 16 rows). dS
+    // starts at key ds_key0 where both warpgroups hold the same keys and each reads the dS slab
+    // it wrote (kSharedKeys).
     // kDqTransposed: dq[0] = dQ^T[64 columns x kBlockM queries] = K^T dS^T, the same two tiles
     // with their roles swapped: K's slab the MN-major A, dS the K-major B.
     using DqTiles = float[Cfg::kDqRowBlocks][Cfg::kDqValues];
     static __device__ __forceinline__ void gemm_dq(DqTiles& dq, uint32_t ds, uint32_t k_tile,
-                                                   int ds_key0, int key0, int col_slab) {
+                                                   int ds_key0, int col_slab) {
         const uint64_t ds_desc = wgmma_desc_kmajor<128>(ds);
         const uint64_t k_desc = wgmma_desc_sw128(k_tile + col_slab * kKVSlabBytes, kKVSlabBytes,
                                                  Cfg::kSwizzleAtomBytes);
@@ -414,7 +418,7 @@ struct BwdSm90Mainloop {
                 const uint32_t ds_key = ds_key0 + 16 * kk;
                 const uint64_t ds_at = wgmma_desc_advance(
                     ds_desc, r * 64 * 128 + (ds_key / 64) * kDsSlabBytes + (ds_key % 64) * 2);
-                const uint64_t k_at = wgmma_desc_advance(k_desc, (key0 + 16 * kk) * 128);
+                const uint64_t k_at = wgmma_desc_advance(k_desc, 16 * kk * 128);
                 if constexpr (Cfg::kDqTransposed) {
                     Wgmma16<kBlockM>::template ss<kBf16, false, true>(dq[r], k_at, ds_at, kk > 0);
                 } else {
@@ -508,7 +512,7 @@ struct BwdSm90Mainloop {
                 // have read it.
                 if constexpr (Cfg::kDqWriter) {
                     if (step_index > 0) {
-                        named_barrier_sync(kDqWriterFree + writer_lane(), kWriterSyncThreads);
+                        named_barrier_sync(kDqWriterFree + wg, kWriterSyncThreads);
                     }
                 } else {
                     if (dq_issuer()) tma_store_wait_read<0>();
@@ -539,19 +543,17 @@ struct BwdSm90Mainloop {
             // dQ's accumulators take P^T's registers once dV's GEMM is done with them (at 128
             // rows a step, holding both spilled). dQ goes first and dK after it, so that dQ is
             // staged and its reduce issued while dK's GEMM runs on; dK's reads Q, so the ring
-            // slot is released only after it. (Head_dim 64's deterministic hand-off adds the
-            // other warpgroup's dQ to its own, which with dK's A fragments still held spilled:
-            // it waits for dK as well.)
+            // slot is released only after it.
             wgmma_wait<0>();
             wgmma_fence_operand(dv);
             DqTiles dq;
             wgmma_fence();
-            gemm_dq(dq, ds, k_tile, Cfg::kOwnDs ? 64 * wg : 0, Cfg::kDqSplitKeys ? 64 * wg : 0,
-                    Cfg::kDqSplitKeys ? 0 : wg * (Cfg::kDqCols / 64));
+            gemm_dq(dq, ds + (Cfg::kDqSplitRows ? wg * 64 * 128 : 0), k_tile,
+                    Cfg::kOwnDs ? 64 * wg : 0, Cfg::kDqSplitRows ? 0 : wg * (Cfg::kDqCols / 64));
             wgmma_commit();
             gemm_fragments(dk, dst, q_tile + dkv_cols);
             wgmma_commit();
-            wgmma_wait<Cfg::kDqWriter && Cfg::kDqSplitKeys ? 0 : 1>();
+            wgmma_wait<1>();
 #pragma unroll
             for (int r = 0; r < Cfg::kDqRowBlocks; ++r) wgmma_fence_operand(dq[r]);
             if constexpr (Cfg::kDqWriter) {
@@ -570,11 +572,6 @@ struct BwdSm90Mainloop {
             return Cfg::kSharedKeys ? 0 : 64 * wg;
         }
 
-        // The pair of barriers through which this warpgroup hands dQ to the writer warp.
-        __device__ __forceinline__ uint32_t writer_lane() const {
-            return Cfg::kDqSplitKeys ? 0 : wg;
-        }
-
         // The thread of each consumer warpgroup that issues its dQ reduces.
         __device__ __forceinline__ bool dq_issuer() const {
             return warp == 0 && lane == 0;
@@ -588,18 +585,19 @@ struct BwdSm90Mainloop {
                                                   int head, int batch) const {
             static_assert(!Cfg::kDeterministic, "the writer warp takes the turns");
             uint8_t* staging = smem + kDqStagingOffset + wg * kDqStagingStride;
-            const int col0 = Cfg::kDqSplitKeys ? 0 : Cfg::kDqCols * wg;
+            const int col0 = Cfg::kDqSplitRows ? 0 : Cfg::kDqCols * wg;
 #pragma unroll
             for (int round = 0; round < Cfg::kDqRounds; ++round) {
                 if (round > 0) {
                     if (dq_issuer()) tma_store_wait_read<0>();
                     named_barrier_sync(kDqBarrier + wg, 128);
                 }
-                stage_dq<false>(staging, dq, 0, round);
+                stage_dq(staging, dq, round);
                 fence_proxy_async();
                 named_barrier_sync(kDqBarrier + wg, 128);
                 if (dq_issuer()) {
-                    issue_dq_reduce(p, staging, col0 + round * Cfg::kDqRoundCols, m_block, head,
+                    issue_dq_reduce(p, staging, col0 + round * Cfg::kDqRoundCols,
+                                    m_block * kBlockM + (Cfg::kDqSplitRows ? 64 * wg : 0), head,
                                     batch);
                     tma_store_commit();
                 }
@@ -615,14 +613,11 @@ struct BwdSm90Mainloop {
         // conflicted (ncu: 2^27 excess wavefronts, 9% of the head_dim 128 kernel's shared-memory
         // traffic). So in store i the threads of odd g store their columns 8 (i ^ 2) + 2 t, the
         // others 8 i + 2 t: each half-warp's sixteen 8-byte stores then fill the 32 banks once.
-        // kAdd: first add what the staging `addend` bytes further holds at those places (the
-        // same thread of the other warpgroup wrote it there). Round `round` stages columns
-        // kDqRoundCols round.. .
-        template <bool kAdd>
+        // Round `round` stages columns kDqRoundCols round.. .
         __device__ __forceinline__ void stage_dq(uint8_t* staging, DqTiles& dq,
-                                                 uint32_t addend = 0, int round = 0) const {
+                                                 int round = 0) const {
             if constexpr (Cfg::kDqTransposed) {
-                static_assert(!kAdd && Cfg::kDqRounds == 1, "dQ^T is staged whole, as it is");
+                static_assert(Cfg::kDqRounds == 1, "dQ^T is staged whole, as it is");
                 stage_dq_transposed(staging, dq[0]);
                 return;
             }
@@ -647,13 +642,8 @@ struct BwdSm90Mainloop {
                         const int j_flipped = round * (Cfg::kDqRoundCols / 8) + (i ^ 2);
                         const int at = 4 * j + 2 * h;
                         const int at_flipped = 4 * j_flipped + 2 * h;
-                        float x = flip ? dq[r][at_flipped] : dq[r][at];
-                        float y = flip ? dq[r][at_flipped + 1] : dq[r][at + 1];
-                        if constexpr (kAdd) {
-                            const float2 other = ld_shared_f32x2(addr + addend);
-                            x += other.x;
-                            y += other.y;
-                        }
+                        const float x = flip ? dq[r][at_flipped] : dq[r][at];
+                        const float y = flip ? dq[r][at_flipped + 1] : dq[r][at + 1];
                         st_shared_f32x2(addr, x, y);
                     }
                 }
@@ -696,60 +686,34 @@ struct BwdSm90Mainloop {
         }
 
         // kDqWriter: the block's dQ of the step staged for the writer warp (write_dq) once it
-        // has freed the staging of the step before. Split by columns (head_dim 128), each
-        // warpgroup stages its columns; split by keys (64, deterministic sums), the second
-        // warpgroup hands its dQ to the first, which adds it to its own in a fixed order and
-        // stages the sum (two reduces into the same rows could land in either order). Over
-        // shared keys (256, deterministic sums) each stages its columns in two rounds, in its dS
-        // slab (freed before the step wrote dS) and box.
+        // has freed the staging of the step before. Split by columns or rows (head_dims 128 and
+        // 64), each warpgroup stages its part. Over shared keys (256, deterministic sums) each
+        // stages its columns in two rounds, in its dS slab (freed before the step wrote dS) and
+        // box.
         __device__ __forceinline__ void hand_dq_to_writer(DqTiles& dq, bool first_step) const {
             if constexpr (Cfg::kSharedKeys) {
 #pragma unroll
                 for (int round = 0; round < Cfg::kDqRounds; ++round) {
                     if (round > 0) {
-                        named_barrier_sync(kDqWriterFree + writer_lane(), kWriterSyncThreads);
+                        named_barrier_sync(kDqWriterFree + wg, kWriterSyncThreads);
                     }
-                    stage_dq<false>(smem + kDqStagingOffset + wg * kDqStagingStride, dq, 0,
-                                    round);
+                    stage_dq(smem + kDqStagingOffset + wg * kDqStagingStride, dq, round);
                     fence_proxy_async();
-                    named_barrier_arrive(kDqWriterFull + writer_lane(), kWriterSyncThreads);
+                    named_barrier_arrive(kDqWriterFull + wg, kWriterSyncThreads);
                 }
                 return;
             }
-            constexpr uint32_t kConsumerThreads = 128 * Cfg::kConsumers;
-            uint8_t* staging = smem + kDqOffset;
-            if constexpr (Cfg::kDqSplitKeys) {
-                // The second warpgroup's staging is the hand-off, free again once the first has
-                // read it.
-                if (wg == 1) {
-                    if (!first_step) named_barrier_sync(kDqHandOffFree, kConsumerThreads);
-                    stage_dq<false>(staging + Cfg::kDqStageBytes, dq);
-                    named_barrier_arrive(kDqHandOffFull, kConsumerThreads);
-                    return;
-                }
-                named_barrier_sync(kDqHandOffFull, kConsumerThreads);
-                if (!first_step) named_barrier_sync(kDqWriterFree, kWriterSyncThreads);
-                stage_dq<true>(staging, dq, Cfg::kDqStageBytes);
-                named_barrier_arrive(kDqHandOffFree, kConsumerThreads);
-            } else {
-                if (!first_step) {
-                    named_barrier_sync(kDqWriterFree + writer_lane(), kWriterSyncThreads);
-                }
-                stage_dq<false>(staging + wg * Cfg::kDqStageBytes, dq);
-            }
+            if (!first_step) named_barrier_sync(kDqWriterFree + wg, kWriterSyncThreads);
+            stage_dq(smem + kDqOffset + wg * Cfg::kDqStageBytes, dq);
             fence_proxy_async();
-            named_barrier_arrive(kDqWriterFull + writer_lane(), kWriterSyncThreads);
+            named_barrier_arrive(kDqWriterFull + wg, kWriterSyncThreads);
         }
 
-        // kDqWriter, after the last step: the stagings are free for dK and dV (the
-        // writer's last reduces have read them, the first warpgroup the last hand-off; at
-        // head_dim 256, which stages dK and dV in the ring, this closes the writer's last round).
+        // kDqWriter, after the last step: the stagings are free for dK and dV (the writer's
+        // last reduces have read them; at head_dim 256, which stages dK and dV in the ring, this
+        // closes the writer's last round).
         __device__ __forceinline__ void wait_dq_staging_free() const {
-            if (Cfg::kDqSplitKeys && wg == 1) {
-                named_barrier_sync(kDqHandOffFree, 128 * Cfg::kConsumers);
-            } else {
-                named_barrier_sync(kDqWriterFree + writer_lane(), kWriterSyncThreads);
-            }
+            named_barrier_sync(kDqWriterFree + wg, kWriterSyncThreads);
         }
 
         // dK (times softmax_scale) and dV of the warpgroup's 64 keys, staged in its dQ staging

@@ -39,7 +39,8 @@ class Variant:
     # The layout of BwdSm90Config and BwdSm90Mainloop (mainloop_bwd_sm90.cuh), whose
     # static_assert refuses to compile a kernel whose smem_bytes differs from it: at head_dim 256
     # both consumer warpgroups hold the same 64 keys (kSharedKeys), read only the dS each wrote
-    # (kOwnDs, as head_dim 64 does) and stage dQ in two rounds.
+    # (kOwnDs; the other head dims double-buffer dS, which both read) and stage dQ in two rounds;
+    # at head_dim 64 each warpgroup reduces 64 query rows (kDqSplitRows), a box of 64 rows.
     @property
     def shared_keys(self) -> bool:
         return self.head_dim == 256
@@ -49,15 +50,20 @@ class Variant:
         return 64 if self.shared_keys else 128
 
     @property
+    def dq_rows(self) -> int:
+        """Rows of one warpgroup's dQ reduce (the accumulator map's box)."""
+        return 64 if self.head_dim == 64 else self.block_m
+
+    @property
     def smem_bytes(self) -> int:
         k_v = 2 * self.block_n * self.head_dim * 2
         q_do = 2 * self.stages * self.block_m * self.head_dim * 2
         row_values = self.stages * 2 * self.block_m * 4  # LSE and D a step
-        ds_buffers = 1 if self.head_dim != 128 else 2
+        ds_buffers = 1 if self.shared_keys else 2
         ds = ds_buffers * 2 * self.block_m * 64 * 2  # a [block_m x 64] slab per warpgroup
         # both warpgroups: two boxes of [block_m x 32] float32 each, one at head_dim 256 (whose
         # other box is its dS slab)
-        dq_staging = 2 * (1 if self.shared_keys else 2) * self.block_m * 32 * 4
+        dq_staging = 2 * (1 if self.shared_keys else 2) * self.dq_rows * 32 * 4
         barriers = 8 * (1 + 2 * self.stages)
         # + aligning the base to the swizzle atom
         return k_v + q_do + row_values + ds + dq_staging + barriers + 1024
@@ -109,7 +115,7 @@ def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: boo
     # dQ sums: TMA reduces of [block_m rows x 32 float32] boxes, clipped at each sequence's end.
     p.dq_accum_map = runtime.tensor_map(
         ws.dq_accum.reshape(problem.batch * problem.heads_q, problem.seqlen_q, problem.head_dim),
-        (1, block_m, 32), swizzle=128)
+        (1, v_info.dq_rows, 32), swizzle=128)
     grid = (math.ceil(problem.seqlen_k / v_info.block_n), problem.heads_kv, problem.batch)
     shared_backward.preprocess(problem, p)()
     runtime.PreparedLaunch(kernel, grid=grid, block=(THREADS,), args=[p])()
