@@ -583,9 +583,11 @@ struct BwdSm90Mainloop {
         // seqlen_q are clipped. (Deterministic sums are the writer warp's.)
         __device__ __forceinline__ void reduce_dq(const BwdParams& p, DqTiles& dq, int m_block,
                                                   int head, int batch) const {
-            static_assert(!Cfg::kDeterministic, "the writer warp takes the turns");
+            static_assert(Cfg::kSharedKeys && !Cfg::kDeterministic,
+                          "head_dim 256 only: the writer warp reduces the others' dQ and takes "
+                          "the turns");
             uint8_t* staging = smem + kDqStagingOffset + wg * kDqStagingStride;
-            const int col0 = Cfg::kDqSplitRows ? 0 : Cfg::kDqCols * wg;
+            const int col0 = Cfg::kDqCols * wg;
 #pragma unroll
             for (int round = 0; round < Cfg::kDqRounds; ++round) {
                 if (round > 0) {
@@ -597,8 +599,7 @@ struct BwdSm90Mainloop {
                 named_barrier_sync(kDqBarrier + wg, 128);
                 if (dq_issuer()) {
                     issue_dq_reduce(p, staging, col0 + round * Cfg::kDqRoundCols,
-                                    m_block * kBlockM + (Cfg::kDqSplitRows ? 64 * wg : 0), head,
-                                    batch);
+                                    m_block * kBlockM, head, batch);
                     tma_store_commit();
                 }
             }
