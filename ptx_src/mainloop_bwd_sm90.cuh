@@ -123,8 +123,8 @@ struct BwdSm90Config {
     // x 64 columns (128), both over all keys, or all rows x its 128 columns over the shared keys
     // (256); in one wgmma of 64 rows, or transposed (below) in one of kBlockM columns. (Split by
     // keys instead, each warpgroup over its own 64 keys and both adding all rows, head_dim 64
-    // read only its own dS but reduced twice the bytes into L2 a step: 0.93-0.99 of the row
-    // split, and 0.85-0.90 with deterministic sums, whose hand-off summed the two first.)
+    // read only its own dS but reduced twice the bytes into L2 a step: 0.91-0.97 of the row
+    // split, and 0.82-0.90 with deterministic sums, whose hand-off summed the two first.)
     // Reading only the dS it wrote, a warpgroup needs one dS buffer (kOwnDs); otherwise both
     // read both, and dS is double-buffered. Split by columns, dQ is computed transposed
     // (kDqTransposed): dQ^T = K^T dS^T, the warpgroup's 64 columns the wgmma's M and the step's

@@ -61,7 +61,7 @@ class Variant:
         row_values = self.stages * 2 * self.block_m * 4  # LSE and D a step
         ds_buffers = 1 if self.shared_keys else 2
         ds = ds_buffers * 2 * self.block_m * 64 * 2  # a [block_m x 64] slab per warpgroup
-        # both warpgroups: two boxes of [block_m x 32] float32 each, one at head_dim 256 (whose
+        # both warpgroups: two boxes of [dq_rows x 32] float32 each, one at head_dim 256 (whose
         # other box is its dS slab)
         dq_staging = 2 * (1 if self.shared_keys else 2) * self.dq_rows * 32 * 4
         barriers = 8 * (1 + 2 * self.stages)
@@ -112,7 +112,7 @@ def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: boo
     # dK and dV leave through TMA stores of each consumer warpgroup's 64 keys
     p.dk_map = runtime.tensor_map(dk, (1, 64, 1, BOX_COLS), swizzle=swizzle)
     p.dv_map = runtime.tensor_map(dv, (1, 64, 1, BOX_COLS), swizzle=swizzle)
-    # dQ sums: TMA reduces of [block_m rows x 32 float32] boxes, clipped at each sequence's end.
+    # dQ sums: TMA reduces of [dq_rows x 32 float32] boxes, clipped at each sequence's end.
     p.dq_accum_map = runtime.tensor_map(
         ws.dq_accum.reshape(problem.batch * problem.heads_q, problem.seqlen_q, problem.head_dim),
         (1, v_info.dq_rows, 32), swizzle=128)
