@@ -9,8 +9,9 @@
 // head (BwdSteps), in BwdWalk's order:
 //   warpgroup 0   the producer: gives most of its registers away (setmaxnreg); one thread loads
 //                 K and V once and every step's Q and dO through TMA (mainloop_bwd_sm90.cuh);
-//                 warp 1 adds each step's dQ at head_dim 128 and with deterministic sums
-//                 (then in the tile's turn);
+//                 warp 1 adds each step's dQ at head_dims 64 and 128 and with deterministic
+//                 sums (then in the tile's turn), warp 2 the second round of head_dim 256's
+//                 with deterministic sums (in that round's turn);
 //   warpgroups 1-2 the consumers: 64 keys each, the step's five GEMMs, dQ added into the FP32
 //                 accumulator, and at the end dK and dV staged in shared memory and written by
 //                 TMA stores (mainloop_bwd_sm90.cuh).
@@ -54,7 +55,9 @@ attn_bwd_sm90(const __grid_constant__ BwdParams p) {
         if (threadIdx.x == 0) {
             Mainloop::load(p, smem, bars, steps, walk.n_block, kv_head, batch);
         } else if (Cfg::kDqWriter && threadIdx.x / 32 == 1) {
-            Mainloop::write_dq(p, smem, info, walk, steps, kv_head, batch);
+            Mainloop::template write_dq<0>(p, smem, info, walk, steps, kv_head, batch);
+        } else if (Cfg::kDqWriter && Mainloop::kWriterWarps > 1 && threadIdx.x / 32 == 2) {
+            Mainloop::template write_dq<1>(p, smem, info, walk, steps, kv_head, batch);
         }
         return;
     }

@@ -235,20 +235,29 @@ struct BwdSm90Mainloop {
                   "kSmemBytes differs from this tile configuration's layout");
 
     // Named barriers (0 is __syncthreads): dS complete, for both warpgroups (head_dim 64, 128)
-    // or per warpgroup (256); dQ staged, per warpgroup; and with the writer warp (kDqWriter) the
-    // hand-offs of the staged dQ to it (full, then free again), one pair per consumer warpgroup.
+    // or per warpgroup (256); dQ staged, per warpgroup; and with the writer warps (kDqWriter)
+    // the hand-offs of each round of the staged dQ to its writer (full, then free again), one
+    // pair per consumer warpgroup and round.
     static constexpr uint32_t kDsBarrier = 1;      // + warpgroup when it reads its own dS
-    static constexpr uint32_t kDqWriterFull = 3;   // + warpgroup
     static constexpr uint32_t kDqBarrier = 5;      // + warpgroup: its dQ staged
-    static constexpr uint32_t kDqWriterFree = 9;   // + warpgroup
     // kSharedKeys: both consumer warpgroups done with every step, so the ring can stage dK / dV.
     static constexpr uint32_t kConsumersDone = 11;
-    // Each consumer warpgroup stages its dQ for the writer warp through its own pair of
-    // barriers with it. The writer serves them in warpgroup order: it reduces the first's
-    // staging as soon as that one is full, without waiting for the second's, and frees each as
-    // soon as its own reduce has read it.
+    static __device__ __forceinline__ constexpr uint32_t writer_full(int wg, int round) {
+        return (round == 0 ? 3 : 7) + wg;
+    }
+    static __device__ __forceinline__ constexpr uint32_t writer_free(int wg, int round) {
+        return (round == 0 ? 9 : 12) + wg;
+    }
+    // Each consumer warpgroup stages each round of its dQ for that round's writer warp through
+    // its own pair of barriers with it. A writer serves them in warpgroup order: it reduces the
+    // first's staging as soon as that is full, without waiting for the second's, and frees each
+    // as soon as its own reduce has read it.
     static constexpr int kWriterLanes = Cfg::kConsumers;
     static constexpr uint32_t kWriterSyncThreads = 128 + 32;
+    // One writer warp a round: warps 1.. of the producer warpgroup.
+    static constexpr int kWriterWarps = Cfg::kDqRounds;
+    static_assert(Cfg::kConsumers <= 2 && kWriterWarps <= 2,
+                  "barrier ids for two warpgroups and two rounds");
 
     // ---- Producer ---------------------------------------------------------------------------
 
@@ -305,15 +314,21 @@ struct BwdSm90Mainloop {
         }
     }
 
-    // The writer warp (kDqWriter): per step and round, once the consumers staged the block's
-    // dQ, its lane 0 adds the staging into the accumulator with TMA reduces and frees the
-    // staging once they have read it; with deterministic sums it first waits for the tile's
-    // turn (BwdWalk), while the consumers still compute the step, and passes the turn once the
-    // step's reduces have completed. Waiting here rather than in a consumer keeps the waits off
-    // the wgmma pipeline: where the staging is its own (head_dim 64 and 128) the consumers run
-    // up to a step ahead. (Waiting for the turn only once the staging was full, head_dim 256,
-    // whose second round waits for the first's reduce, spent 27% of its stall samples there.)
+    // A writer warp (kDqWriter), the one of dQ round kRound: per step, once the consumers
+    // staged the round of the block's dQ, its lane 0 adds the staging into the accumulator with
+    // TMA reduces and frees the staging once they have read it; with deterministic sums it
+    // first waits for the tile's turn (BwdWalk), while the consumers still compute the step, and
+    // passes the turn once the step's reduces have completed. Waiting here rather than in a
+    // consumer keeps the waits off the wgmma pipeline: where the staging is its own (head_dim 64
+    // and 128) the consumers run up to a step ahead. Each round has turns of its own (a
+    // semaphore per tile and round). A tile's turns pass from block to block (causal: each
+    // block a step behind the one before it, BwdWalk), so a link of that chain (the turn seen,
+    // the reduces issued and completed, the release's gpu-scope fence, about 1 us of it) must
+    // fit in a step; carrying both head_dim 256 rounds, one link outlasted the step (3.6 against
+    // 3.2 us, %globaltimer stamps), and the chain set the pace. Two chains of one round each, on
+    // two warps, overlap.
     // Every lane calls it.
+    template <int kRound>
     static __device__ __forceinline__ void write_dq(const BwdParams& p, uint8_t* smem,
                                                     const Info& info, const BwdWalk& walk,
                                                     const BwdSteps& steps, int kv_head,
@@ -323,39 +338,37 @@ struct BwdSm90Mainloop {
         for (int i = 0; i < steps.count; ++i) {
             const int head = steps.head(i, kv_head, p.q_per_kv);
             const int m_block = steps.m_block(i);
-            // The tile's semaphore as an index (32 bits: the tiles are far fewer than 2^31): a
-            // pointer held across the step spilled the writer's 24 registers.
-            const int turn = (batch * p.heads_q + head) * p.num_m_blocks + m_block;
+            // The semaphore as an index (32 bits: the tiles are far fewer than 2^31): a pointer
+            // held across the step spilled the writer's 24 registers.
+            const int turn =
+                ((batch * p.heads_q + head) * p.num_m_blocks + m_block) * Cfg::kDqRounds + kRound;
             if (Cfg::kDeterministic && leader) {
                 wait_turn(p.dq_semaphore + turn, walk.turn(m_block, info.n_max(m_block)));
             }
 #pragma unroll
-            for (int round = 0; round < Cfg::kDqRounds; ++round) {
+            for (int w = 0; w < kWriterLanes; ++w) {
+                __syncwarp();
+                named_barrier_sync(writer_full(w, kRound), kWriterSyncThreads);
+                if (leader) {
+                    issue_dq_reduce(p, smem + kDqStagingOffset + w * kDqStagingStride,
+                                    (Cfg::kDqSplitRows ? 0 : Cfg::kDqCols * w) +
+                                        kRound * Cfg::kDqRoundCols,
+                                    m_block * kBlockM + (Cfg::kDqSplitRows ? 64 * w : 0), head,
+                                    batch);
+                    tma_store_commit();
+                }
+            }
 #pragma unroll
-                for (int w = 0; w < kWriterLanes; ++w) {
-                    __syncwarp();
-                    named_barrier_sync(kDqWriterFull + w, kWriterSyncThreads);
-                    if (leader) {
-                        issue_dq_reduce(p, smem + kDqStagingOffset + w * kDqStagingStride,
-                                        (Cfg::kDqSplitRows ? 0 : Cfg::kDqCols * w) +
-                                            round * Cfg::kDqRoundCols,
-                                        m_block * kBlockM + (Cfg::kDqSplitRows ? 64 * w : 0),
-                                        head, batch);
-                        tma_store_commit();
+            for (int w = 0; w < kWriterLanes; ++w) {
+                if (leader) {
+                    if (w + 1 < kWriterLanes) {
+                        tma_store_wait_read<1>();
+                    } else {
+                        tma_store_wait_read<0>();
                     }
                 }
-#pragma unroll
-                for (int w = 0; w < kWriterLanes; ++w) {
-                    if (leader) {
-                        if (w + 1 < kWriterLanes) {
-                            tma_store_wait_read<1>();
-                        } else {
-                            tma_store_wait_read<0>();
-                        }
-                    }
-                    __syncwarp();
-                    named_barrier_arrive(kDqWriterFree + w, kWriterSyncThreads);
-                }
+                __syncwarp();
+                named_barrier_arrive(writer_free(w, kRound), kWriterSyncThreads);
             }
             if (Cfg::kDeterministic && leader) {
                 tma_store_wait<0>();
@@ -512,7 +525,8 @@ struct BwdSm90Mainloop {
                 // have read it.
                 if constexpr (Cfg::kDqWriter) {
                     if (step_index > 0) {
-                        named_barrier_sync(kDqWriterFree + wg, kWriterSyncThreads);
+                        named_barrier_sync(writer_free(wg, Cfg::kDqRounds - 1),
+                                           kWriterSyncThreads);
                     }
                 } else {
                     if (dq_issuer()) tma_store_wait_read<0>();
@@ -696,25 +710,25 @@ struct BwdSm90Mainloop {
 #pragma unroll
                 for (int round = 0; round < Cfg::kDqRounds; ++round) {
                     if (round > 0) {
-                        named_barrier_sync(kDqWriterFree + wg, kWriterSyncThreads);
+                        named_barrier_sync(writer_free(wg, round - 1), kWriterSyncThreads);
                     }
                     stage_dq(smem + kDqStagingOffset + wg * kDqStagingStride, dq, round);
                     fence_proxy_async();
-                    named_barrier_arrive(kDqWriterFull + wg, kWriterSyncThreads);
+                    named_barrier_arrive(writer_full(wg, round), kWriterSyncThreads);
                 }
                 return;
             }
-            if (!first_step) named_barrier_sync(kDqWriterFree + wg, kWriterSyncThreads);
+            if (!first_step) named_barrier_sync(writer_free(wg, 0), kWriterSyncThreads);
             stage_dq(smem + kDqOffset + wg * Cfg::kDqStageBytes, dq);
             fence_proxy_async();
-            named_barrier_arrive(kDqWriterFull + wg, kWriterSyncThreads);
+            named_barrier_arrive(writer_full(wg, 0), kWriterSyncThreads);
         }
 
         // kDqWriter, after the last step: the stagings are free for dK and dV (the writer's
         // last reduces have read them; at head_dim 256, which stages dK and dV in the ring, this
         // closes the writer's last round).
         __device__ __forceinline__ void wait_dq_staging_free() const {
-            named_barrier_sync(kDqWriterFree + wg, kWriterSyncThreads);
+            named_barrier_sync(writer_free(wg, Cfg::kDqRounds - 1), kWriterSyncThreads);
         }
 
         // dK (times softmax_scale) and dV of the warpgroup's 64 keys, staged in its dQ staging

@@ -57,18 +57,23 @@ class Workspace:
     dq_semaphore: object | None
 
     @staticmethod
-    def sizes(problem, block_m: int, deterministic: bool) -> tuple[int, int, int]:
+    def sizes(problem, block_m: int, deterministic: bool,
+              turns_per_tile: int = 1) -> tuple[int, int, int]:
         """Elements of the accumulator, of dpsum (and of lse_log2) and semaphores, for a main
-        kernel of block_m query rows a tile: all 4 bytes each."""
+        kernel of block_m query rows a tile that takes turns_per_tile turns at each tile's dQ
+        (deterministic sums): all 4 bytes each."""
         heads = problem.batch * problem.heads_q
-        semaphores = heads * math.ceil(problem.seqlen_q / block_m) if deterministic else 0
+        semaphores = (heads * math.ceil(problem.seqlen_q / block_m) * turns_per_tile
+                      if deterministic else 0)
         return (heads * problem.seqlen_q * problem.head_dim,
                 heads * rounded_rows(problem.seqlen_q, block_m), semaphores)
 
     @classmethod
-    def allocate(cls, problem, block_m: int, deterministic: bool) -> "Workspace":
+    def allocate(cls, problem, block_m: int, deterministic: bool,
+                 turns_per_tile: int = 1) -> "Workspace":
         import cupy
-        accum, padded_rows, semaphores = cls.sizes(problem, block_m, deterministic)
+        accum, padded_rows, semaphores = cls.sizes(problem, block_m, deterministic,
+                                                   turns_per_tile)
         return cls(cupy.empty(accum, dtype=cupy.float32),
                    cupy.empty(padded_rows, dtype=cupy.float32),
                    cupy.empty(padded_rows, dtype=cupy.float32),

@@ -50,6 +50,11 @@ class Variant:
         return 64 if self.shared_keys else 128
 
     @property
+    def dq_rounds(self) -> int:
+        """Rounds of a warpgroup's dQ staging a step (kDqRounds), each with turns of its own."""
+        return 2 if self.shared_keys else 1
+
+    @property
     def dq_rows(self) -> int:
         """Rows of one warpgroup's dQ reduce (the accumulator map's box)."""
         return 64 if self.head_dim == 64 else self.block_m
@@ -102,7 +107,8 @@ def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: boo
     v_info = variant(problem.format, problem.head_dim, problem.causal, deterministic)
     kernel = runtime.load(v_info.spec())
     block_m = v_info.block_m
-    ws = shared_backward.Workspace.allocate(problem, block_m, deterministic)
+    ws = shared_backward.Workspace.allocate(problem, block_m, deterministic,
+                                            turns_per_tile=v_info.dq_rounds)
     p = shared_backward.make_params(problem, dout, q, k, v, out, lse, dq, dk, dv, ws, block_m)
     swizzle = BOX_COLS * q.itemsize
     p.q_map = runtime.tensor_map(q, (1, block_m, 1, BOX_COLS), swizzle=swizzle)
