@@ -254,8 +254,12 @@ struct BwdSm90Mainloop {
     // as soon as its own reduce has read it.
     static constexpr int kWriterLanes = Cfg::kConsumers;
     static constexpr uint32_t kWriterSyncThreads = 128 + 32;
-    // One writer warp a round: warps 1.. of the producer warpgroup.
-    static constexpr int kWriterWarps = Cfg::kDqRounds;
+    // Writer warps (warps 1.. of the producer warpgroup): over the shared keys (head_dim 256,
+    // deterministic sums) one a round; at head_dims 64 and 128 one, or with deterministic sums
+    // one a consumer warpgroup (write_dq). (Without deterministic sums, one a warpgroup measured
+    // 0.96-0.995 at head_dim 128 and 1.00-1.03 at 64.)
+    static constexpr int kWriterWarps =
+        Cfg::kSharedKeys ? Cfg::kDqRounds : Cfg::kDeterministic ? Cfg::kConsumers : 1;
     static_assert(Cfg::kConsumers <= 2 && kWriterWarps <= 2,
                   "barrier ids for two warpgroups and two rounds");
 
@@ -314,25 +318,29 @@ struct BwdSm90Mainloop {
         }
     }
 
-    // A writer warp (kDqWriter), the one of dQ round kRound: per step, once the consumers
-    // staged the round of the block's dQ, its lane 0 adds the staging into the accumulator with
-    // TMA reduces and frees the staging once they have read it; with deterministic sums it
-    // first waits for the tile's turn (BwdWalk), while the consumers still compute the step, and
-    // passes the turn once the step's reduces have completed. Waiting here rather than in a
-    // consumer keeps the waits off the wgmma pipeline: where the staging is its own (head_dim 64
-    // and 128) the consumers run up to a step ahead. Each round has turns of its own (a
-    // semaphore per tile and round). A tile's turns pass from block to block (causal: each
-    // block a step behind the one before it, BwdWalk), so a link of that chain (the turn seen,
-    // the reduces issued and completed, the release's gpu-scope fence, about 1 us of it) must
-    // fit in a step; carrying both head_dim 256 rounds, one link outlasted the step (3.6 against
-    // 3.2 us, %globaltimer stamps), and the chain set the pace. Two chains of one round each, on
-    // two warps, overlap.
+    // Writer warp kWriter (kDqWriter): per step, once the consumers staged the block's dQ (its
+    // share: every warpgroup's, or one warpgroup's, kWriterWarps; at head_dim 256 one round of
+    // it), its lane 0 adds the staging into the accumulator with TMA reduces and frees the
+    // staging once they have read it; with deterministic sums it first waits for the tile's
+    // turn (BwdWalk), while the consumers still compute the step, and passes the turn once the
+    // step's reduces have completed. Waiting here rather than in a consumer keeps the waits off
+    // the wgmma pipeline: where the staging is its own (head_dims 64 and 128) the consumers run
+    // up to a step ahead. Each writer has turns of its own (a semaphore per tile and writer). A
+    // tile's turns pass from block to block (causal: each block a step behind the one before
+    // it, BwdWalk), so a link of that chain (the turn seen, the reduces issued and completed, the
+    // release's gpu-scope fence, about 1 us of it) must fit in a step: one writer carrying both
+    // head_dim 256 rounds took 3.6 us a link against a 3.2 us step (%globaltimer stamps), and
+    // the chain set the pace. Two chains of half the bytes each, on two warps, overlap.
     // Every lane calls it.
-    template <int kRound>
+    template <int kWriter>
     static __device__ __forceinline__ void write_dq(const BwdParams& p, uint8_t* smem,
                                                     const Info& info, const BwdWalk& walk,
                                                     const BwdSteps& steps, int kv_head,
                                                     int batch) {
+        constexpr bool kOwnLane = !Cfg::kSharedKeys && kWriterWarps > 1;
+        constexpr int kRound = Cfg::kSharedKeys ? kWriter : 0;
+        constexpr int kFirstLane = kOwnLane ? kWriter : 0;
+        constexpr int kLanes = kOwnLane ? 1 : kWriterLanes;
         const bool leader = threadIdx.x % 32 == 0;
 #pragma unroll 1
         for (int i = 0; i < steps.count; ++i) {
@@ -341,12 +349,12 @@ struct BwdSm90Mainloop {
             // The semaphore as an index (32 bits: the tiles are far fewer than 2^31): a pointer
             // held across the step spilled the writer's 24 registers.
             const int turn =
-                ((batch * p.heads_q + head) * p.num_m_blocks + m_block) * Cfg::kDqRounds + kRound;
+                ((batch * p.heads_q + head) * p.num_m_blocks + m_block) * kWriterWarps + kWriter;
             if (Cfg::kDeterministic && leader) {
                 wait_turn(p.dq_semaphore + turn, walk.turn(m_block, info.n_max(m_block)));
             }
 #pragma unroll
-            for (int w = 0; w < kWriterLanes; ++w) {
+            for (int w = kFirstLane; w < kFirstLane + kLanes; ++w) {
                 __syncwarp();
                 named_barrier_sync(writer_full(w, kRound), kWriterSyncThreads);
                 if (leader) {
@@ -359,9 +367,9 @@ struct BwdSm90Mainloop {
                 }
             }
 #pragma unroll
-            for (int w = 0; w < kWriterLanes; ++w) {
+            for (int w = kFirstLane; w < kFirstLane + kLanes; ++w) {
                 if (leader) {
-                    if (w + 1 < kWriterLanes) {
+                    if (w + 1 < kFirstLane + kLanes) {
                         tma_store_wait_read<1>();
                     } else {
                         tma_store_wait_read<0>();

@@ -50,9 +50,10 @@ class Variant:
         return 64 if self.shared_keys else 128
 
     @property
-    def dq_rounds(self) -> int:
-        """Rounds of a warpgroup's dQ staging a step (kDqRounds), each with turns of its own."""
-        return 2 if self.shared_keys else 1
+    def turns_per_tile(self) -> int:
+        """Deterministic sums: the writer warps (kWriterWarps), each taking turns of its own at a
+        tile's dQ: one a dQ round (head_dim 256) or a consumer warpgroup (64, 128)."""
+        return 2
 
     @property
     def dq_rows(self) -> int:
@@ -108,7 +109,7 @@ def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: boo
     kernel = runtime.load(v_info.spec())
     block_m = v_info.block_m
     ws = shared_backward.Workspace.allocate(problem, block_m, deterministic,
-                                            turns_per_tile=v_info.dq_rounds)
+                                            turns_per_tile=v_info.turns_per_tile)
     p = shared_backward.make_params(problem, dout, q, k, v, out, lse, dq, dk, dv, ws, block_m)
     swizzle = BOX_COLS * q.itemsize
     p.q_map = runtime.tensor_map(q, (1, block_m, 1, BOX_COLS), swizzle=swizzle)
