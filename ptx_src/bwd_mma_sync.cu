@@ -64,10 +64,12 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
             first_key * p.v_stride_s,
         p.v_stride_s, p.seqlen_k - first_key, tid);
 
-    // Q and dO of step `step` into ring stage `stage`.
-    const auto load_step = [&](int step, int stage) {
-        const int head = walk_steps.head(step, kv_head, p.q_per_kv);
-        const int row0 = walk_steps.m_block(step) * kBlockM;
+    // Q and dO of the step at `cursor` into ring stage `stage`; the cursor moves to the next.
+    // (The walk as a cursor, without head()'s and m_block()'s divisions at every step, leaves
+    // head_dim 128 the registers for FlashAttention-2's warp grid without spills.)
+    const auto load_step = [&](BwdSteps::Cursor& cursor, int stage) {
+        const int head = cursor.head;
+        const int row0 = cursor.m_block * kBlockM;
         const uint32_t q_dst = ring + stage * Cfg::kStageBytes;
         Mainloop::template load_rows<kBlockM>(
             q_dst,
@@ -79,12 +81,15 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
             static_cast<const uint16_t*>(p.dout) + batch * p.dout_stride_b +
                 head * p.dout_stride_h + row0 * p.dout_stride_s,
             p.dout_stride_s, p.seqlen_q - row0, tid);
+        walk_steps.next(cursor);
     };
+    BwdSteps::Cursor loading = walk_steps.start(kv_head, p.q_per_kv);
 #pragma unroll
     for (int step = 0; step < (kStages > 1 ? kStages - 1 : 1); ++step) {
-        if (step < steps) load_step(step, step);
+        if (step < steps) load_step(loading, step);
         cp_async_commit();  // K and V ride in the first group
     }
+    BwdSteps::Cursor at = walk_steps.start(kv_head, p.q_per_kv);  // the step computed
 
     const typename Mainloop::Lanes lanes(lane);
     const int score_row0 = (warp % Cfg::kScoreWarpRows) * Cfg::kScoreRows;
@@ -108,14 +113,15 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
             cp_async_wait<kStages - 2>();
             __syncthreads();  // this step's tiles landed; every warp is done with step - 1
             const int next = step + kStages - 1;
-            if (next < steps) load_step(next, next % kStages);
+            if (next < steps) load_step(loading, next % kStages);
             cp_async_commit();
         } else {
             cp_async_wait<0>();
             __syncthreads();
         }
-        const int head = walk_steps.head(step, kv_head, p.q_per_kv);
-        const int m_block = walk_steps.m_block(step);
+        const int head = at.head;
+        const int m_block = at.m_block;
+        walk_steps.next(at);
         const int first_row = m_block * kBlockM;
         const uint32_t q_tile = ring + stage * Cfg::kStageBytes;
         const uint32_t do_tile = q_tile + Cfg::kQTileBytes;
@@ -177,7 +183,7 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
         if constexpr (kStages == 1) {
             // Q and dO are done with: the next step's copies overlap phase 3.
             __syncthreads();
-            if (step + 1 < steps) load_step(step + 1, 0);
+            if (step + 1 < steps) load_step(loading, 0);
             cp_async_commit();
         }
 

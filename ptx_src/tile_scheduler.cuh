@@ -220,6 +220,23 @@ struct BwdSteps {
     __device__ __forceinline__ int m_block(int step) const {
         return m_first + (step + rotation) % m_count;
     }
+    // The same walk a step at a time, without head()'s and m_block()'s divisions: start() is
+    // step 0's (head, tile), next() moves to the following step's.
+    struct Cursor {
+        int head;
+        int m_block;
+        int head_steps_left;  // steps of this head from this one on
+    };
+    __device__ __forceinline__ Cursor start(int kv_head, int q_per_kv) const {
+        return {kv_head * q_per_kv, m_first + rotation, m_count};
+    }
+    __device__ __forceinline__ void next(Cursor& c) const {
+        c.m_block = c.m_block + 1 == m_first + m_count ? m_first : c.m_block + 1;
+        if (--c.head_steps_left == 0) {
+            c.head_steps_left = m_count;
+            ++c.head;
+        }
+    }
 };
 
 }  // namespace ptxattn

@@ -13,8 +13,9 @@
 //
 // bwd_walk_probe<kBlockM, kBlockN>: thread i < ceil(seqlen_k / kBlockN) plays the backward's
 // block i: it stores its BwdWalk key block at n_block[i], its step count at counts[i], and per
-// step s (the first `cap`) the q head offset from the kv head's first, the query tile and its
-// turn at that tile's dQ at steps[(i * cap + s) * 3 ..].
+// step s (the first `cap`) the q head offset from the kv head's first, the query tile, its turn
+// at that tile's dQ, and the q head offset and query tile of BwdSteps::Cursor at that step at
+// steps[(i * cap + s) * 5 ..].
 #include "block_info.cuh"
 #include "mbarrier.cuh"
 #include "tile_scheduler.cuh"
@@ -52,12 +53,16 @@ __global__ void bwd_walk_probe(int seqlen_q, int seqlen_k, int causal, int deter
     const BwdSteps walk_steps = BwdSteps::make(info, walk, q_per_kv);
     n_block[block] = walk.n_block;
     counts[block] = walk_steps.count;
+    BwdSteps::Cursor cursor = walk_steps.start(0, q_per_kv);
     for (int s = 0; s < min(cap, walk_steps.count); ++s) {
         const int m_block = walk_steps.m_block(s);
-        int* out = steps + (static_cast<int64_t>(block) * cap + s) * 3;
+        int* out = steps + (static_cast<int64_t>(block) * cap + s) * 5;
         out[0] = walk_steps.head(s, 0, q_per_kv);
         out[1] = m_block;
         out[2] = walk.turn(m_block, info.n_max(m_block));
+        out[3] = cursor.head;
+        out[4] = cursor.m_block;
+        walk_steps.next(cursor);
     }
 }
 

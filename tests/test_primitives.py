@@ -399,20 +399,25 @@ BWD_WALK_CASES = [(1000, 1000, 132), (2048, 1024, 132), (300, 1100, 132), (1024,
 
 def _bwd_walk(kernel, block_m, block_n, seqlen_q, seqlen_k, causal, deterministic, group,
               q_per_kv):
-    """Runs bwd_walk_probe: (n_block per block, steps per block as (head, tile, turn) rows)."""
+    """Runs bwd_walk_probe: (n_block per block, steps per block as (head, tile, turn) rows),
+    after checking that BwdSteps::Cursor visits the same (head, tile) at every step."""
     import cupy
     blocks = math.ceil(seqlen_k / block_n)
     cap = math.ceil(seqlen_q / block_m) * q_per_kv
     n_block = cupy.full(blocks, -1, cupy.int32)
     counts = cupy.full(blocks, -1, cupy.int32)
-    steps = cupy.full((blocks, cap, 3), -1, cupy.int32)
+    steps = cupy.full((blocks, cap, 5), -1, cupy.int32)
     runtime.launch(kernel, (math.ceil(blocks / 128),), (128,),
                    [np.int32(seqlen_q), np.int32(seqlen_k), np.int32(causal),
                     np.int32(deterministic), np.int32(group), np.int32(q_per_kv), np.int32(cap),
                     n_block, counts, steps])
     counts = counts.get()
     assert (counts <= cap).all(), f"step counts {counts.tolist()} over {cap}"
-    return n_block.get(), [steps.get()[b, :counts[b]] for b in range(blocks)]
+    steps = steps.get()
+    for b in range(blocks):
+        np.testing.assert_array_equal(steps[b, :counts[b], 3:], steps[b, :counts[b], :2],
+                                      err_msg=f"block {b}: the cursor's (head, tile) steps")
+    return n_block.get(), [steps[b, :counts[b], :3] for b in range(blocks)]
 
 
 def _visible_tiles(n, block_m, block_n, seqlen_q, seqlen_k, causal):
