@@ -81,6 +81,8 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
             static_cast<const uint16_t*>(p.dout) + batch * p.dout_stride_b +
                 head * p.dout_stride_h + row0 * p.dout_stride_s,
             p.dout_stride_s, p.seqlen_q - row0, tid);
+        Mainloop::load_row_values(q_dst + 2 * Cfg::kQTileBytes, p.lse_log2, p.dpsum,
+                                  (batch * p.heads_q + head) * p.seqlen_q_rounded + row0, tid);
         walk_steps.next(cursor);
     };
     BwdSteps::Cursor loading = walk_steps.start(kv_head, p.q_per_kv);
@@ -98,8 +100,6 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
     const int dkv_d0 = (warp / Cfg::kDkvWarpRows) * Cfg::kDkvCols;
     const int dq_row0 = (warp % Cfg::kDqWarpRows) * Cfg::kDqRows;
     const int dq_d0 = (warp / Cfg::kDqWarpRows) * Cfg::kDqCols;
-    constexpr float kLog2e = 1.4426950408889634f;
-    const float pos_inf = __int_as_float(0x7f800000);
 
     float dv[Cfg::kDkvRows / 16][Cfg::kDkvCols / 8][4];
     float dk[Cfg::kDkvRows / 16][Cfg::kDkvCols / 8][4];
@@ -126,51 +126,31 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
         const uint32_t q_tile = ring + stage * Cfg::kStageBytes;
         const uint32_t do_tile = q_tile + Cfg::kQTileBytes;
 
-        // The rows' LSE and dpsum, each loaded before the GEMM that hides its latency. A row
-        // that sees no key (LSE -inf) or lies past seqlen_q gets P = 0.
+        // The rows' LSE log2(e) and D, in the stage after Q and dO (a row that sees no key or
+        // lies past seqlen_q has +inf and 0, so P = 0), each read once its GEMM is done (shared
+        // memory's latency needs no hiding; read ahead, head_dim 128 spilled).
+        const uint32_t row_values = q_tile + 2 * Cfg::kQTileBytes;
         const int64_t row_base = (static_cast<int64_t>(batch) * p.heads_q + head) * p.seqlen_q;
-        const auto load_rows = [&](float (&dst)[Cfg::kScoreRows / 16][2], const float* src,
-                                   float fill) {
-#pragma unroll
-            for (int m = 0; m < Cfg::kScoreRows / 16; ++m) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int row = first_row + score_row0 + 16 * m + (lane >> 2) + 8 * h;
-                    dst[m][h] = row < p.seqlen_q ? __ldg(src + row) : fill;
-                }
-            }
-        };
         // Phase 1: S -> P, then dP -> dS, each into shared memory as 16-bit values.
         typename Mainloop::ScorePairs pairs;
         {
-            float lse_log2[Cfg::kScoreRows / 16][2];
-            load_rows(lse_log2, p.lse + batch * p.lse_stride_b + head * p.lse_stride_h, -pos_inf);
             float s[Cfg::kScoreRows / 16][kScoreTiles][4];
             Mainloop::gemm_abt(s, q_tile, k_tile, score_row0, score_col0, lanes);
+            float lse_log2[Cfg::kScoreRows / 16][2];
+            Mainloop::read_row_values(lse_log2, row_values, score_row0, lane);
             if (n_block >= info.n_right_masked(m_block)) {
                 apply_mask<16>(s, info.mask, first_row + score_row0 + (lane >> 2),
                                first_key + score_col0 + 2 * (lane & 3), AccumulatorColumns{});
-            }
-#pragma unroll
-            for (int m = 0; m < Cfg::kScoreRows / 16; ++m) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    lse_log2[m][h] =
-                        lse_log2[m][h] == -pos_inf ? pos_inf : lse_log2[m][h] * kLog2e;
-                }
             }
             recompute_probabilities(s, lse_log2, p.scale_log2);
             Mainloop::pack_scores(pairs, s);
         }
         Mainloop::store_scores(p_tile, pairs, score_row0, score_col0, lane);
         {
-            float dpsum[Cfg::kScoreRows / 16][2];
-            load_rows(dpsum,
-                      p.dpsum + (static_cast<int64_t>(batch) * p.heads_q + head) *
-                                    p.seqlen_q_rounded,
-                      0.0f);
             float dp[Cfg::kScoreRows / 16][kScoreTiles][4];
             Mainloop::gemm_abt(dp, do_tile, v_tile, score_row0, score_col0, lanes);
+            float dpsum[Cfg::kScoreRows / 16][2];
+            Mainloop::read_row_values(dpsum, row_values + 4 * kBlockM, score_row0, lane);
             score_gradient<Cfg::kBf16>(dp, pairs, dpsum);
             Mainloop::pack_scores(pairs, dp);
         }

@@ -10,7 +10,8 @@
 //                                with ldmatrix.trans;
 //   dq     (kBlockM x kHeadDim): dQ = dS K, added into the FP32 accumulator in global memory,
 //                                in passes of 32 or 64 columns to bound registers.
-// Shared-memory tiles are swizzled rows (smem_tile.cuh). Layout: [K][V][stage 0: Q, dO]...[P][dS].
+// Shared-memory tiles are swizzled rows (smem_tile.cuh). Layout: [K][V][stage 0: Q, dO, the rows'
+// LSE log2 and D]...[P][dS].
 #pragma once
 #include "common.cuh"
 #include "cp_async.cuh"
@@ -53,7 +54,12 @@ struct BwdMmaSyncConfig {
     static constexpr int kScoreRowBytes = BlockN * 2;  // P, dS tiles
     static constexpr int kKVTileBytes = BlockN * kRowBytes;
     static constexpr int kQTileBytes = BlockM * kRowBytes;
-    static constexpr int kStageBytes = 2 * kQTileBytes;
+    // A step's row values, copied with its Q and dO from the preprocess's padded rows (whole
+    // tiles, so no row checks): LSE log2(e) (+inf where no key is seen or past seqlen_q, so P =
+    // 0) and D (0 there). (Read from global memory at the step, their latency was the kernel's
+    // largest stall: long scoreboard 1.5 cycles an instruction against FlashAttention-2's 0.8.)
+    static constexpr int kRowValuesBytes = 2 * BlockM * 4;
+    static constexpr int kStageBytes = 2 * kQTileBytes + kRowValuesBytes;
     static constexpr int kScoreTileBytes = BlockM * kScoreRowBytes;
     static constexpr int kSmemBytes = 2 * kKVTileBytes + Stages * kStageBytes + 2 * kScoreTileBytes;
 
@@ -91,6 +97,33 @@ struct BwdMmaSyncMainloop {
                                                      int64_t seq_stride, int valid_rows, int tid) {
         HeadTile::template load<kRows, Cfg::kThreads, true>(tile, rows, seq_stride, valid_rows,
                                                            tid);
+    }
+
+    // The step's row values into `dst`: kBlockM floats of lse_log2, then of dpsum, from the
+    // tile's first row (padded_row, below 2^31: the launcher checks) of the workspace, 16 bytes
+    // a thread.
+    static __device__ __forceinline__ void load_row_values(uint32_t dst, const float* lse_log2,
+                                                           const float* dpsum, int padded_row,
+                                                           int tid) {
+        constexpr int kChunks = Cfg::kBlockM / 4;  // 16-byte chunks of one array
+        static_assert(2 * kChunks <= Cfg::kThreads, "a chunk a thread");
+        if (tid < 2 * kChunks) {
+            const float* src =
+                (tid < kChunks ? lse_log2 : dpsum) + padded_row + 4 * (tid % kChunks);
+            cp_async_16(dst + 16 * tid, src, true);
+        }
+    }
+
+    // The warp's score rows' values (row h of each 16-row group) from a step's row values.
+    static __device__ __forceinline__ void read_row_values(float (&dst)[Cfg::kScoreRows / 16][2],
+                                                           uint32_t values, int row0, int lane) {
+#pragma unroll
+        for (int m = 0; m < Cfg::kScoreRows / 16; ++m) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                dst[m][h] = ld_shared_f32(values + 4 * (row0 + 16 * m + (lane >> 2) + 8 * h));
+            }
+        }
     }
 
     // X (rows row0.. of a kBlockM x kHeadDim tile) times Y^T (rows col0.. of a kBlockN x

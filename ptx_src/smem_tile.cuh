@@ -29,6 +29,13 @@ __device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t value) {
     asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(value) : "memory");
 }
 
+// ld.shared.f32: one float at a 32-bit shared-window address.
+__device__ __forceinline__ float ld_shared_f32(uint32_t addr) {
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+    return v;
+}
+
 // st.shared.v2.f32 / ld.shared.v2.f32: two adjacent floats at a 32-bit shared-window address.
 __device__ __forceinline__ void st_shared_f32x2(uint32_t addr, float a, float b) {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(addr), "f"(a), "f"(b) : "memory");

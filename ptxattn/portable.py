@@ -97,8 +97,9 @@ class BwdTile:
     min_blocks: int
 
     def smem_bytes(self, head_dim: int) -> int:
-        return (2 * self.block_n * head_dim + 2 * self.stages * self.block_m * head_dim
-                + 2 * self.block_m * self.block_n) * 2
+        """BwdMmaSyncConfig::kSmemBytes: K, V, the stages' Q, dO and row values (LSE, D), P, dS."""
+        return ((2 * self.block_n * head_dim + 2 * self.stages * self.block_m * head_dim
+                 + 2 * self.block_m * self.block_n) * 2 + self.stages * 2 * self.block_m * 4)
 
     def label(self) -> str:
         return (f"m{self.block_m}_n{self.block_n}_w{self.warps}_g{self.score_rows}"
@@ -219,6 +220,11 @@ def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: boo
         if x.strides[1] // x.itemsize >= MAX_SEQ_STRIDE:
             raise ValueError(f"{name}'s seqlen stride must be below {MAX_SEQ_STRIDE} elements, "
                              f"got {x.strides[1] // x.itemsize}")
+    padded_rows = problem.batch * problem.heads_q * shared_backward.rounded_rows(
+        problem.seqlen_q, tile.block_m)
+    if padded_rows >= 2 ** 31:  # the kernel indexes dpsum and lse_log2 in 32 bits
+        raise ValueError(f"batch * heads * seqlen_q must be below 2**31 for the portable "
+                         f"backward, got {padded_rows} (rows padded to whole tiles)")
     ws = shared_backward.Workspace.allocate(problem, tile.block_m, deterministic)
     p = shared_backward.make_params(problem, dout, q, k, v, out, lse, dq, dk, dv, ws,
                                       tile.block_m)
