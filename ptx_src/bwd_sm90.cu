@@ -9,9 +9,9 @@
 // head (BwdSteps), in BwdWalk's order:
 //   warpgroup 0   the producer: gives most of its registers away (setmaxnreg); one thread loads
 //                 K and V once and every step's Q and dO through TMA (mainloop_bwd_sm90.cuh);
-//                 warp 1 adds each step's dQ at head_dims 64 and 128 and with deterministic
-//                 sums (then in the tile's turn), warp 2 the second round of head_dim 256's
-//                 with deterministic sums (in that round's turn);
+//                 writer warps add each step's dQ at head_dims 64 and 128 and with
+//                 deterministic sums: warp 1 alone, or with deterministic sums warps 1 and 2,
+//                 one a consumer warpgroup (64, 128) or a dQ round (256), each in its own turns;
 //   warpgroups 1-2 the consumers: 64 keys each, the step's five GEMMs, dQ added into the FP32
 //                 accumulator, and at the end dK and dV staged in shared memory and written by
 //                 TMA stores (mainloop_bwd_sm90.cuh).
@@ -56,8 +56,10 @@ attn_bwd_sm90(const __grid_constant__ BwdParams p) {
             Mainloop::load(p, smem, bars, steps, walk.n_block, kv_head, batch);
         } else if (Cfg::kDqWriter && threadIdx.x / 32 == 1) {
             Mainloop::template write_dq<0>(p, smem, info, walk, steps, kv_head, batch);
-        } else if (Cfg::kDqWriter && Mainloop::kWriterWarps > 1 && threadIdx.x / 32 == 2) {
-            Mainloop::template write_dq<1>(p, smem, info, walk, steps, kv_head, batch);
+        } else if (threadIdx.x / 32 == 2) {
+            if constexpr (Cfg::kDqWriter && Mainloop::kWriterWarps > 1) {
+                Mainloop::template write_dq<1>(p, smem, info, walk, steps, kv_head, batch);
+            }
         }
         return;
     }

@@ -19,8 +19,8 @@
 //                                MN-major A); then added into the FP32 accumulator: staged in
 //                                shared memory and added by a TMA reduce (cp.reduce.async.bulk),
 //                                which runs on while the next step computes (issued by the
-//                                producer's writer warp at head_dims 64 and 128 and for
-//                                deterministic sums, there in the tile's turn, else by the
+//                                producer's writer warps at head_dims 64 and 128 and for
+//                                deterministic sums, there in the tile's turns, else by the
 //                                consumer; at head_dim 256 in two rounds of 64 columns)
 //   dK  += dS^T Q                RS: dS^T as A fragments, Q MN-major; issued after dQ's GEMM
 //                                and running on while dQ is staged
@@ -81,7 +81,7 @@ struct ColumnValues {
 // type; kCausal; kBlockM query rows per step (64, 80 or 128: the N of S^T and dP^T, whose SS
 // wgmmas read shared memory at the tensor cores' pace at N = 64 and at 3/4 of it at N = 128);
 // kStages the depth of the (Q, dO) ring; kDeterministic: dQ summed in a fixed order by the
-// writer warp (a build of its own: one kernel with both ways of summing ran 2-5% slower without,
+// writer warps (a build of its own: one kernel with both ways of summing ran 2-5% slower without,
 // and spilled at head_dim 64); kSmemBytes the dynamic
 // shared memory the launcher requests (equal to the layout below, checked).
 template <int HeadDim, bool Bf16, bool Causal, int BlockM, int Stages, bool Deterministic,
@@ -157,8 +157,8 @@ struct BwdSm90Config {
     // deterministic sums at head_dim 64, where it measured +5-7% at seqlen 16384 (two A/B runs);
     // at 128 it cost 2%.
     static constexpr bool kStaggeredWalk = kDeterministic || kHeadDim == 64;
-    // The producer's writer warp issues the dQ reduces (write_dq; without deterministic sums it
-    // takes no turns), so that no consumer waits for its staging to be read (head_dim 64 and
+    // The producer's writer warps issue the dQ reduces (write_dq; without deterministic sums they
+    // take no turns), so that no consumer waits for its staging to be read (head_dim 64 and
     // 128) or for its reduces' completion before passing the tile's turn (deterministic sums):
     // always with deterministic sums, and at head_dims 64 and 128. (At head_dim 256, where the
     // dS slab, the consumers still wait for the turn within the step, since round 1 and the next
@@ -346,8 +346,8 @@ struct BwdSm90Mainloop {
         for (int i = 0; i < steps.count; ++i) {
             const int head = steps.head(i, kv_head, p.q_per_kv);
             const int m_block = steps.m_block(i);
-            // The semaphore as an index (32 bits: the tiles are far fewer than 2^31): a pointer
-            // held across the step spilled the writer's 24 registers.
+            // The semaphore as an index (32 bits: the tiles times the writers are far fewer than
+            // 2^31): a pointer held across the step spilled the writer's 24 registers.
             const int turn =
                 ((batch * p.heads_q + head) * p.num_m_blocks + m_block) * kWriterWarps + kWriter;
             if (Cfg::kDeterministic && leader) {

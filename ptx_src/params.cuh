@@ -146,8 +146,9 @@ struct alignas(64) BwdParams {
     float* dq_accum;    // float32 dQ summed over key blocks, before softmax_scale
     float* dpsum;       // per row: sum over head_dim of dO * O; 0 on padding rows
     float* lse_log2;    // per row: LSE * log2(e), +inf where LSE is -inf and on padding rows
-    int* dq_semaphore;  // deterministic order of the dQ sums: one zeroed int per (b, h, m block),
-                        // or null (atomic adds in any order)
+    int* dq_semaphore;  // deterministic order of the dQ sums: zeroed ints, one per (b, h, m block)
+                        // and writer (the Hopper kernel's kWriterWarps, the portable's one), or
+                        // null (atomic adds in any order)
 
     int64_t q_stride_b, q_stride_s, q_stride_h;
     int64_t k_stride_b, k_stride_s, k_stride_h;

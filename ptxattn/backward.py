@@ -11,7 +11,8 @@ A backward call runs three kernels on one stream:
 The workspace is the FP32 accumulator (batch * heads_q * seqlen_q * head_dim floats), dpsum and
 the LSE in log2 units (batch * heads_q * seqlen_q floats each, seqlen_q padded to ROW_PADDING and
 to whole query tiles, rounded_rows, so that a kernel may copy whole tiles of rows) and, for
-``deterministic=True``, one int per (batch, head, query tile): nothing of O(seqlen^2).
+``deterministic=True``, turns_per_tile ints per (batch, head, query tile) (the Hopper kernel's
+writer warps take turns of their own): nothing of O(seqlen^2).
 """
 
 from __future__ import annotations

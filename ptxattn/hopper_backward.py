@@ -51,8 +51,9 @@ class Variant:
 
     @property
     def turns_per_tile(self) -> int:
-        """Deterministic sums: the writer warps (kWriterWarps), each taking turns of its own at a
-        tile's dQ: one a dQ round (head_dim 256) or a consumer warpgroup (64, 128)."""
+        """Deterministic sums: the writer warps (BwdSm90Mainloop::kWriterWarps), each taking
+        turns of its own at a tile's dQ: one a dQ round (head_dim 256) or a consumer warpgroup
+        (64, 128). Only deterministic builds take turns, and all of them have two writers."""
         return 2
 
     @property
