@@ -22,9 +22,10 @@ namespace ptxattn {
 
 // The compile-time shape of a portable backward kernel: head_dim, query rows per tile, keys per
 // block, warps, the warp grid's row count in each phase (its columns are warps / rows), the
-// (Q, dO) ring depth, bf16 (else fp16), causal, __launch_bounds__ minimum blocks/SM.
+// (Q, dO) ring depth, bf16 (else fp16), causal, __launch_bounds__ minimum blocks/SM, and the
+// dynamic shared memory the launcher requests (BwdTile.smem_bytes, checked against the layout).
 template <int HeadDim, int BlockM, int BlockN, int Warps, int ScoreWarpRows, int DkvWarpRows,
-          int DqWarpRows, int Stages, bool Bf16, bool Causal, int MinBlocksPerSm>
+          int DqWarpRows, int Stages, bool Bf16, bool Causal, int MinBlocksPerSm, int SmemBytes>
 struct BwdMmaSyncConfig {
     static constexpr int kHeadDim = HeadDim;
     static constexpr int kBlockM = BlockM;
@@ -70,6 +71,8 @@ struct BwdMmaSyncConfig {
     static_assert(kScoreCols % 16 == 0 && kDkvCols % 16 == 0 && kDqPassCols % 16 == 0 &&
                       kDqCols % kDqPassCols == 0, "warps own whole pairs of 8-column tiles");
     static_assert(Stages >= 1, "at least one (Q, dO) stage");
+    static_assert(kSmemBytes == SmemBytes,
+                  "the launcher's shared memory (BwdTile.smem_bytes) differs from the layout");
 };
 
 template <class Cfg>

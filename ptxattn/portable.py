@@ -151,7 +151,8 @@ def bwd_spec(dtype: str, head_dim: int, causal: bool, tile: BwdTile,
              archs: tuple[str, ...] = ARCHS) -> runtime.KernelSpec:
     config = (f"{head_dim}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.score_rows}, "
               f"{tile.dkv_rows}, {tile.dq_rows}, {tile.stages}, "
-              f"{str(bool(DTYPES[dtype])).lower()}, {str(causal).lower()}, {tile.min_blocks}")
+              f"{str(bool(DTYPES[dtype])).lower()}, {str(causal).lower()}, {tile.min_blocks}, "
+              f"{tile.smem_bytes(head_dim)}")
     return runtime.KernelSpec(
         name=f"bwd_mma_sync_{dtype}_d{head_dim}_{tile.label()}{'_causal' if causal else ''}",
         source=BWD_SOURCE,
