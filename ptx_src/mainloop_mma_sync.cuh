@@ -19,9 +19,10 @@
 namespace ptxattn {
 
 // The compile-time shape of a portable forward kernel: head_dim, query rows and keys per tile,
-// warps, cp.async ring depth, bf16 (else fp16), causal, __launch_bounds__ minimum blocks/SM.
+// warps, cp.async ring depth, bf16 (else fp16), causal, __launch_bounds__ minimum blocks/SM, and
+// the dynamic shared memory the launcher requests (Tile.smem_bytes, checked against the layout).
 template <int HeadDim, int BlockM, int BlockN, int Warps, int Stages, bool Bf16, bool Causal,
-          int MinBlocksPerSm>
+          int MinBlocksPerSm, int SmemBytes>
 struct MmaSyncConfig {
     static constexpr int kHeadDim = HeadDim;
     static constexpr int kBlockM = BlockM;
@@ -44,6 +45,7 @@ struct MmaSyncConfig {
     static constexpr int kQTileBytes = kBlockM * kRowBytes;
     static constexpr int kKVTileBytes = kBlockN * kRowBytes;
     static constexpr int kStageBytes = 2 * kKVTileBytes;
+    static constexpr int kSmemBytes = kQTileBytes + kStages * kStageBytes;  // [Q][K, V stages]
 
     static_assert(kWarpRows % 16 == 0, "each warp owns whole 16-row mma tiles");
     static_assert(kHeadDim % 64 == 0, "the swizzle permutes 8 chunks of 16 bytes: head_dim >= 64");
@@ -56,6 +58,8 @@ struct MmaSyncConfig {
                   "launcher) must fit in 32 bits");
     static_assert(32 % kChunksPerRow == 0 || kChunksPerRow % 32 == 0, "epilogue row split");
     static_assert(kStages >= 2, "the ring needs a stage in flight while one is computed");
+    static_assert(kSmemBytes == SmemBytes,
+                  "the launcher's shared memory (Tile.smem_bytes) differs from the layout");
 };
 
 template <class Cfg>

@@ -72,7 +72,8 @@ def tile_for(head_dim: int, causal: bool, arch: str) -> Tile:
 def spec(dtype: str, head_dim: int, causal: bool, tile: Tile,
          archs: tuple[str, ...] = ARCHS) -> runtime.KernelSpec:
     config = (f"{head_dim}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.stages}, "
-              f"{str(bool(DTYPES[dtype])).lower()}, {str(causal).lower()}, {tile.min_blocks}")
+              f"{str(bool(DTYPES[dtype])).lower()}, {str(causal).lower()}, {tile.min_blocks}, "
+              f"{tile.smem_bytes(head_dim)}")
     return runtime.KernelSpec(
         name=f"fwd_mma_sync_{dtype}_d{head_dim}_{tile.label()}{'_causal' if causal else ''}",
         source=SOURCE,
