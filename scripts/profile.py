@@ -49,6 +49,16 @@ from ptxattn.timing import attention_flops, time_ms_interleaved  # noqa: E402  (
 TORCH_PEERS = ("torch-", "fa3")
 
 
+def device_line(arch: str) -> str:
+    """The GPU and the NVRTC that compiled the kernels: the same source compiled by another
+    NVRTC runs up to about 8% faster or slower (docs/hopper-tuning.md, session 28)."""
+    import cupy
+    from ptxattn.runtime import nvrtc_version
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    major, minor = nvrtc_version()
+    return f"{props['name'].decode()} ({arch}), NVRTC {major}.{minor}"
+
+
 def configs(quick: bool) -> list[dict]:
     """The standard sweep: batch*seqlen = 16384 and heads*head_dim = 2048, plus one fixed shape."""
     seqlens = [2048, 8192] if quick else [512, 1024, 2048, 4096, 8192, 16384]
@@ -373,8 +383,7 @@ def backward_main(args) -> int:
         print("profile.py: torch is not importable, so no SDPA peers in this run",
               file=sys.stderr)
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-    print(f"# {props['name'].decode()} ({arch}), dtype {args.dtype}, backward, median of "
-          f"{repeats} runs")
+    print(f"# {device_line(arch)}, dtype {args.dtype}, backward, median of {repeats} runs")
     # backend -> the head dims its backward takes here
     backends: dict[str, set] = {}
     for r in dispatch.TABLE:
@@ -474,9 +483,7 @@ def serving_main(args) -> int:
 
     arch = device_arch()
     repeats = args.repeats or 10
-    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-    print(f"# {props['name'].decode()} ({arch}), dtype {args.dtype}, serving, median of "
-          f"{repeats} runs")
+    print(f"# {device_line(arch)}, dtype {args.dtype}, serving, median of {repeats} runs")
     try:
         import torch
         from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -727,7 +734,7 @@ def main(argv=None) -> int:
         (64, 128, 256), args.slow_max_seqlen, lambda q, k, v, causal: reference.attention(q, k, v, causal=causal))
 
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-    print(f"# {props['name'].decode()} ({arch}), dtype {args.dtype}, median of {repeats} runs")
+    print(f"# {device_line(arch)}, dtype {args.dtype}, median of {repeats} runs")
     for note in notes:
         print(f"# {note}")
     results = []
