@@ -781,10 +781,11 @@ struct BwdSm90Mainloop {
                 dv[i] = 0.0f;
             }
             bars.kv_full.wait(0);
-            // The walk as a cursor: a causal step needs its tile for the mask before its first
-            // GEMM, where m_block()'s division sat (with the cursor head_dim 64 causal measured
-            // 1.01-1.04x, 256 1.00-1.03x). The producer and the writers keep the divisions: the
-            // cursor there measured 0.97-0.99x at head_dim 128 and spilled the writer's registers.
+            // The walk as a cursor: a causal step needs its tile for the mask as soon as S^T
+            // lands, and m_block()'s division sat on that path (with the cursor head_dim 64
+            // causal measured 1.01-1.04x, 256 1.00-1.03x). The producer and the writers keep the
+            // divisions: the cursor there measured 0.97-0.99x at head_dim 128 and spilled the
+            // writer's registers.
             BwdSteps::Cursor at = steps.start(kv_head, p.q_per_kv);
 #pragma unroll 1
             for (int i = 0; i < steps.count; ++i, steps.next(at)) {

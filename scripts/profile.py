@@ -49,14 +49,18 @@ from ptxattn.timing import attention_flops, time_ms_interleaved  # noqa: E402  (
 TORCH_PEERS = ("torch-", "fa3")
 
 
-def device_line(arch: str) -> str:
-    """The GPU and the NVRTC that compiled the kernels: the same source compiled by another
-    NVRTC runs up to about 8% faster or slower (docs/hopper-tuning.md, session 28)."""
-    import cupy
+def nvrtc_text() -> str:
+    """The NVRTC that compiles the kernels: the same source compiled by another NVRTC runs up to
+    about 8% faster or slower (docs/hopper-tuning.md, session 28)."""
     from ptxattn.runtime import nvrtc_version
+    return "%d.%d" % nvrtc_version()
+
+
+def device_line(arch: str) -> str:
+    """The GPU and the NVRTC, for a results header."""
+    import cupy
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-    major, minor = nvrtc_version()
-    return f"{props['name'].decode()} ({arch}), NVRTC {major}.{minor}"
+    return f"{props['name'].decode()} ({arch}), NVRTC {nvrtc_text()}"
 
 
 def configs(quick: bool) -> list[dict]:
@@ -454,8 +458,8 @@ def backward_main(args) -> int:
         print(f"# {note}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": props["name"].decode(), "arch": arch, "dtype": args.dtype,
-                       "unit": "TFLOP/s", "results": results}, f, indent=1)
+            json.dump({"device": props["name"].decode(), "arch": arch, "nvrtc": nvrtc_text(),
+                       "dtype": args.dtype, "unit": "TFLOP/s", "results": results}, f, indent=1)
     if args.plot:
         plot_rows(backward_plot_rows(results),
                   args.plot, f"{props['name'].decode()} ({arch}), {args.dtype}, backward")
@@ -799,8 +803,8 @@ def main(argv=None) -> int:
             writer.writerows(results)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": props["name"].decode(), "arch": arch, "dtype": args.dtype,
-                       "unit": "TFLOP/s", "results": results}, f, indent=1)
+            json.dump({"device": props["name"].decode(), "arch": arch, "nvrtc": nvrtc_text(),
+                       "dtype": args.dtype, "unit": "TFLOP/s", "results": results}, f, indent=1)
     if args.plot:
         plot_rows(results, args.plot, f"{props['name'].decode()} ({arch}), {args.dtype}, forward")
     return 0
