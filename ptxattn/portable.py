@@ -126,8 +126,8 @@ _SCALAR_RED_163K = tuple(a for a in _SMEM_163K if a not in _VECTOR_RED)
 # 336K, which fits 255 registers since the walk is a cursor: 1.02-1.06x; head_dim 256: 2 x 4,
 # with a second (Q, dO) stage where its 214,016 bytes of shared memory fit, sm_90+: 1.01-1.02x).
 # The smaller tiles of sm_80 and the 99 KB archs were timed on the H100 only (its vector adds;
-# docs/hopper-tuning.md). Head dim 256 needs more shared memory than the
-# 99 KB of sm_86/89/120 allow for any tile of whole mma fragments.
+# docs/hopper-tuning.md). Head dim 256 needs more shared memory than the 99 KB of sm_86/89/120
+# allow for any tile of whole mma fragments.
 BWD_TILES: dict[int, list[tuple[tuple[str, ...], BwdTile]]] = {
     64: [(_VECTOR_RED, BwdTile(128, 128, 8, 2, 4, 4, 2, 1)),
          (_SCALAR_RED_163K + _SMEM_99K, BwdTile(64, 128, 8, 2, 4, 2, 2, 1))],
