@@ -173,11 +173,18 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
                         ? nullptr
                         : p.dq_semaphore + (static_cast<int64_t>(batch) * p.heads_q + head) *
                                                p.num_m_blocks + m_block;
+        // Several passes (head_dim 256) read the warp's rows of dS once, before the first.
+        typename Mainloop::DsFragments ds;
+        if constexpr (Cfg::kDqPasses > 1) Mainloop::load_ds(ds, ds_tile, dq_row0, lanes);
 #pragma unroll 1
-        for (int pass = 0; pass < Cfg::kDqCols / Cfg::kDqPassCols; ++pass) {
+        for (int pass = 0; pass < Cfg::kDqPasses; ++pass) {
             const int d0 = dq_d0 + pass * Cfg::kDqPassCols;
             float dq[Cfg::kDqRows / 16][Cfg::kDqPassCols / 8][4];
-            Mainloop::gemm_ab(dq, ds_tile, k_tile, dq_row0, d0, lanes);
+            if constexpr (Cfg::kDqPasses > 1) {
+                Mainloop::gemm_ab(dq, ds, k_tile, d0, lanes);
+            } else {
+                Mainloop::gemm_ab(dq, ds_tile, k_tile, dq_row0, d0, lanes);
+            }
             if (pass == 0 && turn != nullptr) {
                 // The walk is made again rather than kept in registers (kept, fp16 head_dim 128
                 // spilled).
