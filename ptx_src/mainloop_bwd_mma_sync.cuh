@@ -213,7 +213,7 @@ struct BwdMmaSyncMainloop {
 
     // The same with dS's A fragments loaded already (load_ds), for dQ in several passes, which
     // all read the same rows of dS: loaded once a step instead of once a pass, they also leave
-    // each pass's first mma waiting only for K (head_dim 256: +1-6%, docs/hopper-tuning.md).
+    // each pass's first mma waiting only for K (head_dim 256: +1-3.5%, docs/hopper-tuning.md).
     using DsFragments = uint32_t[Cfg::kBlockN / 16][Cfg::kDqRows / 16][4];
 
     static __device__ __forceinline__ void load_ds(DsFragments& a, uint32_t ds_tile, int row0,
