@@ -112,11 +112,16 @@ __device__ __forceinline__ void store_staged_rows(const uint8_t* smem, TileOffse
 }
 
 // Staged path for one warpgroup's 64 x kCols output tile, in `staging` (kBytes of shared
-// memory, 1024-byte aligned). `barrier_id` is a named barrier for the warpgroup's 128 threads.
-template <int kCols, bool kBf16>
+// memory, 1024-byte aligned), kRoundCols columns at a time: where shared memory has no room for
+// the whole tile (head_dim 256 with two stages of 64-key tiles), in rounds, each waiting until
+// the one before has been read. (Stored straight from registers instead, the 4-byte stores of
+// 16-byte row pieces cost bf16 head_dim 256 11-27% of its time; docs/hopper-tuning.md.)
+// `barrier_id` is a named barrier for the warpgroup's 128 threads.
+template <int kCols, bool kBf16, int kRoundCols = kCols>
 struct StagedTmaStore {
+    static_assert(kRoundCols % 64 == 0 && kCols % kRoundCols == 0, "rounds of whole slabs");
     static constexpr uint32_t kSlabBytes = 64 * 128;
-    static constexpr uint32_t kBytes = kSlabBytes * (kCols / 64);
+    static constexpr uint32_t kBytes = kSlabBytes * (kRoundCols / 64);
 
     uint8_t* staging;
     uint32_t barrier_id;
@@ -131,30 +136,33 @@ struct StagedTmaStore {
         const int wg_thread = threadIdx.x % 128;
         const int lane = threadIdx.x % 32;
         const bool issuer = wg_thread == 0;
-        // The previous tile's store must have read the staging buffer.
-        if (issuer) tma_store_wait_read<0>();
-        named_barrier_sync(barrier_id, 128);
         // Column chunks i and i + 1 of the warp's 16 rows (x4_row); 8 chunks a 64-column slab.
         const int row = 16 * (wg_thread / 32) + x4_row(lane);
 #pragma unroll
-        for (int i = 0; i < kCols / 8; i += 2) {
-            const int chunk = i + lane / 16;
-            const uint32_t addr = smem_addr(staging + (chunk / 8) * kSlabBytes +
-                                            swizzled_offset<128>(row, chunk % 8));
-            stmatrix_x4(addr, pack_f32x2<kBf16>(o[i][0] * factor[0], o[i][1] * factor[0]),
-                        pack_f32x2<kBf16>(o[i][2] * factor[1], o[i][3] * factor[1]),
-                        pack_f32x2<kBf16>(o[i + 1][0] * factor[0], o[i + 1][1] * factor[0]),
-                        pack_f32x2<kBf16>(o[i + 1][2] * factor[1], o[i + 1][3] * factor[1]));
-        }
-        fence_proxy_async();
-        named_barrier_sync(barrier_id, 128);
-        if (issuer) {
+        for (int round = 0; round < kCols / kRoundCols; ++round) {
+            // The previous round's (or tile's) store must have read the staging buffer.
+            if (issuer) tma_store_wait_read<0>();
+            named_barrier_sync(barrier_id, 128);
 #pragma unroll
-            for (int slab = 0; slab < kCols / 64; ++slab) {
-                tma_store_4d(map, staging + slab * kSlabBytes, col0 + 64 * slab, head, tile_row0,
-                             batch);
+            for (int i = round * (kRoundCols / 8); i < (round + 1) * (kRoundCols / 8); i += 2) {
+                const int chunk = i % (kRoundCols / 8) + lane / 16;
+                const uint32_t addr = smem_addr(staging + (chunk / 8) * kSlabBytes +
+                                                swizzled_offset<128>(row, chunk % 8));
+                stmatrix_x4(addr, pack_f32x2<kBf16>(o[i][0] * factor[0], o[i][1] * factor[0]),
+                            pack_f32x2<kBf16>(o[i][2] * factor[1], o[i][3] * factor[1]),
+                            pack_f32x2<kBf16>(o[i + 1][0] * factor[0], o[i + 1][1] * factor[0]),
+                            pack_f32x2<kBf16>(o[i + 1][2] * factor[1], o[i + 1][3] * factor[1]));
             }
-            tma_store_commit();
+            fence_proxy_async();
+            named_barrier_sync(barrier_id, 128);
+            if (issuer) {
+#pragma unroll
+                for (int slab = 0; slab < kRoundCols / 64; ++slab) {
+                    tma_store_4d(map, staging + slab * kSlabBytes,
+                                 col0 + round * kRoundCols + 64 * slab, head, tile_row0, batch);
+                }
+                tma_store_commit();
+            }
         }
     }
 

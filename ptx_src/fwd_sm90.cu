@@ -36,7 +36,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 attn_fwd_sm90(const __grid_constant__ FwdParams p) {
     using Mainloop = Sm90Mainloop<Cfg>;
     using Barriers = typename Mainloop::Barriers;
-    using Output = StagedTmaStore<Cfg::kHeadDim, Cfg::kBf16>;
+    using Output = typename Mainloop::Output;
 
     extern __shared__ uint8_t smem_raw[];
     uint8_t* smem = align_smem<Cfg::kSwizzleAtomBytes>(smem_raw);

@@ -44,8 +44,9 @@ namespace ptxattn {
 // The compile-time shape of a Hopper forward kernel and everything derived from it.
 //   kHeadDim 64/128/256; kBlockN keys per K/V tile (multiple of 16, FP8 of 32); kStages ring
 //   depth; kFp8 e4m3 inputs; kBf16 the 16-bit type (of the inputs, or of FP8's output);
-//   kCausal; kConsumers consumer warpgroups (2 or 3); kStagedOut output through shared memory
-//   and a TMA store; kStaleMaxFirst the softmax's no-max-pass fast path (Sm90Mainloop::step);
+//   kCausal; kConsumers consumer warpgroups (2 or 3); kOutRoundCols the output's columns a
+//   consumer stages in shared memory at a time for TMA stores (kStagedOut; 0: stored from
+//   registers); kStaleMaxFirst the softmax's no-max-pass fast path (Sm90Mainloop::step);
 //   kQInRegisters (FP8) Q K^T takes Q from registers; kServing the serving build (below);
 //   kSmemBytes the dynamic shared memory the launcher requests (checked against the layout).
 //
@@ -57,7 +58,7 @@ namespace ptxattn {
 // and a warpgroup whose 64 rows run past a packed sequence's end stores from registers, since a
 // TMA store would overwrite the next sequence's rows. Fixed-length builds compile none of it.
 template <int HeadDim, int BlockN, int Stages, bool Fp8, bool Bf16, bool Causal, int Consumers,
-          bool StagedOut, bool StaleMaxFirst, bool QInRegisters, bool Serving, int SmemBytes>
+          int OutRoundCols, bool StaleMaxFirst, bool QInRegisters, bool Serving, int SmemBytes>
 struct Sm90Config {
     static constexpr int kHeadDim = HeadDim;
     static constexpr int kBlockN = BlockN;
@@ -66,7 +67,8 @@ struct Sm90Config {
     static constexpr bool kBf16 = Bf16;
     static constexpr bool kCausal = Causal;
     static constexpr int kConsumers = Consumers;
-    static constexpr bool kStagedOut = StagedOut;
+    static constexpr int kOutRoundCols = OutRoundCols;
+    static constexpr bool kStagedOut = OutRoundCols > 0;
     static constexpr bool kStaleMaxFirst = StaleMaxFirst;
     static constexpr bool kQInRegisters = QInRegisters;
     static constexpr bool kServing = Serving;
@@ -186,7 +188,9 @@ struct Sm90Mainloop {
     static constexpr uint32_t kKOffset = kQBytes;
     static constexpr uint32_t kVOffset = kKOffset + kStages * kKVBytes;
     static constexpr uint32_t kVtOffset = kVOffset + kStages * kKVBytes;
-    static constexpr uint32_t kOutBytes = StagedTmaStore<kHeadDim, kBf16>::kBytes;
+    using Output =
+        StagedTmaStore<kHeadDim, kBf16, Cfg::kStagedOut ? Cfg::kOutRoundCols : kHeadDim>;
+    static constexpr uint32_t kOutBytes = Output::kBytes;
     static constexpr uint32_t kOutOffset = kVtOffset + kStages * kVtBytes;
     static constexpr uint32_t kBarrierOffset =
         kOutOffset + (Cfg::kStagedOut ? Cfg::kConsumers * kOutBytes : 0);

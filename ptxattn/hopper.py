@@ -104,9 +104,9 @@ SMEM_LIMIT = 227 * 1024  # dynamic shared memory one block may have on sm_90
 
 
 def _smem_bytes(head_dim: int, block_n: int, stages: int, fp8: bool = False,
-                staged_out: bool = False, consumers: int = 2) -> int:
+                out_round_cols: int = 0, consumers: int = 2) -> int:
     block_m = ROWS_PER_CONSUMER * consumers
-    out = block_m * head_dim * 2 if staged_out else 0  # 16-bit output tiles of every consumer
+    out = block_m * out_round_cols * 2  # every consumer's 16-bit output staging
     if fp8:  # Q, K, V, and V transposed in regions of up to 128 keys; two more barriers a stage
         vt_bytes = -(-block_n // 128) * head_dim * min(block_n, 128)
         tiles = (block_m + 2 * stages * block_n) * head_dim + stages * vt_bytes
@@ -135,7 +135,7 @@ class Variant:
     bf16: bool
     causal: bool
     consumers: int
-    staged_out: bool
+    out_round_cols: int  # output columns staged for TMA stores at a time (0: none)
     stale_max_first: bool
     q_in_registers: bool
     smem_bytes: int
@@ -151,9 +151,10 @@ class Variant:
 
     def template_args(self) -> str:
         flags = (self.fp8, self.bf16, self.causal)
-        later = (self.staged_out, self.stale_max_first, self.q_in_registers, self.serving)
+        later = (self.stale_max_first, self.q_in_registers, self.serving)
         return ", ".join([str(self.head_dim), str(self.block_n), str(self.stages)] +
-                         [str(f).lower() for f in flags] + [str(self.consumers)] +
+                         [str(f).lower() for f in flags] +
+                         [str(self.consumers), str(self.out_round_cols)] +
                          [str(f).lower() for f in later] + [str(self.smem_bytes)])
 
 
@@ -176,11 +177,15 @@ def variant(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | No
     if q_in_registers is None:
         q_in_registers = schedule.q_in_registers
     out = out_dtype if fp8 else dtype
-    # The output goes through shared memory and a TMA store where there is room for it.
-    staged_out = (_smem_bytes(head_dim, block_n, stages, fp8, True, consumers) <= SMEM_LIMIT)
-    smem = _smem_bytes(head_dim, block_n, stages, fp8, staged_out, consumers)
+    # The output goes through shared memory and TMA stores, all its columns at once where there
+    # is room for them, else half of them at a time (head_dim 256 with two stages of 64 keys),
+    # else from registers.
+    out_round_cols = next((cols for cols in (head_dim, head_dim // 2)
+                           if cols % 64 == 0 and _smem_bytes(head_dim, block_n, stages, fp8, cols,
+                                                             consumers) <= SMEM_LIMIT), 0)
+    smem = _smem_bytes(head_dim, block_n, stages, fp8, out_round_cols, consumers)
     return Variant(head_dim, block_n, stages, fp8, bool(DTYPES[out]), causal, consumers,
-                   staged_out, stale_max_first, q_in_registers, smem, serving)
+                   out_round_cols, stale_max_first, q_in_registers, smem, serving)
 
 
 def spec_of(v: Variant, out_dtype: str) -> runtime.KernelSpec:
