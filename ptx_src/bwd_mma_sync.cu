@@ -15,6 +15,7 @@
 // The launcher (ptxattn/portable.py) instantiates attn_bwd_mma_sync<BwdMmaSyncConfig<...>> by
 // name; every runtime argument is in BwdParams (params.cuh).
 #include "block_info.cuh"
+#include "epilogue.cuh"
 #include "mainloop_bwd_mma_sync.cuh"
 #include "mask.cuh"
 #include "params.cuh"
@@ -216,25 +217,58 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
     }
     cp_async_wait<0>();
 
-    // dK = softmax_scale dS^T Q and dV, straight from registers; keys past seqlen_k dropped.
+    // dK = softmax_scale dS^T Q and dV; keys past seqlen_k dropped. From head_dim 128 staged in
+    // K's and V's tiles (free once every warp is past its last GEMM) and copied out a whole
+    // 16-byte chunk a lane: stored from registers, 4 bytes of a row at a time, they cost 1-3%
+    // (seqlen 2048). Head_dim 64 keeps the stores from registers: with the staging, ptxas moved
+    // address arithmetic of the walk from uniform to vector registers (60 more IMADs a step) and
+    // the non-causal rows lost 3-4% (docs/hopper-tuning.md, session 30).
     uint16_t* dk_head = static_cast<uint16_t*>(p.dk) + batch * p.dk_stride_b +
                         kv_head * p.dk_stride_h;
     uint16_t* dv_head = static_cast<uint16_t*>(p.dv) + batch * p.dv_stride_b +
                         kv_head * p.dv_stride_h;
+    if constexpr (Cfg::kHeadDim >= 128) {
 #pragma unroll
-    for (int m = 0; m < Cfg::kDkvRows / 16; ++m) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int key = first_key + dkv_key0 + 16 * m + (lane >> 2) + 8 * h;
-            if (key >= p.seqlen_k) continue;
+        for (int m = 0; m < Cfg::kDkvRows / 16; ++m) {
 #pragma unroll
             for (int j = 0; j < Cfg::kDkvCols / 8; ++j) {
-                const int col = dkv_d0 + 8 * j + 2 * (lane & 3);
-                *reinterpret_cast<uint32_t*>(dk_head + key * p.dk_stride_s + col) =
-                    pack_f32x2<Cfg::kBf16>(dk[m][j][2 * h] * p.softmax_scale,
-                                           dk[m][j][2 * h + 1] * p.softmax_scale);
-                *reinterpret_cast<uint32_t*>(dv_head + key * p.dv_stride_s + col) =
-                    pack_f32x2<Cfg::kBf16>(dv[m][j][2 * h], dv[m][j][2 * h + 1]);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dk[m][j][e] *= p.softmax_scale;
+            }
+        }
+        __syncthreads();
+        using HeadTile = typename Mainloop::HeadTile;
+        const auto warp_chunks = [&](int row, int chunk) {
+            return HeadTile::offset(row, dkv_d0 / 8 + chunk);
+        };
+        stage_accumulator_rows<Cfg::kBf16>(smem, warp_chunks, dk, dkv_key0, lane);
+        stage_accumulator_rows<Cfg::kBf16>(smem + Cfg::kKVTileBytes, warp_chunks, dv, dkv_key0,
+                                           lane);
+        __syncthreads();
+        constexpr int kWarpKeys = kBlockN / Cfg::kWarps;
+        const auto row_chunks = [](int row, int chunk) { return HeadTile::offset(row, chunk); };
+        store_staged_rows<kWarpKeys, HeadTile::kChunksPerRow>(
+            smem, row_chunks, dk_head, p.dk_stride_s, first_key, warp * kWarpKeys, p.seqlen_k,
+            lane);
+        store_staged_rows<kWarpKeys, HeadTile::kChunksPerRow>(
+            smem + Cfg::kKVTileBytes, row_chunks, dv_head, p.dv_stride_s, first_key,
+            warp * kWarpKeys, p.seqlen_k, lane);
+    } else {
+#pragma unroll
+        for (int m = 0; m < Cfg::kDkvRows / 16; ++m) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int key = first_key + dkv_key0 + 16 * m + (lane >> 2) + 8 * h;
+                if (key >= p.seqlen_k) continue;
+#pragma unroll
+                for (int j = 0; j < Cfg::kDkvCols / 8; ++j) {
+                    const int col = dkv_d0 + 8 * j + 2 * (lane & 3);
+                    *reinterpret_cast<uint32_t*>(dk_head + key * p.dk_stride_s + col) =
+                        pack_f32x2<Cfg::kBf16>(dk[m][j][2 * h] * p.softmax_scale,
+                                               dk[m][j][2 * h + 1] * p.softmax_scale);
+                    *reinterpret_cast<uint32_t*>(dv_head + key * p.dv_stride_s + col) =
+                        pack_f32x2<Cfg::kBf16>(dv[m][j][2 * h], dv[m][j][2 * h + 1]);
+                }
             }
         }
     }
