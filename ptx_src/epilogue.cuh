@@ -98,6 +98,7 @@ __device__ __forceinline__ void store_staged_rows(const uint8_t* smem, TileOffse
                                                   int lane) {
     constexpr int kLanesPerRow = kChunks < 32 ? kChunks : 32;
     constexpr int kRowsPerPass = 32 / kLanesPerRow;
+    static_assert(kWarpRows % kRowsPerPass == 0, "the passes cover the warp's rows exactly");
 #pragma unroll
     for (int pass = 0; pass < kWarpRows / kRowsPerPass; ++pass) {
         const int row = warp_row + pass * kRowsPerPass + lane / kLanesPerRow;
