@@ -6,8 +6,9 @@
 // Grid (key blocks, kv heads, batch): block (n, kv head, b) loads its kBlockN keys of K and V
 // once, then for every q head sharing the kv head walks the query tiles that see those keys
 // (block_info.cuh), first to last, through the cp.async ring of (Q, dO) stages, and runs the
-// three phases of mainloop_bwd_mma_sync.cuh. dK and dV are sums over the block's own walk (GQA
-// heads included) and stay in registers until the end; dQ crosses key blocks, so each block adds
+// three phases of mainloop_bwd_mma_sync.cuh (whose header also says how warps synchronise). dK
+// and dV are sums over the block's own walk (GQA heads included) and stay in registers until the
+// end; dQ crosses key blocks, so each block adds
 // its part into the FP32 accumulator: with red.global.add in any order, or, with
 // dq_semaphore, in key-block order (atomics.cuh) so that the sums are bit-reproducible.
 // The order of the walk and of the deterministic sums is BwdWalk's (tile_scheduler.cuh).
@@ -32,6 +33,7 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
     constexpr int kBlockM = Cfg::kBlockM;
     constexpr int kBlockN = Cfg::kBlockN;
     constexpr int kStages = Cfg::kStages;
+    constexpr bool kOverlapSteps = Cfg::kOverlapSteps;
     constexpr int kScoreTiles = Cfg::kScoreCols / 8;
     extern __shared__ __align__(128) uint8_t smem[];
     const int tid = threadIdx.x;
@@ -53,6 +55,11 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
     const uint32_t ring = v_tile + Cfg::kKVTileBytes;
     const uint32_t p_tile = ring + kStages * Cfg::kStageBytes;
     const uint32_t ds_tile = p_tile + Cfg::kScoreTileBytes;
+    auto& ring_sync = *reinterpret_cast<Pipeline<kStages>*>(smem + Cfg::kBarrierOffset);
+    if constexpr (kOverlapSteps) {
+        if (tid == 0) ring_sync.init(Cfg::kThreads, Cfg::kWarps);
+        __syncthreads();
+    }
 
     Mainloop::template load_rows<kBlockN>(
         k_tile,
@@ -89,8 +96,11 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
     BwdSteps::Cursor loading = walk_steps.start(kv_head, p.q_per_kv);
 #pragma unroll
     for (int step = 0; step < (kStages > 1 ? kStages - 1 : 1); ++step) {
-        if (step < steps) load_step(loading, step);
-        cp_async_commit();  // K and V ride in the first group
+        if (step < steps) {
+            load_step(loading, step);
+            if constexpr (kOverlapSteps) cp_async_arrive(ring_sync.full[step]);
+        }
+        cp_async_commit();  // K and V ride in the first group (and the first full phase)
     }
     BwdSteps::Cursor at = walk_steps.start(kv_head, p.q_per_kv);  // the step computed
 
@@ -110,7 +120,17 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
 #pragma unroll 1
     for (int step = 0; step < steps; ++step) {
         const int stage = kStages > 1 ? step % kStages : 0;
-        if constexpr (kStages > 1) {
+        if constexpr (kOverlapSteps) {
+            // Every warp has released step - 1 (its stage, P and dS), though some may still be
+            // adding its dQ: refill that stage, then wait for this step's copies alone.
+            const PipelineState<kStages> refill{step + kStages - 1};
+            ring_sync.producer_acquire(refill);
+            if (refill.count < steps) {
+                load_step(loading, refill.stage());
+                cp_async_arrive(ring_sync.full_barrier(refill));
+            }
+            ring_sync.consumer_wait(PipelineState<kStages>{step});
+        } else if constexpr (kStages > 1) {
             cp_async_wait<kStages - 2>();
             __syncthreads();  // this step's tiles landed; every warp is done with step - 1
             const int next = step + kStages - 1;
@@ -174,9 +194,21 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
                         ? nullptr
                         : p.dq_semaphore + (static_cast<int64_t>(batch) * p.heads_q + head) *
                                                p.num_m_blocks + m_block;
+        // With overlapping steps the warp releases the step once it has read its last shared
+        // tile of the step (dS): the adds, whose back-pressure sets the slowest warp's pace, then
+        // overlap the next step of the others.
+        const auto release_step = [&] {
+            if constexpr (kOverlapSteps) {
+                __syncwarp();  // the warp's reads precede its release
+                if (lane == 0) ring_sync.consumer_release(PipelineState<kStages>{step});
+            }
+        };
         // Several passes (head_dim 256) read the warp's rows of dS once, before the first.
         typename Mainloop::DsFragments ds;
-        if constexpr (Cfg::kDqPasses > 1) Mainloop::load_ds(ds, ds_tile, dq_row0, lanes);
+        if constexpr (Cfg::kDqPasses > 1) {
+            Mainloop::load_ds(ds, ds_tile, dq_row0, lanes);
+            release_step();
+        }
 #pragma unroll 1
         for (int pass = 0; pass < Cfg::kDqPasses; ++pass) {
             const int d0 = dq_d0 + pass * Cfg::kDqPassCols;
@@ -185,6 +217,7 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
                 Mainloop::gemm_ab(dq, ds, k_tile, d0, lanes);
             } else {
                 Mainloop::gemm_ab(dq, ds_tile, k_tile, dq_row0, d0, lanes);
+                release_step();
             }
             if (pass == 0 && turn != nullptr) {
                 // The walk is made again rather than kept in registers (kept, fp16 head_dim 128

@@ -11,21 +11,31 @@
 //   dq     (kBlockM x kHeadDim): dQ = dS K, added into the FP32 accumulator in global memory,
 //                                in passes of 32 or 64 columns to bound registers.
 // Shared-memory tiles are swizzled rows (smem_tile.cuh). Layout: [K][V][stage 0: Q, dO, the rows'
-// LSE log2 and D]...[P][dS].
+// LSE log2 and D]...[P][dS][with overlapping steps, the ring's mbarriers].
+//
+// Synchronisation. Two block barriers a step: one opens it (the step's copies have landed; every
+// warp is done with the last step's tiles), one separates the score phase from the others. With
+// overlapping steps (sm_90+) only the second remains: a step's copies complete on its stage's
+// full mbarrier (cp_async_arrive), and a warp releases the step on the stage's empty mbarrier
+// once it has read dS for dQ, so a warp may start the next step while others still add their
+// dQ into global memory.
 #pragma once
 #include "common.cuh"
 #include "cp_async.cuh"
 #include "mma_sync.cuh"
+#include "pipeline.cuh"
 #include "smem_tile.cuh"
 
 namespace ptxattn {
 
 // The compile-time shape of a portable backward kernel: head_dim, query rows per tile, keys per
 // block, warps, the warp grid's row count in each phase (its columns are warps / rows), the
-// (Q, dO) ring depth, bf16 (else fp16), causal, __launch_bounds__ minimum blocks/SM, and the
-// dynamic shared memory the launcher requests (BwdTile.smem_bytes, checked against the layout).
+// (Q, dO) ring depth, overlapping steps (above; sm_90+ for the mbarrier waits), bf16 (else
+// fp16), causal, __launch_bounds__ minimum blocks/SM, and the dynamic shared memory the launcher
+// requests (BwdTile.smem_bytes, checked against the layout).
 template <int HeadDim, int BlockM, int BlockN, int Warps, int ScoreWarpRows, int DkvWarpRows,
-          int DqWarpRows, int Stages, bool Bf16, bool Causal, int MinBlocksPerSm, int SmemBytes>
+          int DqWarpRows, int Stages, bool OverlapSteps, bool Bf16, bool Causal,
+          int MinBlocksPerSm, int SmemBytes>
 struct BwdMmaSyncConfig {
     static constexpr int kHeadDim = HeadDim;
     static constexpr int kBlockM = BlockM;
@@ -33,6 +43,7 @@ struct BwdMmaSyncConfig {
     static constexpr int kWarps = Warps;
     static constexpr int kThreads = 32 * Warps;
     static constexpr int kStages = Stages;
+    static constexpr bool kOverlapSteps = OverlapSteps;
     static constexpr bool kBf16 = Bf16;
     static constexpr bool kCausal = Causal;
     static constexpr int kMinBlocksPerSm = MinBlocksPerSm;
@@ -63,7 +74,10 @@ struct BwdMmaSyncConfig {
     static constexpr int kRowValuesBytes = 2 * BlockM * 4;
     static constexpr int kStageBytes = 2 * kQTileBytes + kRowValuesBytes;
     static constexpr int kScoreTileBytes = BlockM * kScoreRowBytes;
-    static constexpr int kSmemBytes = 2 * kKVTileBytes + Stages * kStageBytes + 2 * kScoreTileBytes;
+    static constexpr int kBarrierOffset =
+        2 * kKVTileBytes + Stages * kStageBytes + 2 * kScoreTileBytes;
+    static constexpr int kSmemBytes =
+        kBarrierOffset + (OverlapSteps ? static_cast<int>(sizeof(Pipeline<Stages>)) : 0);
 
     static_assert(Warps % ScoreWarpRows == 0 && Warps % DkvWarpRows == 0 &&
                       Warps % DqWarpRows == 0, "every phase's warp grid uses all warps");
@@ -72,6 +86,7 @@ struct BwdMmaSyncConfig {
     static_assert(kScoreCols % 16 == 0 && kDkvCols % 16 == 0 && kDqPassCols % 16 == 0 &&
                       kDqCols % kDqPassCols == 0, "warps own whole pairs of 8-column tiles");
     static_assert(Stages >= 1, "at least one (Q, dO) stage");
+    static_assert(!OverlapSteps || Stages >= 2, "overlapping steps refill a stage a step ahead");
     static_assert(kSmemBytes == SmemBytes,
                   "the launcher's shared memory (BwdTile.smem_bytes) differs from the layout");
 };

@@ -96,15 +96,20 @@ class BwdTile:
     dq_rows: int       # warp rows over dQ (block_m x head_dim)
     stages: int        # depth of the (Q, dO) ring
     min_blocks: int
+    # warps meet once a step instead of twice, the ring then guarded by mbarriers (sm_90+)
+    overlap_steps: bool = False
 
     def smem_bytes(self, head_dim: int) -> int:
-        """BwdMmaSyncConfig::kSmemBytes: K, V, the stages' Q, dO and row values (LSE, D), P, dS."""
+        """BwdMmaSyncConfig::kSmemBytes: K, V, the stages' Q, dO and row values (LSE, D), P, dS,
+        and with overlapping steps the ring's full and empty mbarriers."""
         return ((2 * self.block_n * head_dim + 2 * self.stages * self.block_m * head_dim
-                 + 2 * self.block_m * self.block_n) * 2 + self.stages * 2 * self.block_m * 4)
+                 + 2 * self.block_m * self.block_n) * 2 + self.stages * 2 * self.block_m * 4
+                + (2 * self.stages * 8 if self.overlap_steps else 0))
 
     def label(self) -> str:
         return (f"m{self.block_m}_n{self.block_n}_w{self.warps}_g{self.score_rows}"
-                f"{self.dkv_rows}{self.dq_rows}_s{self.stages}_b{self.min_blocks}")
+                f"{self.dkv_rows}{self.dq_rows}_s{self.stages}_b{self.min_blocks}"
+                + ("_o" if self.overlap_steps else ""))
 
 
 _SMEM_163K = tuple(a for a in ARCHS if archs.get(a).smem_per_block >= 160 * 1024)
@@ -129,12 +134,12 @@ _SCALAR_RED_163K = tuple(a for a in _SMEM_163K if a not in _VECTOR_RED)
 # docs/hopper-tuning.md). Head dim 256 needs more shared memory than the 99 KB of sm_86/89/120
 # allow for any tile of whole mma fragments.
 BWD_TILES: dict[int, list[tuple[tuple[str, ...], BwdTile]]] = {
-    64: [(_VECTOR_RED, BwdTile(128, 128, 8, 2, 4, 4, 2, 1)),
+    64: [(_VECTOR_RED, BwdTile(128, 128, 8, 2, 4, 4, 2, 1, True)),
          (_SCALAR_RED_163K + _SMEM_99K, BwdTile(64, 128, 8, 2, 4, 2, 2, 1))],
-    128: [(_VECTOR_RED, BwdTile(64, 128, 8, 2, 4, 2, 2, 1)),
+    128: [(_VECTOR_RED, BwdTile(64, 128, 8, 2, 4, 2, 2, 1, True)),
           (_SCALAR_RED_163K, BwdTile(64, 64, 8, 4, 2, 2, 2, 1)),
           (_SMEM_99K, BwdTile(64, 64, 8, 4, 2, 2, 1, 1))],
-    256: [(_VECTOR_RED, BwdTile(64, 64, 8, 4, 2, 4, 2, 1)),
+    256: [(_VECTOR_RED, BwdTile(64, 64, 8, 4, 2, 4, 2, 1, True)),
           (_SCALAR_RED_163K, BwdTile(64, 64, 8, 4, 2, 4, 1, 1))],
 }
 
@@ -152,6 +157,7 @@ def bwd_spec(dtype: str, head_dim: int, causal: bool, tile: BwdTile,
              archs: tuple[str, ...] = ARCHS) -> runtime.KernelSpec:
     config = (f"{head_dim}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.score_rows}, "
               f"{tile.dkv_rows}, {tile.dq_rows}, {tile.stages}, "
+              f"{str(tile.overlap_steps).lower()}, "
               f"{str(bool(DTYPES[dtype])).lower()}, {str(causal).lower()}, {tile.min_blocks}, "
               f"{tile.smem_bytes(head_dim)}")
     return runtime.KernelSpec(
