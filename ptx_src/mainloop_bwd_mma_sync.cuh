@@ -16,9 +16,9 @@
 // Synchronisation. Two block barriers a step: one opens it (the step's copies have landed; every
 // warp is done with the last step's tiles), one separates the score phase from the others. With
 // overlapping steps (sm_90+) only the second remains: a step's copies complete on its stage's
-// full mbarrier (cp_async_arrive), and every thread releases the step on the stage's empty
-// mbarrier once it has read dS for dQ, so a warp may start the next step while others still add
-// their dQ into global memory.
+// full mbarrier (cp_async_arrive), and a warp releases the step on the stage's empty mbarrier
+// once it has read dS for dQ, so a warp may start the next step while others still add their
+// dQ into global memory.
 #pragma once
 #include "common.cuh"
 #include "cp_async.cuh"
