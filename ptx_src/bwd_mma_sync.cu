@@ -8,9 +8,9 @@
 // (block_info.cuh), first to last, through the cp.async ring of (Q, dO) stages, and runs the
 // three phases of mainloop_bwd_mma_sync.cuh (whose header also says how warps synchronise). dK
 // and dV are sums over the block's own walk (GQA heads included) and stay in registers until the
-// end; dQ crosses key blocks, so each block adds
-// its part into the FP32 accumulator: with red.global.add in any order, or, with
-// dq_semaphore, in key-block order (atomics.cuh) so that the sums are bit-reproducible.
+// end; dQ crosses key blocks, so each block adds its part into the FP32 accumulator: with
+// red.global.add in any order, or, with dq_semaphore, in key-block order (atomics.cuh) so that
+// the sums are bit-reproducible.
 // The order of the walk and of the deterministic sums is BwdWalk's (tile_scheduler.cuh).
 //
 // The launcher (ptxattn/portable.py) instantiates attn_bwd_mma_sync<BwdMmaSyncConfig<...>> by
@@ -98,7 +98,9 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
     for (int step = 0; step < (kStages > 1 ? kStages - 1 : 1); ++step) {
         if (step < steps) {
             load_step(loading, step);
-            if constexpr (kOverlapSteps) cp_async_arrive(ring_sync.full[step]);
+            if constexpr (kOverlapSteps) {
+                cp_async_arrive(ring_sync.full_barrier(PipelineState<kStages>{step}));
+            }
         }
         cp_async_commit();  // K and V ride in the first group (and the first full phase)
     }
@@ -121,8 +123,8 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
     for (int step = 0; step < steps; ++step) {
         const int stage = kStages > 1 ? step % kStages : 0;
         if constexpr (kOverlapSteps) {
-            // Every warp has released step - 1 (its stage, P and dS), though some may still be
-            // adding its dQ: refill that stage, then wait for this step's copies alone.
+            // Once every warp has released step - 1 (its stage, P and dS), though some may still
+            // be adding their dQ, refill that stage; then wait for this step's copies alone.
             const PipelineState<kStages> refill{step + kStages - 1};
             ring_sync.producer_acquire(refill);
             if (refill.count < steps) {
