@@ -56,10 +56,13 @@ def nvrtc_text() -> str:
     return "%d.%d" % nvrtc_version()
 
 
-def device_line(arch: str) -> str:
-    """The GPU and the NVRTC, for a results header."""
+def device_props() -> dict:
     import cupy
-    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    return cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+
+
+def device_line(props: dict, arch: str) -> str:
+    """The GPU and the NVRTC, for a results header."""
     return f"{props['name'].decode()} ({arch}), NVRTC {nvrtc_text()}"
 
 
@@ -386,8 +389,8 @@ def backward_main(args) -> int:
         torch = None
         print("profile.py: torch is not importable, so no SDPA peers in this run",
               file=sys.stderr)
-    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-    print(f"# {device_line(arch)}, dtype {args.dtype}, backward, median of {repeats} runs")
+    props = device_props()
+    print(f"# {device_line(props, arch)}, dtype {args.dtype}, backward, median of {repeats} runs")
     # backend -> the head dims its backward takes here
     backends: dict[str, set] = {}
     for r in dispatch.TABLE:
@@ -487,7 +490,7 @@ def serving_main(args) -> int:
 
     arch = device_arch()
     repeats = args.repeats or 10
-    print(f"# {device_line(arch)}, dtype {args.dtype}, serving, median of {repeats} runs")
+    print(f"# {device_line(device_props(), arch)}, dtype {args.dtype}, serving, median of {repeats} runs")
     try:
         import torch
         from torch.nn.functional import scaled_dot_product_attention as sdpa
@@ -737,8 +740,8 @@ def main(argv=None) -> int:
     runners["cupy-reference"] = (
         (64, 128, 256), args.slow_max_seqlen, lambda q, k, v, causal: reference.attention(q, k, v, causal=causal))
 
-    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-    print(f"# {device_line(arch)}, dtype {args.dtype}, median of {repeats} runs")
+    props = device_props()
+    print(f"# {device_line(props, arch)}, dtype {args.dtype}, median of {repeats} runs")
     for note in notes:
         print(f"# {note}")
     results = []
