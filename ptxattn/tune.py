@@ -26,12 +26,16 @@ for the key are always tried too. A run writes its keys into the table and keeps
    are more than FINALISTS, only the fastest FINALISTS of a short heat (geometric mean over the
    bucket's shapes) are. Every time is printed.
 4. The winner of each key is the fastest (geometric mean over the bucket's shapes), unless it
-   beats the built-in schedule by less than --min-gain (run-to-run noise on an H100 is 3-5%),
-   in which case the built-in schedule stays. It goes into the table with what was measured:
+   beats the key's incumbent by less than --min-gain (run-to-run noise on an H100 is 3-5%), in
+   which case the incumbent stays. The incumbent is the schedule the table being written holds
+   for the key, or the built-in one: so a new table starts from the built-in schedules, and
+   tuning a table again changes only the keys that measured faster, not every key whose
+   fastest moved within the noise (each moved key can add a compiled variant). The winner
+   goes into the table with what was measured:
 
    ``tflops`` (the winner's), ``builtin_tflops``, ``shapes`` (batch, seqlen, heads and TFLOP/s of
    each timed shape), ``runner_up`` (the best other candidate: its schedule and TFLOP/s),
-   ``margin`` (tflops / runner-up's - 1; negative when a built-in schedule stayed although
+   ``margin`` (tflops / runner-up's - 1; negative when the incumbent stayed although
    another was faster by less than --min-gain), ``measured_dtype`` (the dtype that was timed).
 
 16-bit kernels differ between bfloat16 and float16 only in conversions: a dtype not listed in
@@ -149,15 +153,30 @@ def cpu_problem(target: Target, s: Schedule) -> str | None:
     return None
 
 
-def candidates(target: Target, quick: bool) -> list[Schedule]:
+def candidates(target: Target, quick: bool,
+               incumbents: dict[str, Schedule] | None = None) -> list[Schedule]:
     """The schedules to try, the built-in one first: its neighbours (--quick) or every
     combination of the fields, and always the shipped table's schedules for the target, so that
     a user's table, which a lookup reads first, never holds a slower schedule than the shipped
-    one would have given."""
+    one would have given, and the ``incumbents`` (bucket -> schedule) the winners must beat."""
     family, dtype = hopper.tune_key(target.dtype)
     shipped = [Schedule(**fields) for fields in
                tune_table.shipped(ARCH, family, dtype, target.head_dim, target.causal).values()]
-    return list(dict.fromkeys(_searched(target, quick) + shipped))
+    held = list((incumbents or {}).values())
+    return list(dict.fromkeys(_searched(target, quick) + shipped + held))
+
+
+def incumbents(target: Target, output: Path) -> dict[str, Schedule]:
+    """Bucket -> the schedule the table in ``output`` holds for the target's key there (none
+    for a table that does not exist, cannot be read or is another arch's)."""
+    family, dtype = hopper.tune_key(target.dtype)
+    try:
+        held = tune_table.schedules_in(output, ARCH)
+    except ValueError:
+        return {}
+    return {bucket: Schedule(**held[family, dtype, target.head_dim, target.causal, bucket])
+            for bucket in tune_table.BUCKET_NAMES
+            if (family, dtype, target.head_dim, target.causal, bucket) in held}
 
 
 def _searched(target: Target, quick: bool) -> list[Schedule]:
@@ -209,27 +228,34 @@ def build_specs(target: Target, build: Schedule) -> list:
 
 @dataclasses.dataclass
 class Plan:
-    """One target's candidates and, for each build, why it was dropped (None: kept)."""
+    """One target's candidates, for each build why it was dropped (None: kept), and for each
+    bucket the schedule a winner must beat by --min-gain (the built-in one where the table
+    holds none)."""
     target: Target
     candidates: list[Schedule]
     dropped: dict[Schedule, str | None]
+    incumbents: dict[str, Schedule]
+
+    def incumbent(self, bucket: str) -> Schedule:
+        return self.incumbents.get(bucket, self.target.builtin)
 
     def kept(self) -> list[Schedule]:
         return [s for s in self.candidates if self.dropped[_build(s)] is None]
 
 
-def plan(targets: list[Target], quick: bool, jobs: int) -> list[Plan]:
+def plan(targets: list[Target], quick: bool, jobs: int, output: Path) -> list[Plan]:
     """Candidates of every target, pruned by the accounting, then by compiling (in ``jobs``
-    processes) what is left."""
+    processes) what is left; the incumbents from the table in ``output``."""
     plans, needs = [], {}
     for target in targets:
-        schedules = candidates(target, quick)
+        held = incumbents(target, output)
+        schedules = candidates(target, quick, held)
         dropped = {}
         for build in dict.fromkeys(_build(s) for s in schedules):
             dropped[build] = cpu_problem(target, build)
             if dropped[build] is None:
                 needs[target, build] = build_specs(target, build)
-        plans.append(Plan(target, schedules, dropped))
+        plans.append(Plan(target, schedules, dropped, held))
     specs = list(dict.fromkeys(spec for specs in needs.values() for spec in specs))
     print(f"compiling {len(specs)} kernels in {jobs} processes (those in the compile cache "
           f"{runtime.cache_dir()} are read from it)", flush=True)
@@ -376,6 +402,7 @@ class Outcome:
     bucket: str
     shapes: list[Shape]
     tflops: dict[Schedule, list[float]]
+    incumbent: Schedule
     winner: Schedule
     runner_up: Schedule | None
 
@@ -383,8 +410,17 @@ class Outcome:
         return _geomean(self.tflops[s])
 
 
+def pick_winner(means: dict[Schedule, float], incumbent: Schedule, min_gain: float) -> Schedule:
+    """The fastest of ``means`` (schedule -> TFLOP/s), or ``incumbent`` where it was timed and
+    the fastest beats it by less than the fraction ``min_gain``."""
+    fastest = max(means, key=means.get)
+    if incumbent in means and means[fastest] < means[incumbent] * (1 + min_gain):
+        return incumbent
+    return fastest
+
+
 def measure(target: Target, bucket: str, schedules: list[Schedule], repeats: int,
-            min_gain: float, progress: str) -> Outcome | None:
+            min_gain: float, progress: str, incumbent: Schedule) -> Outcome | None:
     """Times ``schedules`` on the bucket's shapes, printing every result; None if none ran."""
     shapes = bucket_shapes(target.head_dim, bucket)
     print(f"{progress} {target} {bucket}: " + ", ".join(
@@ -403,8 +439,8 @@ def measure(target: Target, bucket: str, schedules: list[Schedule], repeats: int
         heat = {s: _geomean(h[s] for h in heats) for s in finalists}
         ranked = sorted(finalists, key=heat.get, reverse=True)
         fastest = list(dict.fromkeys(map(launches_of, ranked)))[:FINALISTS]
-        if target.builtin in heat:  # the yardstick of --min-gain runs in the final too
-            fastest.append(launches_of(target.builtin))
+        # The yardstick of --min-gain and builtin_tflops' schedule run in the final too.
+        fastest += [launches_of(s) for s in (incumbent, target.builtin) if s in heat]
         for s in ranked:
             if launches_of(s) not in fastest:
                 notes[s] = f"{heat[s]:.1f} TFLOP/s in the heat, not a finalist"
@@ -415,23 +451,24 @@ def measure(target: Target, bucket: str, schedules: list[Schedule], repeats: int
         return None
     finals = [run.tflops(finalists, warmup=3, repeats=repeats) for run in runs]
     tflops = {s: [final[s] for final in finals] for s in finalists}
-    outcome = Outcome(target, bucket, shapes, tflops, target.builtin, None)
+    outcome = Outcome(target, bucket, shapes, tflops, incumbent, incumbent, None)
     ranked = sorted(finalists, key=outcome.mean, reverse=True)
     print(f"  {'':42} " + " ".join(f"{'seqlen ' + str(x.seqlen):>20}" for x in shapes))
     for s in ranked:
         cells = (f"{run.flops / t / 1e9:8.4f} ms {t:6.1f}" for run, t in zip(runs, tflops[s]))
-        print(f"  {_label(target, s):42} {' '.join(cells)} TFLOP/s, mean {outcome.mean(s):.1f}")
+        print(f"  {_label(target, s, incumbent):42} {' '.join(cells)} TFLOP/s, "
+              f"mean {outcome.mean(s):.1f}")
     for s, note in notes.items():
-        print(f"  {_label(target, s):42} {note}")
-    builtin_holds = (target.builtin in tflops and
-                     outcome.mean(ranked[0]) < outcome.mean(target.builtin) * (1 + min_gain))
-    outcome.winner = target.builtin if builtin_holds else ranked[0]
+        print(f"  {_label(target, s, incumbent):42} {note}")
+    outcome.winner = pick_winner({s: outcome.mean(s) for s in ranked}, incumbent, min_gain)
     outcome.runner_up = next((s for s in ranked if s != outcome.winner), None)
     return outcome
 
 
-def _label(target: Target, s: Schedule) -> str:
-    return describe(s) + (" (built-in)" if s == target.builtin else "")
+def _label(target: Target, s: Schedule, incumbent: Schedule | None = None) -> str:
+    marks = [mark for mark, holds in (("built-in", s == target.builtin),
+                                      ("in the table", s == incumbent != target.builtin)) if holds]
+    return describe(s) + "".join(f" ({mark})" for mark in marks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -502,8 +539,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=10,
                         help="timed samples per candidate and shape (default 10)")
     parser.add_argument("--min-gain", type=float, default=2.0,
-                        help="percent a candidate must beat the built-in schedule by to replace "
-                             "it (default 2)")
+                        help="percent a candidate must beat the key's incumbent (the written "
+                             "table's schedule, else the built-in one) by to replace it "
+                             "(default 2)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="compile processes (default: one per CPU)")
     args = parser.parse_args(argv)
@@ -528,7 +566,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     command = " ".join(["python -m ptxattn.tune", *(sys.argv[1:] if argv is None else argv)])
     targets = targets_of(args)
-    plans = plan(targets, args.quick, args.jobs)
+    output = Path(args.output) if args.output else tune_table.user_path(ARCH)
+    plans = plan(targets, args.quick, args.jobs, output)
     print_plan(plans)
     if args.dry_run:
         return 0
@@ -550,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     outcomes = []
     for index, (p, bucket) in enumerate(work, 1):
         outcome = measure(p.target, bucket, p.kept(), args.repeats, args.min_gain / 100,
-                          progress=f"[{index}/{len(work)}]")
+                          progress=f"[{index}/{len(work)}]", incumbent=p.incumbent(bucket))
         if outcome is None:
             print(f"  no candidate of {p.target} {bucket} ran", file=sys.stderr)
             continue
@@ -564,7 +603,6 @@ def main(argv: list[str] | None = None) -> int:
             entries += [table_entry(outcome, other) for other in hopper.DTYPES
                         if other != dtype and other not in measured_16bit]
     print_summary(outcomes)
-    output = Path(args.output) if args.output else tune_table.user_path(ARCH)
     entries = merged_entries(output, entries)
     tune_table.write(output, table(entries, device, command))
     print(f"wrote {len(entries)} entries to {output} ({time.perf_counter() - start:.0f} s "
@@ -587,14 +625,15 @@ def merged_entries(output: Path, entries: list[dict]) -> list[dict]:
 
 
 def print_summary(outcomes: list[Outcome]) -> None:
-    print(f"\n{'key':40} {'winner':34} {'TFLOP/s':>8} {'built-in':>8} {'margin':>7}")
+    print(f"\n{'key':40} {'winner':34} {'TFLOP/s':>8} {'built-in':>8} {'before':>8} "
+          f"{'margin':>7}")
     for o in outcomes:
-        builtin = (f"{o.mean(o.target.builtin):8.1f}" if o.target.builtin in o.tflops
-                   else f"{'-':>8}")
+        before = [f"{o.mean(s):8.1f}" if s in o.tflops else f"{'-':>8}"
+                  for s in (o.target.builtin, o.incumbent)]
         margin = (f"{o.mean(o.winner) / o.mean(o.runner_up) - 1:+7.1%}" if o.runner_up
                   else f"{'-':>7}")
         print(f"{str(o.target) + ' ' + o.bucket:40} {describe(o.winner):34} "
-              f"{o.mean(o.winner):8.1f} {builtin} {margin}")
+              f"{o.mean(o.winner):8.1f} {' '.join(before)} {margin}")
 
 
 if __name__ == "__main__":

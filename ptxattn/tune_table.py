@@ -123,7 +123,7 @@ def entry_key(entry: dict) -> tuple:
     return tuple(entry[f] for f in _KEY_FIELDS)
 
 
-def _schedules_in(path: Path, arch: str) -> dict[tuple, dict]:
+def schedules_in(path: Path, arch: str) -> dict[tuple, dict]:
     """Key -> schedule fields of the table in ``path`` for ``arch`` (empty if there is no such
     file, or it is another arch's)."""
     if not path.is_file():
@@ -144,7 +144,7 @@ def _tables(arch: str) -> tuple[dict[tuple, dict], ...]:
     tables = []
     for path in table_paths(arch):
         try:
-            tables.append(_schedules_in(path, arch))
+            tables.append(schedules_in(path, arch))
         except ValueError as err:
             if path != user_path(arch):
                 raise
@@ -166,7 +166,7 @@ def lookup(arch: str, family: str, dtype: str, head_dim: int, causal: bool,
 def shipped(arch: str, family: str, dtype: str, head_dim: int, causal: bool) -> dict[str, dict]:
     """Bucket -> schedule fields in the shipped table alone: what a call can reach on a machine
     with no table of its own, which the kernels CLI compiles and checks."""
-    table = _schedules_in(shipped_path(arch), arch)
+    table = schedules_in(shipped_path(arch), arch)
     return {name: table[(family, dtype, head_dim, causal, name)] for name in BUCKET_NAMES
             if (family, dtype, head_dim, causal, name) in table}
 

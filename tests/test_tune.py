@@ -361,6 +361,30 @@ def test_the_shipped_schedules_are_always_candidates(tables):
     assert far in tune.candidates(target, quick=True)
 
 
+def test_a_winner_within_min_gain_of_the_incumbent_leaves_it_in_place():
+    means = {A: 100.0, B: 101.5, C: 90.0}
+    assert tune.pick_winner(means, A, 0.02) == A
+    assert tune.pick_winner(means, C, 0.02) == B
+    assert tune.pick_winner(means, A, 0.01) == B
+    assert tune.pick_winner(means, D, 0.02) == B  # an incumbent that did not run holds nothing
+
+
+def test_the_written_table_s_schedules_are_the_incumbents_and_candidates(tables):
+    """Tuning a table again starts from what it holds, so keys whose fastest moved within the
+    noise keep their schedule (and compiled variant)."""
+    output = tables / "mine.json"
+    target = tune.Target("bfloat16", 128, True)
+    assert tune.incumbents(target, output) == {}
+    _write(output, [_entry(128, True, "long", D), _entry(128, False, "long", B),
+                    _entry(128, True, "short", C, dtype="float16")])
+    held = tune.incumbents(target, output)
+    assert held == {"long": D}
+    assert D in tune.candidates(target, quick=True, incumbents=held)
+    assert tune.incumbents(target, tables / "absent.json") == {}
+    _write(output, [_entry(128, True, "long", D)], arch="sm_100a")
+    assert tune.incumbents(target, output) == {}
+
+
 def test_a_narrowed_run_keeps_the_table_s_other_keys(tables):
     output = tables / "mine.json"
     _write(output, [_entry(128, False, "medium", A), _entry(64, False, "medium", B)])
