@@ -48,6 +48,7 @@ namespace ptxattn {
 //   consumer stages in shared memory at a time for TMA stores (kStagedOut; 0: stored from
 //   registers); kStaleMaxFirst the softmax's no-max-pass fast path (Sm90Mainloop::step);
 //   kQInRegisters (FP8) Q K^T takes Q from registers; kServing the serving build (below);
+//   ProducerRegs (FP8) the registers the producer warpgroup keeps, 0 for the split below;
 //   kSmemBytes the dynamic shared memory the launcher requests (checked against the layout).
 //
 // The serving build (16-bit only) takes each sequence's lengths and offsets from the serving
@@ -58,7 +59,8 @@ namespace ptxattn {
 // and a warpgroup whose 64 rows run past a packed sequence's end stores from registers, since a
 // TMA store would overwrite the next sequence's rows. Fixed-length builds compile none of it.
 template <int HeadDim, int BlockN, int Stages, bool Fp8, bool Bf16, bool Causal, int Consumers,
-          int OutRoundCols, bool StaleMaxFirst, bool QInRegisters, bool Serving, int SmemBytes>
+          int OutRoundCols, bool StaleMaxFirst, bool QInRegisters, bool Serving,
+          int ProducerRegs, int SmemBytes>
 struct Sm90Config {
     static constexpr int kHeadDim = HeadDim;
     static constexpr int kBlockN = BlockN;
@@ -105,11 +107,13 @@ struct Sm90Config {
     // Launched at 65536 / kThreads registers per thread (rounded down to 8: 168 with two
     // consumer warpgroups, 128 with three); the producer keeps 24, or with FP8, where three of
     // its warps transpose V, 56, or 40 when the consumers' S, O, P (and Q) fragments alone take
-    // 200 registers or more. The consumers share what the producer gives up.
+    // 200 registers or more, unless the schedule says (ProducerRegs; the tuner searches it, and
+    // below 32 the transposer spills). The consumers share what the producer gives up.
     static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
     static constexpr int kQRegs = kQInRegisters ? kHeadDim / 8 : 0;
     static constexpr int kFragmentRegs = kScoreAccs * kBlockN / 2 + kHeadDim / 2 + kPRegs + kQRegs;
-    static constexpr int kProducerRegs = !kFp8 ? 24 : kFragmentRegs >= 200 ? 40 : 56;
+    static constexpr int kProducerRegs =
+        ProducerRegs > 0 ? ProducerRegs : !kFp8 ? 24 : kFragmentRegs >= 200 ? 40 : 56;
     static constexpr int kConsumerRegs =
         ((1 + kConsumers) * kLaunchRegs - kProducerRegs) / kConsumers / 8 * 8;
 
@@ -121,6 +125,9 @@ struct Sm90Config {
     static_assert(!kFp8 || (kBlockN % 32 == 0 && (kBlockN >= 128 || kBlockN == 64)),
                   "FP8: k-steps of 32 keys; Vt rows of 64 or 128 keys (one swizzle span)");
     static_assert(kScoreAccs <= 2, "the registers of one extra S accumulator at most");
+    static_assert(ProducerRegs == 0 || (kFp8 && ProducerRegs % 8 == 0 && ProducerRegs >= 24 &&
+                                        ProducerRegs <= kLaunchRegs),
+                  "a producer register count of its own: FP8, a multiple of 8 in [24, launch]");
     static_assert(!kServing || !kFp8, "the serving build takes 16-bit inputs");
 };
 

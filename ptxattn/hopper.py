@@ -54,6 +54,9 @@ class Schedule:
       tile and Q K^T reads only K from shared memory, whose bandwidth the FP8 kernel keeps about
       as busy as the tensor cores. Costs head_dim / 8 registers per consumer thread: at head_dim
       64 (three consumers, 128 registers each) it lost 4%, at 256 it would spill.
+    producer_regs: FP8 only: the registers each producer thread keeps (the producer warpgroup's
+      other three warps transpose V), the consumers sharing the rest (schedule_registers); 0 for
+      the kernel's own split. Below 32 the transposer spills.
     """
     block_n: int
     stages: int
@@ -62,6 +65,7 @@ class Schedule:
     consumers: int = 2
     stale_max_first: bool = False
     q_in_registers: bool = False
+    producer_regs: int = 0
 
 
 SCHEDULES = {
@@ -124,6 +128,22 @@ def schedule_smem_bytes(head_dim: int, schedule: Schedule, fp8: bool) -> int:
                        consumers=schedule.consumers)
 
 
+def schedule_registers(head_dim: int, schedule: Schedule, fp8: bool) -> tuple[int, int, int]:
+    """(registers a consumer thread holds in S, O, P and Q fragments, registers a producer
+    thread keeps, registers a consumer thread gets), as Sm90Config counts them (kFragmentRegs,
+    kProducerRegs, kConsumerRegs)."""
+    row_bytes = head_dim * (1 if fp8 else 2)
+    score_accumulators = max(1, row_bytes // 128) if fp8 else 1
+    p_regs = schedule.block_n // 8 if fp8 else schedule.block_n // 4
+    q_regs = head_dim // 8 if schedule.q_in_registers else 0
+    fragments = score_accumulators * schedule.block_n // 2 + head_dim // 2 + p_regs + q_regs
+    launch = 65536 // (128 * (1 + schedule.consumers)) // 8 * 8
+    producer = (schedule.producer_regs or
+                (24 if not fp8 else 40 if fragments >= 200 else 56))
+    consumer = ((1 + schedule.consumers) * launch - producer) // schedule.consumers // 8 * 8
+    return fragments, producer, consumer
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """The template arguments of one ``attn_fwd_sm90<Sm90Config<...>>`` instantiation
@@ -140,6 +160,7 @@ class Variant:
     q_in_registers: bool
     smem_bytes: int
     serving: bool = False
+    producer_regs: int = 0  # FP8: the producer's registers, 0 for the kernel's own split
 
     @property
     def block_m(self) -> int:
@@ -155,7 +176,8 @@ class Variant:
         return ", ".join([str(self.head_dim), str(self.block_n), str(self.stages)] +
                          [str(f).lower() for f in flags] +
                          [str(self.consumers), str(self.out_round_cols)] +
-                         [str(f).lower() for f in later] + [str(self.smem_bytes)])
+                         [str(f).lower() for f in later] +
+                         [str(self.producer_regs), str(self.smem_bytes)])
 
 
 def variant(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | None = None,
@@ -176,6 +198,9 @@ def variant(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | No
         stale_max_first = schedule.stale_max_first
     if q_in_registers is None:
         q_in_registers = schedule.q_in_registers
+    if schedule.producer_regs and not fp8:
+        raise ValueError(f"producer_regs is an FP8 schedule field (its producer warps transpose "
+                         f"V); the {dtype} kernel's producer keeps 24, got {schedule.producer_regs}")
     out = out_dtype if fp8 else dtype
     # The output goes through shared memory and TMA stores, all its columns at once where there
     # is room for them, else half of them at a time (head_dim 256 with two stages of 64 keys),
@@ -185,7 +210,8 @@ def variant(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | No
                                                              consumers) <= SMEM_LIMIT), 0)
     smem = _smem_bytes(head_dim, block_n, stages, fp8, out_round_cols, consumers)
     return Variant(head_dim, block_n, stages, fp8, bool(DTYPES[out]), causal, consumers,
-                   out_round_cols, stale_max_first, q_in_registers, smem, serving)
+                   out_round_cols, stale_max_first, q_in_registers, smem, serving,
+                   schedule.producer_regs)
 
 
 def spec_of(v: Variant, out_dtype: str) -> runtime.KernelSpec:
@@ -193,6 +219,7 @@ def spec_of(v: Variant, out_dtype: str) -> runtime.KernelSpec:
         name=(f"fwd_sm90_{'e4m3_' + out_dtype if v.fp8 else out_dtype}_d{v.head_dim}"
               f"_n{v.block_n}_s{v.stages}{'_c3' if v.consumers == 3 else ''}"
               f"{'_smf' if v.stale_max_first else ''}{'_qr' if v.q_in_registers else ''}"
+              f"{f'_p{v.producer_regs}' if v.producer_regs else ''}"
               f"{'_causal' if v.causal else ''}{'_serving' if v.serving else ''}"),
         source="fwd_sm90.cu",
         entry=f"ptxattn::attn_fwd_sm90<ptxattn::Sm90Config<{v.template_args()}>>",

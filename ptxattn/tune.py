@@ -6,7 +6,7 @@
 
 What is searched: the fields of ``hopper.Schedule`` (keys per K/V tile, ring stages, two or
 three consumer warpgroups, persistent grid, L2 sections, the stale-max softmax for 16-bit inputs,
-Q in registers for FP8), for every (family, dtype, head_dim, causal) asked for, and picked per
+Q in registers and the producer/consumer register split for FP8), for every (family, dtype, head_dim, causal) asked for, and picked per
 seqlen_k bucket (``tune_table``). ``--quick`` tries the built-in schedule and its neighbours
 (each field moved one step); otherwise every combination is tried; the shipped table's schedules
 for the key are always tried too. A run writes its keys into the table and keeps the others.
@@ -74,6 +74,8 @@ assert tuple(BUCKET_SEQLENS) == tune_table.BUCKET_NAMES
 BLOCK_N = {False: tuple(range(64, 257, 16)), True: (64, 128, 160, 192, 224, 256)}
 STAGES = (2, 3, 4)
 CONSUMERS = (2, 3)
+# Registers an FP8 producer thread may keep (below 32 its V transposer spills).
+PRODUCER_REGS = (32, 40, 56)
 # Registers per consumer thread that seed 002 leaves for everything but the S, P, O (and Q)
 # fragments: addresses, loop state, softmax row statistics.
 REGISTER_ALLOWANCE = {2: 24, 3: 32}
@@ -106,7 +108,8 @@ class Target:
 
 def describe_build(s: Schedule) -> str:
     return (f"n{s.block_n} s{s.stages} c{s.consumers}{' smf' if s.stale_max_first else ''}"
-            f"{' qr' if s.q_in_registers else ''}")
+            f"{' qr' if s.q_in_registers else ''}"
+            f"{f' p{s.producer_regs}' if s.producer_regs else ''}")
 
 
 def describe_grid(s: Schedule) -> str:
@@ -129,16 +132,10 @@ def _build(s: Schedule) -> Schedule:
 
 def register_estimate(target: Target, s: Schedule) -> tuple[int, int]:
     """(registers a consumer thread holds in fragments, registers it may hold them in), as
-    Sm90Config counts them (kFragmentRegs; kConsumerRegs: what setmaxnreg gives a consumer
-    thread once the producer warpgroup has dropped to its own) less REGISTER_ALLOWANCE."""
-    row_bytes = target.head_dim * (1 if target.fp8 else 2)
-    score_accumulators = max(1, row_bytes // 128) if target.fp8 else 1
-    p_regs = s.block_n // 8 if target.fp8 else s.block_n // 4
-    q_regs = target.head_dim // 8 if s.q_in_registers else 0
-    fragments = score_accumulators * s.block_n // 2 + target.head_dim // 2 + p_regs + q_regs
-    launch = 65536 // (128 * (1 + s.consumers)) // 8 * 8
-    producer = 24 if not target.fp8 else 40 if fragments >= 200 else 56
-    consumer = ((1 + s.consumers) * launch - producer) // s.consumers // 8 * 8
+    Sm90Config counts them (hopper.schedule_registers: kFragmentRegs; kConsumerRegs, what
+    setmaxnreg gives a consumer thread once the producer warpgroup has dropped to its own) less
+    REGISTER_ALLOWANCE."""
+    fragments, _, consumer = hopper.schedule_registers(target.head_dim, s, target.fp8)
     return fragments, consumer - REGISTER_ALLOWANCE[s.consumers]
 
 
@@ -185,10 +182,12 @@ def _searched(target: Target, quick: bool) -> list[Schedule]:
         # The stale-max softmax is for 16-bit inputs (FP8 keeps the exact running max), Q in
         # registers for FP8 (its A fragment layout).
         flags = [(False, False), (False, True)] if target.fp8 else [(False, False), (True, False)]
-        every = [Schedule(block_n=n, stages=stages, persistent=persistent, l2_sections=l2,
-                          consumers=consumers, stale_max_first=smf, q_in_registers=qr)
-                 for n in BLOCK_N[target.fp8] for stages in STAGES for consumers in CONSUMERS
-                 for smf, qr in flags for persistent in (True, False) for l2 in (False, True)]
+        every = [split for n in BLOCK_N[target.fp8] for stages in STAGES
+                 for consumers in CONSUMERS for smf, qr in flags for persistent in (True, False)
+                 for l2 in (False, True)
+                 for split in register_splits(target, Schedule(
+                     block_n=n, stages=stages, persistent=persistent, l2_sections=l2,
+                     consumers=consumers, stale_max_first=smf, q_in_registers=qr))]
         return list(dict.fromkeys([base] + every))
     sizes = BLOCK_N[target.fp8]
     at = sizes.index(base.block_n)
@@ -206,9 +205,23 @@ def _searched(target: Target, quick: bool) -> list[Schedule]:
               dataclasses.replace(base, l2_sections=not base.l2_sections)]
     if target.fp8:
         moves.append(dataclasses.replace(base, q_in_registers=not base.q_in_registers))
+        moves += register_splits(target, base)[1:]
     else:
         moves.append(dataclasses.replace(base, stale_max_first=not base.stale_max_first))
     return list(dict.fromkeys([base] + moves))
+
+
+def register_splits(target: Target, s: Schedule) -> list[Schedule]:
+    """``s``, and for FP8 ``s`` with each other split of the registers between the producer
+    and the consumers (PRODUCER_REGS), one per register count a consumer thread gets (two
+    producer counts that leave the consumers the same registers build the same kernel)."""
+    if not target.fp8:
+        return [s]
+    splits = {hopper.schedule_registers(target.head_dim, s, True)[2]: s}
+    for regs in PRODUCER_REGS:
+        other = dataclasses.replace(s, producer_regs=regs)
+        splits.setdefault(hopper.schedule_registers(target.head_dim, other, True)[2], other)
+    return list(splits.values())
 
 
 def build_specs(target: Target, build: Schedule) -> list:

@@ -282,8 +282,30 @@ def test_candidates_start_with_the_builtin_schedule(dtype, quick):
             assert s.block_n in tune.BLOCK_N[target.fp8]
             assert not (s.stale_max_first and target.fp8)
             assert not (s.q_in_registers and not target.fp8)
+            assert s.producer_regs in ((0,) + tune.PRODUCER_REGS if target.fp8 else (0,))
         if quick:
-            assert len(found) <= 10
+            assert len(found) <= 11
+
+
+def test_fp8_register_splits_leave_the_consumers_different_counts():
+    base = Schedule(128, 2, persistent=True, l2_sections=False, consumers=3)
+    splits = tune.register_splits(tune.Target(FP8, 64, False), base)
+    counts = [hopper.schedule_registers(64, s, True)[2] for s in splits]
+    assert splits[0] == base
+    assert counts == [152, 160]  # the kernel's own split (producer 56), then producer 32
+    assert tune.register_splits(tune.Target("bfloat16", 64, False), base) == [base]
+
+
+def test_a_register_split_of_its_own_is_an_fp8_variant_of_its_own():
+    fp8 = Schedule(128, 3, persistent=True, l2_sections=False, consumers=3,
+                   q_in_registers=True, producer_regs=32)
+    spec = hopper.spec(FP8, 64, True, schedule=fp8)
+    own = hopper.spec(FP8, 64, True, schedule=dataclasses.replace(fp8, producer_regs=0))
+    assert spec.name == own.name.replace("_qr", "_qr_p32")
+    assert ", 32, " in spec.entry and ", 0, " in own.entry
+    assert runtime.compile(spec, "sm_90a").spill_bytes == 0
+    with pytest.raises(ValueError, match="producer_regs is an FP8 schedule field"):
+        hopper.spec("bfloat16", 64, True, schedule=dataclasses.replace(fp8, q_in_registers=False))
 
 
 # ---------------------------------------------------------------------------------------------
