@@ -184,7 +184,7 @@ def variant(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | No
             out_dtype: str = "bfloat16", consumers: int | None = None,
             stale_max_first: bool | None = None, q_in_registers: bool | None = None,
             serving: bool = False, seqlen_k: int | None = None,
-            schedule: Schedule | None = None) -> Variant:
+            schedule: Schedule | None = None, producer_regs: int | None = None) -> Variant:
     """The kernel variant for inputs of ``dtype`` (bfloat16, float16 or float8_e4m3fn; FP8
     writes ``out_dtype``, 16-bit inputs their own type); ``serving``: the build that takes
     per-sequence lengths and the window (ptxattn.prefill). Its schedule is ``schedule``, or the
@@ -198,9 +198,11 @@ def variant(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | No
         stale_max_first = schedule.stale_max_first
     if q_in_registers is None:
         q_in_registers = schedule.q_in_registers
-    if schedule.producer_regs and not fp8:
+    if producer_regs is None:
+        producer_regs = schedule.producer_regs
+    if producer_regs and not fp8:
         raise ValueError(f"producer_regs is an FP8 schedule field (its producer warps transpose "
-                         f"V); the {dtype} kernel's producer keeps 24, got {schedule.producer_regs}")
+                         f"V); the {dtype} kernel's producer keeps 24, got {producer_regs}")
     out = out_dtype if fp8 else dtype
     # The output goes through shared memory and TMA stores, all its columns at once where there
     # is room for them, else half of them at a time (head_dim 256 with two stages of 64 keys),
@@ -211,7 +213,7 @@ def variant(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | No
     smem = _smem_bytes(head_dim, block_n, stages, fp8, out_round_cols, consumers)
     return Variant(head_dim, block_n, stages, fp8, bool(DTYPES[out]), causal, consumers,
                    out_round_cols, stale_max_first, q_in_registers, smem, serving,
-                   schedule.producer_regs)
+                   producer_regs)
 
 
 def spec_of(v: Variant, out_dtype: str) -> runtime.KernelSpec:
@@ -342,7 +344,7 @@ def launcher(q, k, v, out, lse, *, causal: bool, softmax_scale: float, descales=
     """Everything forward() does except the launch itself, which the returned callable performs
     (benchmarks time that alone). ``overrides`` (``tiles``: keys per tile and stages,
     ``consumers``, ``stale_max_first``, ``q_in_registers``, ``sections``, ``persistent``,
-    ``grid_blocks``: blocks taking tiles) replace the tuned defaults, for tests and benchmarks.
+    ``grid_blocks``: blocks taking tiles, ``producer_regs``) replace the tuned defaults, for tests and benchmarks.
     With ``descales`` (the (q, k, v) ``ptxattn.fp8.Descale`` operands) q, k and v are uint8
     arrays of e4m3 bytes and the FP8 kernel runs. Launches are prepared once per set of arrays,
     arguments and stream."""
@@ -360,7 +362,7 @@ def _prepare(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
              tiles: tuple[int, int] | None = None, sections: int | None = None,
              persistent: bool | None = None, grid_blocks: int | None = None, descales=None,
              consumers: int | None = None, stale_max_first: bool | None = None,
-             q_in_registers: bool | None = None,
+             q_in_registers: bool | None = None, producer_regs: int | None = None,
              seqs: Sequences | None = None) -> runtime.PreparedLaunch:
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
@@ -378,7 +380,7 @@ def _prepare(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
     v_info = variant(FP8 if fp8 else str(q.dtype), head_dim, causal, tiles,
                      out_dtype=str(out.dtype), consumers=consumers,
                      stale_max_first=stale_max_first, q_in_registers=q_in_registers,
-                     serving=seqs is not None, schedule=schedule)
+                     serving=seqs is not None, schedule=schedule, producer_regs=producer_regs)
     kernel = runtime.load(spec_of(v_info, str(out.dtype)))
     box_cols = min(head_dim, 128) if fp8 else BOX_COLS
     swizzle = box_cols * q.itemsize

@@ -342,7 +342,7 @@ def _launch_overrides(target: Target, s: Schedule, shape: Shape) -> dict:
                                      target.head_dim, itemsize) if s.l2_sections else 1)
     return dict(tiles=(s.block_n, s.stages), consumers=s.consumers,
                 stale_max_first=s.stale_max_first, q_in_registers=s.q_in_registers,
-                persistent=s.persistent, sections=sections)
+                producer_regs=s.producer_regs, persistent=s.persistent, sections=sections)
 
 
 class ShapeRun:

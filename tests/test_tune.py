@@ -308,6 +308,22 @@ def test_a_register_split_of_its_own_is_an_fp8_variant_of_its_own():
         hopper.spec("bfloat16", 64, True, schedule=dataclasses.replace(fp8, q_in_registers=False))
 
 
+def test_schedules_differing_in_any_field_launch_differently():
+    """The tuner times one launch per distinct set of overrides: a field the overrides left out
+    would time another schedule's kernel under this one's name."""
+    target = tune.Target(FP8, 64, False)
+    shape = tune.bucket_shapes(64, "long")[0]
+    base = Schedule(128, 2, persistent=True, l2_sections=False, consumers=3)
+    changed = {"block_n": 64, "stages": 3, "persistent": False, "l2_sections": True,
+               "consumers": 2, "stale_max_first": True, "q_in_registers": True,
+               "producer_regs": 32}
+    assert set(changed) == {f.name for f in dataclasses.fields(Schedule)}
+    for field, value in changed.items():
+        other = dataclasses.replace(base, **{field: value})
+        assert (tune._launch_overrides(target, other, shape) !=
+                tune._launch_overrides(target, base, shape)), field
+
+
 # ---------------------------------------------------------------------------------------------
 # The command line
 
