@@ -283,8 +283,9 @@ def test_candidates_start_with_the_builtin_schedule(dtype, quick):
             assert not (s.stale_max_first and target.fp8)
             assert not (s.q_in_registers and not target.fp8)
             assert s.producer_regs in ((0,) + tune.PRODUCER_REGS if target.fp8 else (0,))
-        if quick:
-            assert len(found) <= 11
+        if quick:  # the built-in schedule, one move of each field, the shipped buckets'
+            assert len(tune._searched(target, quick)) <= 11
+            assert len(found) <= 11 + len(tune_table.BUCKET_NAMES)
 
 
 def test_fp8_register_splits_leave_the_consumers_different_counts():
