@@ -10,7 +10,10 @@
 // MN-major; FP8: the transposed copy Vt). Within a warpgroup the GEMMs of key block j+1 (Q K^T)
 // and of block j (P V) are issued together and the softmax of block j+1 runs while P V is in
 // flight (FlashAttention-3's intra-warpgroup overlap); softmax.cuh asks for O to be rescaled
-// only when a row max grew enough to matter. The consumer warpgroups run free of each other, so
+// only when a row max grew enough to matter. Without that overlap (kIntraOverlap false, a
+// schedule the tuner may pick) each block runs Q K^T, the softmax and P V in turn, and P lives
+// only from the softmax to its P V, in registers S has given up. The consumer warpgroups run
+// free of each other, so
 // one's softmax overlaps the others' GEMMs (ordering them strictly, as FlashAttention-3 does
 // with named barriers, cost 2-12% on an H100; docs/hopper-tuning.md).
 // Key blocks are visited from the last to the first (block_info.cuh), so the masked blocks come
@@ -49,6 +52,7 @@ namespace ptxattn {
 //   registers); kStaleMaxFirst the softmax's no-max-pass fast path (Sm90Mainloop::step);
 //   kQInRegisters (FP8) Q K^T takes Q from registers; kServing the serving build (below);
 //   ProducerRegs (FP8) the registers the producer warpgroup keeps, 0 for the split below;
+//   kIntraOverlap the softmax of key block j + 1 runs while P V of block j is in flight;
 //   kSmemBytes the dynamic shared memory the launcher requests (checked against the layout).
 //
 // The serving build (16-bit only) takes each sequence's lengths and offsets from the serving
@@ -60,7 +64,7 @@ namespace ptxattn {
 // TMA store would overwrite the next sequence's rows. Fixed-length builds compile none of it.
 template <int HeadDim, int BlockN, int Stages, bool Fp8, bool Bf16, bool Causal, int Consumers,
           int OutRoundCols, bool StaleMaxFirst, bool QInRegisters, bool Serving,
-          int ProducerRegs, int SmemBytes>
+          int ProducerRegs, bool IntraOverlap, int SmemBytes>
 struct Sm90Config {
     static constexpr int kHeadDim = HeadDim;
     static constexpr int kBlockN = BlockN;
@@ -74,6 +78,7 @@ struct Sm90Config {
     static constexpr bool kStaleMaxFirst = StaleMaxFirst;
     static constexpr bool kQInRegisters = QInRegisters;
     static constexpr bool kServing = Serving;
+    static constexpr bool kIntraOverlap = IntraOverlap;
     static constexpr uint32_t kSmemBytes = SmemBytes;
 
     static constexpr int kRowsPerConsumer = 64;  // one wgmma M
@@ -129,6 +134,8 @@ struct Sm90Config {
                                         ProducerRegs <= kLaunchRegs),
                   "a producer register count of its own: FP8, a multiple of 8 in [24, launch]");
     static_assert(!kServing || !kFp8, "the serving build takes 16-bit inputs");
+    static_assert(kIntraOverlap || (!kServing && !kStaleMaxFirst),
+                  "blocks in turn: fixed-length builds with the max pass only");
 };
 
 // A tile as the producer resolved it for the consumers (tile_scheduler.cuh's mailbox): its
@@ -655,6 +662,36 @@ struct Sm90Mainloop {
             if (rescale_o) scale_rows(reinterpret_cast<OutTiles&>(o), rescale);
         }
 
+        // !kIntraOverlap: key block n_block on its own: Q K^T, the softmax, then P V.
+        template <bool kMasked>
+        __device__ __forceinline__ void step_in_turn(const FwdParams& params, int n_block,
+                                                     float (&s)[kScoreAccs][kBlockN / 2],
+                                                     float (&rescale)[1][2]) {
+            const float block_scale = block_scale_log2(n_block);
+            bars.k.consumer_wait(ring);
+            wgmma_fence();
+            issue_qk(s, ring.stage());
+            wgmma_commit();
+            wgmma_wait<0>();
+            finish_qk(s);
+            release(bars.k.empty[ring.stage()]);
+            if constexpr (kMasked) mask(params, s[0], n_block);
+            // O is zero before a tile's first block, where a rescale changes nothing.
+            if (softmax.update(reinterpret_cast<ScoreTiles&>(s[0]), block_scale, rescale)) {
+                scale_rows(reinterpret_cast<OutTiles&>(o), rescale);
+            }
+            accumulator_to_p<kBlockN>(p, s[0]);
+            pv_ring().consumer_wait(ring);
+            wgmma_fence_operand(o);
+            wgmma_fence();
+            issue_pv(ring.stage());
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_fence_operand(o);
+            release(pv_ring().empty[ring.stage()]);
+            ++ring.count;
+        }
+
         // Serving builds: zeroes the rows of the V tile at `stage` from key `valid` on (the
         // block holding the last key), before any P V reads it. Each thread zeroes 16-byte
         // chunks of whole 128-byte slab rows, which the swizzle only permutes within the row;
@@ -699,6 +736,19 @@ struct Sm90Mainloop {
             bars.q_full.wait(q_loads & 1);
             ++q_loads;
             if constexpr (kQInRegisters) load_q();
+            if constexpr (!Cfg::kIntraOverlap) {
+                int n_block = n_end - 1;
+#pragma unroll 1
+                for (; n_block >= n_begin && n_block >= n_first_masked; --n_block) {
+                    step_in_turn<true>(params, n_block, s, rescale);
+                }
+#pragma unroll 1
+                for (; n_block >= n_begin; --n_block) {
+                    step_in_turn<false>(params, n_block, s, rescale);
+                }
+                if constexpr (!kQInRegisters) release(bars.q_empty);
+                return;
+            }
             bars.k.consumer_wait(ring);
             wgmma_fence();
             issue_qk(s, ring.stage());

@@ -57,6 +57,11 @@ class Schedule:
     producer_regs: FP8 only: the registers each producer thread keeps (the producer warpgroup's
       other three warps transpose V), the consumers sharing the rest (schedule_registers); 0 for
       the kernel's own split. Below 32 the transposer spills.
+    intra_overlap: a consumer warpgroup's softmax of key block j + 1 runs while its P V of block
+      j is in flight (FlashAttention-3's intra-warpgroup overlap); off, each block's Q K^T,
+      softmax and P V run in turn, P needs no registers of its own, and only the other consumer
+      warpgroups' GEMMs hide the softmax. Off takes the max pass (not stale_max_first) and is
+      not a serving build's.
     """
     block_n: int
     stages: int
@@ -66,6 +71,7 @@ class Schedule:
     stale_max_first: bool = False
     q_in_registers: bool = False
     producer_regs: int = 0
+    intra_overlap: bool = True
 
 
 SCHEDULES = {
@@ -134,7 +140,8 @@ def schedule_registers(head_dim: int, schedule: Schedule, fp8: bool) -> tuple[in
     kProducerRegs, kConsumerRegs)."""
     row_bytes = head_dim * (1 if fp8 else 2)
     score_accumulators = max(1, row_bytes // 128) if fp8 else 1
-    p_regs = schedule.block_n // 8 if fp8 else schedule.block_n // 4
+    # Blocks in turn: P takes the registers of the S it is made from.
+    p_regs = (schedule.block_n // 8 if fp8 else schedule.block_n // 4) * schedule.intra_overlap
     q_regs = head_dim // 8 if schedule.q_in_registers else 0
     fragments = score_accumulators * schedule.block_n // 2 + head_dim // 2 + p_regs + q_regs
     launch = 65536 // (128 * (1 + schedule.consumers)) // 8 * 8
@@ -161,6 +168,7 @@ class Variant:
     smem_bytes: int
     serving: bool = False
     producer_regs: int = 0  # FP8: the producer's registers, 0 for the kernel's own split
+    intra_overlap: bool = True
 
     @property
     def block_m(self) -> int:
@@ -177,14 +185,16 @@ class Variant:
                          [str(f).lower() for f in flags] +
                          [str(self.consumers), str(self.out_round_cols)] +
                          [str(f).lower() for f in later] +
-                         [str(self.producer_regs), str(self.smem_bytes)])
+                         [str(self.producer_regs), str(self.intra_overlap).lower(),
+                          str(self.smem_bytes)])
 
 
 def variant(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | None = None,
             out_dtype: str = "bfloat16", consumers: int | None = None,
             stale_max_first: bool | None = None, q_in_registers: bool | None = None,
             serving: bool = False, seqlen_k: int | None = None,
-            schedule: Schedule | None = None, producer_regs: int | None = None) -> Variant:
+            schedule: Schedule | None = None, producer_regs: int | None = None,
+            intra_overlap: bool | None = None) -> Variant:
     """The kernel variant for inputs of ``dtype`` (bfloat16, float16 or float8_e4m3fn; FP8
     writes ``out_dtype``, 16-bit inputs their own type); ``serving``: the build that takes
     per-sequence lengths and the window (ptxattn.prefill). Its schedule is ``schedule``, or the
@@ -200,6 +210,11 @@ def variant(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | No
         q_in_registers = schedule.q_in_registers
     if producer_regs is None:
         producer_regs = schedule.producer_regs
+    if intra_overlap is None:
+        intra_overlap = schedule.intra_overlap
+    if not intra_overlap and (serving or stale_max_first):
+        raise ValueError("intra_overlap=False runs fixed-length builds with the max pass only "
+                         f"(serving={serving}, stale_max_first={stale_max_first})")
     if producer_regs and not fp8:
         raise ValueError(f"producer_regs is an FP8 schedule field (its producer warps transpose "
                          f"V); the {dtype} kernel's producer keeps 24, got {producer_regs}")
@@ -213,7 +228,7 @@ def variant(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | No
     smem = _smem_bytes(head_dim, block_n, stages, fp8, out_round_cols, consumers)
     return Variant(head_dim, block_n, stages, fp8, bool(DTYPES[out]), causal, consumers,
                    out_round_cols, stale_max_first, q_in_registers, smem, serving,
-                   producer_regs)
+                   producer_regs, intra_overlap)
 
 
 def spec_of(v: Variant, out_dtype: str) -> runtime.KernelSpec:
@@ -222,6 +237,7 @@ def spec_of(v: Variant, out_dtype: str) -> runtime.KernelSpec:
               f"_n{v.block_n}_s{v.stages}{'_c3' if v.consumers == 3 else ''}"
               f"{'_smf' if v.stale_max_first else ''}{'_qr' if v.q_in_registers else ''}"
               f"{f'_p{v.producer_regs}' if v.producer_regs else ''}"
+              f"{'' if v.intra_overlap else '_inturn'}"
               f"{'_causal' if v.causal else ''}{'_serving' if v.serving else ''}"),
         source="fwd_sm90.cu",
         entry=f"ptxattn::attn_fwd_sm90<ptxattn::Sm90Config<{v.template_args()}>>",
@@ -344,7 +360,8 @@ def launcher(q, k, v, out, lse, *, causal: bool, softmax_scale: float, descales=
     """Everything forward() does except the launch itself, which the returned callable performs
     (benchmarks time that alone). ``overrides`` (``tiles``: keys per tile and stages,
     ``consumers``, ``stale_max_first``, ``q_in_registers``, ``sections``, ``persistent``,
-    ``grid_blocks``: blocks taking tiles, ``producer_regs``) replace the tuned defaults, for tests and benchmarks.
+    ``grid_blocks``: blocks taking tiles, ``producer_regs``, ``intra_overlap``) replace the
+    tuned defaults, for tests and benchmarks.
     With ``descales`` (the (q, k, v) ``ptxattn.fp8.Descale`` operands) q, k and v are uint8
     arrays of e4m3 bytes and the FP8 kernel runs. Launches are prepared once per set of arrays,
     arguments and stream."""
@@ -363,6 +380,7 @@ def _prepare(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
              persistent: bool | None = None, grid_blocks: int | None = None, descales=None,
              consumers: int | None = None, stale_max_first: bool | None = None,
              q_in_registers: bool | None = None, producer_regs: int | None = None,
+             intra_overlap: bool | None = None,
              seqs: Sequences | None = None) -> runtime.PreparedLaunch:
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
@@ -380,7 +398,8 @@ def _prepare(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
     v_info = variant(FP8 if fp8 else str(q.dtype), head_dim, causal, tiles,
                      out_dtype=str(out.dtype), consumers=consumers,
                      stale_max_first=stale_max_first, q_in_registers=q_in_registers,
-                     serving=seqs is not None, schedule=schedule, producer_regs=producer_regs)
+                     serving=seqs is not None, schedule=schedule, producer_regs=producer_regs,
+                     intra_overlap=intra_overlap)
     kernel = runtime.load(spec_of(v_info, str(out.dtype)))
     box_cols = min(head_dim, 128) if fp8 else BOX_COLS
     swizzle = box_cols * q.itemsize

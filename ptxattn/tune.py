@@ -6,8 +6,9 @@
 
 What is searched: the fields of ``hopper.Schedule`` (keys per K/V tile, ring stages, two or
 three consumer warpgroups, persistent grid, L2 sections, the stale-max softmax for 16-bit inputs,
-Q in registers and the producer/consumer register split for FP8), for every (family, dtype, head_dim, causal) asked for, and picked per
-seqlen_k bucket (``tune_table``). ``--quick`` tries the built-in schedule and its neighbours
+Q in registers and the producer/consumer register split for FP8, the intra-warpgroup overlap of
+the softmax with P V or blocks in turn), for every (family, dtype, head_dim, causal) asked for,
+and picked per seqlen_k bucket (``tune_table``). ``--quick`` tries the built-in schedule and its neighbours
 (each field moved one step); otherwise every combination is tried; the shipped table's schedules
 for the key are always tried too. A run writes its keys into the table and keeps the others.
 
@@ -109,7 +110,8 @@ class Target:
 def describe_build(s: Schedule) -> str:
     return (f"n{s.block_n} s{s.stages} c{s.consumers}{' smf' if s.stale_max_first else ''}"
             f"{' qr' if s.q_in_registers else ''}"
-            f"{f' p{s.producer_regs}' if s.producer_regs else ''}")
+            f"{f' p{s.producer_regs}' if s.producer_regs else ''}"
+            f"{'' if s.intra_overlap else ' inturn'}")
 
 
 def describe_grid(s: Schedule) -> str:
@@ -182,12 +184,15 @@ def _searched(target: Target, quick: bool) -> list[Schedule]:
         # The stale-max softmax is for 16-bit inputs (FP8 keeps the exact running max), Q in
         # registers for FP8 (its A fragment layout).
         flags = [(False, False), (False, True)] if target.fp8 else [(False, False), (True, False)]
+        # Blocks in turn (no intra-warpgroup overlap) take the max pass.
         every = [split for n in BLOCK_N[target.fp8] for stages in STAGES
-                 for consumers in CONSUMERS for smf, qr in flags for persistent in (True, False)
-                 for l2 in (False, True)
+                 for consumers in CONSUMERS for smf, qr in flags
+                 for overlap in ((True,) if smf else (True, False))
+                 for persistent in (True, False) for l2 in (False, True)
                  for split in register_splits(target, Schedule(
                      block_n=n, stages=stages, persistent=persistent, l2_sections=l2,
-                     consumers=consumers, stale_max_first=smf, q_in_registers=qr))]
+                     consumers=consumers, stale_max_first=smf, q_in_registers=qr,
+                     intra_overlap=overlap))]
         return list(dict.fromkeys([base] + every))
     sizes = BLOCK_N[target.fp8]
     at = sizes.index(base.block_n)
@@ -208,6 +213,8 @@ def _searched(target: Target, quick: bool) -> list[Schedule]:
         moves += register_splits(target, base)[1:]
     else:
         moves.append(dataclasses.replace(base, stale_max_first=not base.stale_max_first))
+    moves.append(dataclasses.replace(base, intra_overlap=not base.intra_overlap,
+                                     stale_max_first=False))
     return list(dict.fromkeys([base] + moves))
 
 
@@ -342,7 +349,8 @@ def _launch_overrides(target: Target, s: Schedule, shape: Shape) -> dict:
                                      target.head_dim, itemsize) if s.l2_sections else 1)
     return dict(tiles=(s.block_n, s.stages), consumers=s.consumers,
                 stale_max_first=s.stale_max_first, q_in_registers=s.q_in_registers,
-                producer_regs=s.producer_regs, persistent=s.persistent, sections=sections)
+                producer_regs=s.producer_regs, intra_overlap=s.intra_overlap,
+                persistent=s.persistent, sections=sections)
 
 
 class ShapeRun:

@@ -207,6 +207,33 @@ def test_hopper_stale_max_fast_path_matches_the_max_pass(causal, head_dim, consu
 
 
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim, consumers", [(64, 3), (128, 2), (256, 2)])
+@pytest.mark.parametrize("seqlens", [(17, 17), (300, 457), (1000, 1000), (1000, 300)],
+                         ids=lambda p: f"{p[0]}x{p[1]}")
+def test_hopper_blocks_in_turn_match_the_intra_warpgroup_overlap(causal, head_dim, consumers,
+                                                                 seqlens, rng):
+    """Each key block's Q K^T, softmax and P V in turn (a schedule the tuner may pick) gives
+    bitwise what the overlapped mainloop gives: O takes the same rescales and the same adds in
+    the same order."""
+    import cupy
+
+    hopper = _module("hopper")
+    seqlen_q, seqlen_k = seqlens
+    q, k, v = grouped_qkv(seqlen_q, seqlen_k, head_dim, "growing", rng)
+    results = []
+    for overlap in (True, False):
+        out = cupy.full(q.shape, cupy.nan, dtype=q.dtype)
+        lse = cupy.full((2, 4, seqlen_q), cupy.nan, dtype=cupy.float32)
+        hopper.forward(q, k, v, out, lse, causal=causal, softmax_scale=head_dim ** -0.5,
+                       consumers=consumers, stale_max_first=False, intra_overlap=overlap)
+        results.append((out, lse))
+    (overlap_out, overlap_lse), (in_turn_out, in_turn_lse) = results
+    assert bool(cupy.array_equal(in_turn_out, overlap_out)), "output differs from the overlap"
+    assert bool(cupy.array_equal(in_turn_lse, overlap_lse)), "LSE differs from the overlap"
+    _assert_close(q, k, v, in_turn_out, in_turn_lse, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", [(17, 17), (1000, 1000), (300, 1000), (1000, 300)],
                          ids=lambda p: f"{p[0]}x{p[1]}")
 @pytest.mark.parametrize("persistent", [False, True])

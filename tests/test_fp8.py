@@ -480,6 +480,19 @@ def test_q_in_registers_matches_q_in_shared_memory(causal, head_dim, seqlens, rn
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("seqlens", [(17, 17), (300, 457), (1000, 1000)],
+                         ids=lambda p: f"{p[0]}x{p[1]}")
+def test_blocks_in_turn_match_the_intra_warpgroup_overlap(causal, head_dim, seqlens, rng):
+    """Each key block's Q K^T, softmax and P V in turn (a schedule the tuner may pick) gives
+    bitwise what the overlapped mainloop gives: O takes the same rescales and the same adds in
+    the same order."""
+    q, k, v = grouped_qkv(*seqlens, head_dim, "growing", rng)
+    _same_bits_either_way(q, k, v, causal=causal, head_dim=head_dim, option="intra_overlap")
+
+
+@pytest.mark.gpu
 def test_causal_rows_that_see_no_key(rng):
     import cupy
     q8, k8, v8, descales = _quantized((1, 200, 2, 64), (1, 50, 2, 64), rng)

@@ -283,9 +283,10 @@ def test_candidates_start_with_the_builtin_schedule(dtype, quick):
             assert not (s.stale_max_first and target.fp8)
             assert not (s.q_in_registers and not target.fp8)
             assert s.producer_regs in ((0,) + tune.PRODUCER_REGS if target.fp8 else (0,))
+            assert s.intra_overlap or not s.stale_max_first
         if quick:  # the built-in schedule, one move of each field, the shipped buckets'
-            assert len(tune._searched(target, quick)) <= 11
-            assert len(found) <= 11 + len(tune_table.BUCKET_NAMES)
+            assert len(tune._searched(target, quick)) <= 12
+            assert len(found) <= 12 + len(tune_table.BUCKET_NAMES)
 
 
 def test_fp8_register_splits_leave_the_consumers_different_counts():
@@ -317,7 +318,7 @@ def test_schedules_differing_in_any_field_launch_differently():
     base = Schedule(128, 2, persistent=True, l2_sections=False, consumers=3)
     changed = {"block_n": 64, "stages": 3, "persistent": False, "l2_sections": True,
                "consumers": 2, "stale_max_first": True, "q_in_registers": True,
-               "producer_regs": 32}
+               "producer_regs": 32, "intra_overlap": False}
     assert set(changed) == {f.name for f in dataclasses.fields(Schedule)}
     for field, value in changed.items():
         other = dataclasses.replace(base, **{field: value})
@@ -345,7 +346,8 @@ def test_dry_run_prints_candidates_and_why_each_was_dropped(tables, capsys):
                         "--jobs", "0"])
     out = capsys.readouterr().out
     assert status == 0
-    assert "hopper bfloat16 d256 non-causal: 6 candidates in 4 builds" in out
+    assert "hopper bfloat16 d256 non-causal: 7 candidates in 5 builds" in out
+    assert "n64 s2 c2 inturn" in out  # the intra-warpgroup overlap off
     assert "n64 s2 c2 (built-in)" in out and "kept: persistent, grid, persistent l2" in out
     assert "n64 s3 c2" in out and "shared memory 263" in out
     assert not tune_table.user_path("sm_90a").exists()  # a dry run writes no table
