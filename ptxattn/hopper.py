@@ -210,8 +210,8 @@ def variant(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | No
         q_in_registers = schedule.q_in_registers
     if producer_regs is None:
         producer_regs = schedule.producer_regs
-    if intra_overlap is None:
-        intra_overlap = schedule.intra_overlap
+    if intra_overlap is None:  # the stale-max softmax runs in the overlapped mainloop only
+        intra_overlap = schedule.intra_overlap or stale_max_first
     if not intra_overlap and (serving or stale_max_first):
         raise ValueError("intra_overlap=False runs fixed-length builds with the max pass only "
                          f"(serving={serving}, stale_max_first={stale_max_first})")

@@ -310,6 +310,19 @@ def test_a_register_split_of_its_own_is_an_fp8_variant_of_its_own():
         hopper.spec("bfloat16", 64, True, schedule=dataclasses.replace(fp8, q_in_registers=False))
 
 
+def test_asking_for_the_stale_max_softmax_runs_the_overlapped_mainloop(tables):
+    """A tuned schedule may run key blocks in turn; a caller's stale_max_first=True (which the
+    in-turn mainloop does not have) takes the overlapped one instead of failing."""
+    in_turn = Schedule(256, 2, persistent=True, l2_sections=False, q_in_registers=True,
+                       intra_overlap=False)
+    _write(tune_table.shipped_path("sm_90a"),
+           [_entry(64, False, "short", in_turn, family="hopper-fp8", dtype="e4m3")])
+    assert not hopper.variant(FP8, 64, False, seqlen_k=512).intra_overlap
+    assert hopper.variant(FP8, 64, False, seqlen_k=512, stale_max_first=True).intra_overlap
+    with pytest.raises(ValueError, match="max pass only"):
+        hopper.variant(FP8, 64, False, seqlen_k=512, stale_max_first=True, intra_overlap=False)
+
+
 def test_schedules_differing_in_any_field_launch_differently():
     """The tuner times one launch per distinct set of overrides: a field the overrides left out
     would time another schedule's kernel under this one's name."""
