@@ -662,6 +662,19 @@ struct Sm90Mainloop {
             if (rescale_o) scale_rows(reinterpret_cast<OutTiles&>(o), rescale);
         }
 
+        // P V of the block at the ring's position, waited for; frees its slot and moves on.
+        __device__ __forceinline__ void pv_in_turn() {
+            pv_ring().consumer_wait(ring);
+            wgmma_fence_operand(o);
+            wgmma_fence();
+            issue_pv(ring.stage());
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_fence_operand(o);
+            release(pv_ring().empty[ring.stage()]);
+            ++ring.count;
+        }
+
         // !kIntraOverlap: key block n_block on its own: Q K^T, the softmax, then P V.
         template <bool kMasked>
         __device__ __forceinline__ void step_in_turn(const FwdParams& params, int n_block,
@@ -681,15 +694,7 @@ struct Sm90Mainloop {
                 scale_rows(reinterpret_cast<OutTiles&>(o), rescale);
             }
             accumulator_to_p<kBlockN>(p, s[0]);
-            pv_ring().consumer_wait(ring);
-            wgmma_fence_operand(o);
-            wgmma_fence();
-            issue_pv(ring.stage());
-            wgmma_commit();
-            wgmma_wait<0>();
-            wgmma_fence_operand(o);
-            release(pv_ring().empty[ring.stage()]);
-            ++ring.count;
+            pv_in_turn();
         }
 
         // Serving builds: zeroes the rows of the V tile at `stage` from key `valid` on (the
@@ -794,15 +799,7 @@ struct Sm90Mainloop {
             // (with Q in registers, load_q freed it already).
             if constexpr (!kQInRegisters) release(bars.q_empty);
 
-            pv_ring().consumer_wait(ring);
-            wgmma_fence_operand(o);
-            wgmma_fence();
-            issue_pv(ring.stage());
-            wgmma_commit();
-            wgmma_wait<0>();
-            wgmma_fence_operand(o);
-            release(pv_ring().empty[ring.stage()]);
-            ++ring.count;
+            pv_in_turn();
         }
     };
 };
