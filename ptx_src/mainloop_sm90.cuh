@@ -662,6 +662,17 @@ struct Sm90Mainloop {
             if (rescale_o) scale_rows(reinterpret_cast<OutTiles&>(o), rescale);
         }
 
+        // Q K^T of the block at the ring's position, waited for; frees its K slot.
+        __device__ __forceinline__ void qk_in_turn(float (&s)[kScoreAccs][kBlockN / 2]) {
+            bars.k.consumer_wait(ring);
+            wgmma_fence();
+            issue_qk(s, ring.stage());
+            wgmma_commit();
+            wgmma_wait<0>();
+            finish_qk(s);
+            release(bars.k.empty[ring.stage()]);
+        }
+
         // P V of the block at the ring's position, waited for; frees its slot and moves on.
         __device__ __forceinline__ void pv_in_turn() {
             pv_ring().consumer_wait(ring);
@@ -681,13 +692,7 @@ struct Sm90Mainloop {
                                                      float (&s)[kScoreAccs][kBlockN / 2],
                                                      float (&rescale)[1][2]) {
             const float block_scale = block_scale_log2(n_block);
-            bars.k.consumer_wait(ring);
-            wgmma_fence();
-            issue_qk(s, ring.stage());
-            wgmma_commit();
-            wgmma_wait<0>();
-            finish_qk(s);
-            release(bars.k.empty[ring.stage()]);
+            qk_in_turn(s);
             if constexpr (kMasked) mask(params, s[0], n_block);
             // O is zero before a tile's first block, where a rescale changes nothing.
             if (softmax.update(reinterpret_cast<ScoreTiles&>(s[0]), block_scale, rescale)) {
@@ -754,13 +759,7 @@ struct Sm90Mainloop {
                 if constexpr (!kQInRegisters) release(bars.q_empty);
                 return;
             }
-            bars.k.consumer_wait(ring);
-            wgmma_fence();
-            issue_qk(s, ring.stage());
-            wgmma_commit();
-            wgmma_wait<0>();
-            finish_qk(s);
-            release(bars.k.empty[ring.stage()]);
+            qk_in_turn(s);
             if (n_end - 1 >= n_first_masked || (kServing && n_end - 1 < n_left)) {
                 mask(params, s[0], n_end - 1);
             }
