@@ -13,9 +13,8 @@
 // only when a row max grew enough to matter. Without that overlap (kIntraOverlap false, a
 // schedule the tuner may pick) each block runs Q K^T, the softmax and P V in turn, and P lives
 // only from the softmax to its P V, in registers S has given up. The consumer warpgroups run
-// free of each other, so
-// one's softmax overlaps the others' GEMMs (ordering them strictly, as FlashAttention-3 does
-// with named barriers, cost 2-12% on an H100; docs/hopper-tuning.md).
+// free of each other, so one's softmax overlaps the others' GEMMs (ordering them strictly, as
+// FlashAttention-3 does with named barriers, cost 2-12% on an H100; docs/hopper-tuning.md).
 // Key blocks are visited from the last to the first (block_info.cuh), so the masked blocks come
 // first and the rest run mask-free.
 //

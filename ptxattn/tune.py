@@ -8,9 +8,10 @@ What is searched: the fields of ``hopper.Schedule`` (keys per K/V tile, ring sta
 three consumer warpgroups, persistent grid, L2 sections, the stale-max softmax for 16-bit inputs,
 Q in registers and the producer/consumer register split for FP8, the intra-warpgroup overlap of
 the softmax with P V or blocks in turn), for every (family, dtype, head_dim, causal) asked for,
-and picked per seqlen_k bucket (``tune_table``). ``--quick`` tries the built-in schedule and its neighbours
-(each field moved one step); otherwise every combination is tried; the shipped table's schedules
-for the key are always tried too. A run writes its keys into the table and keeps the others.
+and picked per seqlen_k bucket (``tune_table``). ``--quick`` tries the built-in schedule and its
+neighbours (each field moved one step); otherwise every combination is tried; the shipped
+table's schedules for the key are always tried too. A run writes its keys into the table and
+keeps the others.
 
 1. Pruned on the CPU, with the accounting of ../shared seed 002 as the kernel does it
    (``Sm90Config`` in ptx_src/mainloop_sm90.cuh): shared memory
