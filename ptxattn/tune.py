@@ -174,9 +174,14 @@ def incumbents(target: Target, output: Path) -> dict[str, Schedule]:
         held = tune_table.schedules_in(output, ARCH)
     except ValueError:
         return {}
-    return {bucket: Schedule(**held[family, dtype, target.head_dim, target.causal, bucket])
-            for bucket in tune_table.BUCKET_NAMES
-            if (family, dtype, target.head_dim, target.causal, bucket) in held}
+    found = {}
+    for bucket in tune_table.BUCKET_NAMES:
+        fields = held.get((family, dtype, target.head_dim, target.causal, bucket))
+        try:
+            found[bucket] = Schedule(**fields)
+        except TypeError:  # none, or fields of another ptxattn's Schedule: no incumbent
+            continue
+    return found
 
 
 def _searched(target: Target, quick: bool) -> list[Schedule]:

@@ -437,6 +437,10 @@ def test_the_written_table_s_schedules_are_the_incumbents_and_candidates(tables)
     assert tune.incumbents(target, tables / "absent.json") == {}
     _write(output, [_entry(128, True, "long", D)], arch="sm_100a")
     assert tune.incumbents(target, output) == {}
+    unknown = _entry(128, True, "long", D)
+    unknown["schedule"]["a_later_field"] = 1
+    _write(output, [unknown, _entry(128, True, "medium", C)])
+    assert tune.incumbents(target, output) == {"medium": C}
 
 
 def test_a_narrowed_run_keeps_the_table_s_other_keys(tables):
