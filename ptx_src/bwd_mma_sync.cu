@@ -126,7 +126,7 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
             // Once every warp has released step - 1 (its stage, P and dS), though some may still
             // be adding their dQ, refill that stage; then wait for this step's copies alone.
             const PipelineState<kStages> refill{step + kStages - 1};
-            ring_sync.template producer_acquire<false>(refill);
+            ring_sync.producer_acquire(refill);
             if (refill.count < steps) {
                 load_step(loading, refill.stage());
                 cp_async_arrive(ring_sync.full_barrier(refill));

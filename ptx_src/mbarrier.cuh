@@ -1,9 +1,9 @@
 // mbarrier: a shared-memory transaction barrier (PTX ISA 9.7.13.15), sm_90+.
 //
-// Wraps mbarrier.init / arrive / arrive.expect_tx / try_wait.parity (spinning, or sleeping with a
-// suspend-time hint). A barrier is a small type holding its shared-memory address; the phase bit
-// a waiter expects is kept by the caller (it flips each time the stage it guards is reused),
-// because it belongs to the pipeline, not the barrier.
+// Wraps mbarrier.init / arrive / arrive.expect_tx / try_wait.parity. A barrier is a small type
+// holding its shared-memory address; the phase bit a waiter expects is kept by the caller (it
+// flips each time the stage it guards is reused), because it belongs to the pipeline, not the
+// barrier.
 #pragma once
 #include "common.cuh"
 
@@ -40,26 +40,6 @@ struct MBarrier {
             "@!done bra WAIT_%=;\n"
             "}\n" ::"r"(addr()), "r"(phase) : "memory");
     }
-
-    // The same wait with try_wait's suspendTimeHint operand (ns): a try_wait that finds the
-    // phase open suspends the thread until the phase completes or a time limit passes, and with
-    // the hint that limit is 10 ms (CUTLASS's value) instead of the system's, so a thread that
-    // waits out a whole key block retries a few times instead of many, each retry issuing
-    // instructions beside the math warps of its SM sub-partition. ptxas builds the slow path as
-    // NANOSLEEP.SYNCS. It is for waits off the math's critical path (Pipeline::producer_acquire):
-    // on every wait, the consumers' included, the FP8 forward lost up to 16% at head_dim 64
-    // (docs/hopper-tuning.md).
-    __device__ __forceinline__ void wait_sleeping(uint32_t phase) {
-        asm volatile(
-            "{\n"
-            ".reg .pred done;\n"
-            "WAIT_%=:\n"
-            "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, %2;\n"
-            "@!done bra WAIT_%=;\n"
-            "}\n" ::"r"(addr()), "r"(phase), "n"(kSuspendTimeHintNs) : "memory");
-    }
-
-    static constexpr uint32_t kSuspendTimeHintNs = 10000000;
 };
 
 // Makes barrier initialisation visible to the async proxy (TMA) before the first copy uses it.

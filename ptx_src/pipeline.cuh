@@ -36,18 +36,9 @@ struct Pipeline {
         }
     }
 
-    // Producer: waits until every consumer released the slot of `state`. A dedicated producer
-    // (a TMA thread, the FP8 V transposers) sleeps through the wait (MBarrier::wait_sleeping):
-    // it spends most of a key block here, and its retries took issue slots from the math warps
-    // beside it (Hopper forward +0.4-4%, most at short seqlens; Hopper backward level). Math
-    // warps that refill the ring themselves (the portable backward) spin: kSleep false.
-    template <bool kSleep = true>
+    // Producer: waits until every consumer released the slot of `state`.
     __device__ __forceinline__ void producer_acquire(const PipelineState<kStages>& state) {
-        if constexpr (kSleep) {
-            empty[state.stage()].wait_sleeping(state.phase() ^ 1);
-        } else {
-            empty[state.stage()].wait(state.phase() ^ 1);
-        }
+        empty[state.stage()].wait(state.phase() ^ 1);
     }
 
     __device__ __forceinline__ MBarrier& full_barrier(const PipelineState<kStages>& state) {
