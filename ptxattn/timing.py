@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import statistics
 
 
@@ -13,13 +14,15 @@ def time_ms(fn, warmup: int = 3, repeats: int = 15, launches: int = 10) -> float
 
 
 def time_ms_interleaved(fns: dict, warmup: int = 3, repeats: int = 15,
-                        launches: int = 10) -> dict:
+                        launches: int = 10, seed: int = 0) -> dict:
     """time_ms of each function of ``fns`` (name -> callable), sampled in turns: round r times
-    every function once, odd rounds in reverse order. A GPU's clock follows its temperature and
-    power draw, which the previous work set, so timing one function after the other would hand
-    each the state its predecessor left; taking turns gives all of them the same mix, and
-    reversing the turns keeps one function from always following the same neighbour (on a
-    power-capped H100 a fixed order cost the function after a heavy kernel up to 10%)."""
+    every function once, in an order shuffled every round (from ``seed``, so a run repeats its
+    turns). A GPU's clock follows its temperature and power draw, which the previous work set,
+    so a sample inherits the state its predecessor left: timing one function after the other
+    would hand each its own, and turns in a fixed order (even reversed every other round) hand
+    each function the same neighbours every round. On a power-capped H100 the same kernel
+    timed beside a peer read 3-8% slower than in the next place of such turns
+    (docs/hopper-tuning.md, session 33); shuffled turns give every function every neighbour."""
     import cupy
 
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
@@ -28,8 +31,9 @@ def time_ms_interleaved(fns: dict, warmup: int = 3, repeats: int = 15,
             fn()
     times = {name: [] for name in fns}
     order = list(fns.items())
-    for round_index in range(repeats):
-        for name, fn in (order if round_index % 2 == 0 else order[::-1]):
+    turns = random.Random(seed)
+    for _ in range(repeats):
+        for name, fn in turns.sample(order, len(order)):
             start.record()
             for _ in range(launches):
                 fn()
