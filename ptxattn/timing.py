@@ -21,7 +21,7 @@ def time_ms_interleaved(fns: dict, warmup: int = 3, repeats: int = 15,
     so a sample inherits the state its predecessor left: timing one function after the other
     would hand each its own, and turns in a fixed order (even reversed every other round) hand
     each function the same neighbours every round. On a power-capped H100 the same kernel
-    timed beside a peer read 3-8% slower than in the next place of such turns
+    timed beside a peer read up to 8% slower than in the next place of such turns
     (docs/hopper-tuning.md, session 33); shuffled turns give every function every neighbour."""
     import cupy
 
