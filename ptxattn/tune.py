@@ -16,8 +16,9 @@ keeps the others.
 1. Pruned on the CPU, with the accounting of ../shared seed 002 as the kernel does it
    (``Sm90Config`` in ptx_src/mainloop_sm90.cuh): shared memory
    (``hopper.schedule_smem_bytes`` against ``hopper.SMEM_LIMIT``), then a register estimate
-   per consumer thread (the S, P, O and Q fragments against what setmaxnreg gives a consumer thread, less seed 002's allowance for
-   everything else). A schedule over the estimate spills; one under it may still spill.
+   per consumer thread (the S, P, O and Q fragments against what setmaxnreg gives a consumer
+   thread, less seed 002's allowance for everything else). A schedule over the estimate
+   spills; one under it may still spill.
 2. The survivors compiled by NVRTC in a process pool (the compile cache keeps them); a build
    that spills, serializes its wgmmas or does not compile is dropped, with the kernels CLI's
    checks (``ptxattn.kernels``).

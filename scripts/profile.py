@@ -490,7 +490,8 @@ def serving_main(args) -> int:
 
     arch = device_arch()
     repeats = args.repeats or 10
-    print(f"# {device_line(device_props(), arch)}, dtype {args.dtype}, serving, median of {repeats} runs")
+    print(f"# {device_line(device_props(), arch)}, dtype {args.dtype}, serving, "
+          f"median of {repeats} runs")
     try:
         import torch
         from torch.nn.functional import scaled_dot_product_attention as sdpa
