@@ -1,7 +1,7 @@
 """Attention throughput: ptxattn's backends beside every peer importable here.
 
     python scripts/profile.py [--quick] [--csv FILE] [--json FILE] [--plot FILE.png]
-    python scripts/profile.py --grid targets [--dtype float16] --slow-max-seqlen 0
+    python scripts/profile.py --grid targets [--dtype float16] --slow-max-seqlen 0 [--energy]
     python scripts/profile.py --backward [--quick] [--json FILE] [--plot FILE.png]
     python scripts/profile.py --serving [--repeats N]
 
@@ -23,6 +23,13 @@ times the forward's FLOPs over the time. Peers: torch SDPA's FlashAttention-2 an
 flash-attn3-jax wheel (flash_mha under jax.vjp, head_dim 128) when it imports. It also reports
 the extra memory ptxattn's backward allocates (its workspace).
 
+--energy adds, for the forward rows, each compared runner's energy per call (ptxattn-hopper,
+ptxattn-fp8-head and their peers): after the timing, each runs alone for --energy-window seconds
+in shuffled turns while NVML (the driver's libnvidia-ml) reads the board's energy counter and SM
+clock; it prints TFLOP per joule, mean watts and MHz. On a power-capped GPU a kernel that does
+less work per joule runs at a lower clock, so this tells a row bound by power from one bound by
+cycles. Where NVML or the counter is missing it says so and times only.
+
 --plot draws the measured rows (TFLOP/s against seqlen, a line per backend or peer, a panel per
 head_dim and mask) into an image; it needs matplotlib (pip install 'ptxattn[plot]').
 """
@@ -42,7 +49,8 @@ import sys
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
-from ptxattn.timing import attention_flops, time_ms_interleaved  # noqa: E402  (after the path fix)
+from ptxattn.timing import (  # noqa: E402  (after the path fix)
+    Nvml, attention_flops, energy_per_call_interleaved, time_ms_interleaved)
 
 
 # Peers that take torch tensors (views of the same CuPy data through DLPack).
@@ -145,6 +153,8 @@ TARGET_SHAPES = [(4, 2048, 32, 128, 32), (2, 8192, 16, 128, 16), (1, 16384, 16, 
 # per-head scales against FlashAttention-3's FP8 on the same quantized data.
 RATIOS = {"ptxattn-hopper": ("torch-sdpa-flash", "torch-sdpa-cudnn", "fa3"),
           "ptxattn-fp8-head": ("fa3-fp8",)}
+# The runners --energy measures: those RATIOS compares.
+ENERGY_RUNNERS = tuple(dict.fromkeys(n for ours, peers in RATIOS.items() for n in (ours, *peers)))
 
 
 def target_configs() -> list[dict]:
@@ -164,6 +174,18 @@ def ratio_lines(rows: list[dict]) -> list[str]:
                 continue
             cells.append(f"{ours} {row[ours]:.0f} / {best[1]} {best[0]:.0f} = "
                          f"{row[ours] / best[0]:.3f}x")
+        gqa = f"/{row['heads_kv']}" if "heads_kv" in row else ""
+        lines.append(f"{row['batch']}x{row['seqlen']}x{row['heads']}{gqa}x{row['head_dim']}"
+                     f"{' causal' if row['causal'] else ''}: " + ", ".join(cells))
+    return lines
+
+
+def energy_lines(rows: list[dict]) -> list[str]:
+    """Per row, each measured runner's TFLOP per joule, watts and SM MHz (the --energy fields)."""
+    lines = []
+    for row in rows:
+        cells = [f"{n} {row[n + ' TFLOP/J']:.3f} TFLOP/J {row[n + ' W']:.0f} W "
+                 f"{row[n + ' MHz']:.0f} MHz" for n in ENERGY_RUNNERS if n + " TFLOP/J" in row]
         gqa = f"/{row['heads_kv']}" if "heads_kv" in row else ""
         lines.append(f"{row['batch']}x{row['seqlen']}x{row['heads']}{gqa}x{row['head_dim']}"
                      f"{' causal' if row['causal'] else ''}: " + ", ".join(cells))
@@ -687,7 +709,14 @@ def main(argv=None) -> int:
                         help="forward rows: the standard sweep, or the rows ptxattn is measured "
                              "against FlashAttention-3 and cuDNN on (TARGET_SHAPES, GQA "
                              "included), each with its ratio to the best peer")
+    parser.add_argument("--energy", action="store_true",
+                        help="forward rows: also the energy per call of ptxattn-hopper, "
+                             "ptxattn-fp8-head and their peers, each run alone (NVML; slow)")
+    parser.add_argument("--energy-window", type=float, default=2.0, metavar="SECONDS",
+                        help="with --energy: how long each runner runs alone per sample")
     args = parser.parse_args(argv)
+    if args.energy and (args.backward or args.serving):
+        parser.error("--energy measures the forward rows: not with --backward or --serving")
     if args.grid != "sweep" and (args.backward or args.serving or args.quick):
         parser.error("--grid targets is a forward grid of its own: not with --backward, "
                      "--serving or --quick")
@@ -745,6 +774,12 @@ def main(argv=None) -> int:
     print(f"# {device_line(props, arch)}, dtype {args.dtype}, median of {repeats} runs")
     for note in notes:
         print(f"# {note}")
+    nvml = None
+    if args.energy:
+        nvml = Nvml.open(cupy.cuda.Device().pci_bus_id)
+        if nvml is None:
+            print("profile.py: NVML or its energy counter is not available here, so no energy "
+                  "per call in this run", file=sys.stderr)
     results = []
     rows = target_configs() if args.grid == "targets" else configs(args.quick)
     for index, cfg in enumerate(rows, 1):
@@ -780,6 +815,13 @@ def main(argv=None) -> int:
         # Every runner is timed in the same rounds, so none inherits a cooler or hotter GPU.
         for name, ms in time_ms_interleaved(calls, warmup=3, repeats=repeats).items():
             row[name] = flops(cfg) / ms / 1e9
+        if nvml is not None:
+            measured = {name: calls[name] for name in ENERGY_RUNNERS if name in calls}
+            for name, energy in energy_per_call_interleaved(measured, nvml,
+                                                            args.energy_window).items():
+                row[name + " TFLOP/J"] = flops(cfg) / energy.joules / 1e12
+                row[name + " W"] = energy.watts
+                row[name + " MHz"] = energy.sm_mhz
         results.append(row)
     print("\r" + " " * 80 + "\r", end="", file=sys.stderr)
 
@@ -797,6 +839,10 @@ def main(argv=None) -> int:
     print("ratio to the best peer")
     for line in ratio_lines(results):
         print(f"  {line}")
+    if nvml is not None:
+        print(f"energy per call (each runner alone for {args.energy_window:g} s, NVML)")
+        for line in energy_lines(results):
+            print(f"  {line}")
     for note in notes:
         print(f"# {note}")
     if args.csv:

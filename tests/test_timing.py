@@ -1,6 +1,9 @@
-"""timing.time_ms_interleaved's turns, on a stand-in for CuPy's events (no GPU needed)."""
+"""timing: time_ms_interleaved's turns and energy_per_call_interleaved's windows, on stand-ins for
+CuPy's events and NVML (no GPU needed)."""
 import sys
 import types
+
+import pytest
 
 from ptxattn import timing
 
@@ -46,3 +49,39 @@ def test_the_turns_repeat_for_a_seed(monkeypatch):
                                    repeats=6, launches=1)
         runs.append(log)
     assert runs[0] == runs[1]
+
+
+class _FakeNvml:
+    """An energy counter that spends ``mj_per_call[name]`` millijoules on each logged call."""
+
+    def __init__(self, log, mj_per_call):
+        self.log, self.mj_per_call = log, mj_per_call
+
+    def energy_mj(self):
+        return sum(self.mj_per_call[name] for name in self.log)
+
+    def sm_clock_mhz(self):
+        return 1500
+
+
+def test_energy_per_call_counts_only_each_functions_own_window(monkeypatch):
+    log = []
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(log))
+    nvml = _FakeNvml(log, {"a": 5, "b": 7, "c": 11})
+    fns = {name: (lambda name=name: log.append(name)) for name in "abc"}
+    # one call reads 1 "ms" on the stand-in events, so a 20 ms window is 20 calls
+    energy = timing.energy_per_call_interleaved(fns, nvml, window_s=0.02, rounds=3,
+                                                clock_period_s=0.001)
+
+    assert {name: e.joules for name, e in energy.items()} == pytest.approx(
+        {"a": 0.005, "b": 0.007, "c": 0.011})
+    assert all(e.ms == 1.0 and e.sm_mhz == 1500 and e.watts > 0 for e in energy.values())
+    # two calibration calls, then three rounds of 4 settling calls and 20 timed ones
+    assert all(log.count(name) == 2 + 3 * (4 + 20) for name in "abc")
+
+
+def test_nvml_is_none_without_its_library(monkeypatch):
+    def no_library(name):
+        raise OSError(f"{name}: cannot open shared object file")
+    monkeypatch.setattr(timing.ctypes, "CDLL", no_library)
+    assert timing.Nvml.open("0000:00:04.0") is None
