@@ -113,8 +113,9 @@ def energy_per_call_interleaved(fns: dict, nvml, window_s: float = 2.0, rounds: 
     while ``nvml`` (an Nvml) gives the energy spent and the SM clock every ``clock_period_s``;
     the functions take their windows in shuffled turns (as time_ms_interleaved), ``rounds``
     times, and each field is the median over them. NVML's counter moves in steps, and a
-    power-capped GPU's clock settles in tenths of a second, so windows are seconds long: on the
-    H100 windows of 0.6 s read above its 700 W cap (docs/hopper-tuning.md, session 33)."""
+    power-capped GPU's clock settles in tenths of a second, so windows are seconds long (windows
+    of 1.5 s on the H100 read up to 718 W under its 700 W cap: docs/hopper-tuning.md,
+    session 34)."""
     import cupy
 
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
@@ -140,8 +141,11 @@ def energy_per_call_interleaved(fns: dict, nvml, window_s: float = 2.0, rounds: 
             clocks, done = [], threading.Event()
 
             def poll():
-                while not done.wait(clock_period_s):
-                    clocks.append(nvml.sm_clock_mhz())
+                try:
+                    while not done.wait(clock_period_s):
+                        clocks.append(nvml.sm_clock_mhz())
+                except OSError:
+                    return  # the window's clock is then the samples taken, else read after it
 
             poller = threading.Thread(target=poll)
             poller.start()

@@ -88,8 +88,10 @@ def configs(quick: bool) -> list[dict]:
     return rows
 
 
-# The fields of a result row that describe its shape; the others are runners' TFLOP/s.
+# The fields of a result row that describe its shape; the others are runners' TFLOP/s, and with
+# --energy a runner's "<name> TFLOP/J", "<name> W" and "<name> MHz" (ENERGY_FIELDS).
 SHAPE_FIELDS = ("batch", "seqlen", "heads", "head_dim", "causal", "heads_kv")
+ENERGY_FIELDS = (" TFLOP/J", " W", " MHz")
 
 
 def plot_rows(rows: list[dict], path: str, title: str) -> None:
@@ -109,7 +111,7 @@ def plot_rows(rows: list[dict], path: str, title: str) -> None:
     head_dims = sorted({row["head_dim"] for row in swept})
     masks = sorted({row["causal"] for row in swept})
     names = list(dict.fromkeys(name for row in swept for name in row
-                               if name not in SHAPE_FIELDS))
+                               if name not in SHAPE_FIELDS and not name.endswith(ENERGY_FIELDS)))
     # A runner keeps its colour and line in every panel, also where others are missing.
     styles = {name: dict(color=f"C{i % 10}", linestyle=("-", "--", ":")[i // 10 % 3])
               for i, name in enumerate(names)}
@@ -717,6 +719,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.energy and (args.backward or args.serving):
         parser.error("--energy measures the forward rows: not with --backward or --serving")
+    if args.energy and args.energy_window < 0.5:
+        parser.error("--energy-window must be at least 0.5 s: NVML's counter moves in steps of "
+                     "tens of milliseconds")
     if args.grid != "sweep" and (args.backward or args.serving or args.quick):
         parser.error("--grid targets is a forward grid of its own: not with --backward, "
                      "--serving or --quick")
@@ -819,6 +824,8 @@ def main(argv=None) -> int:
             measured = {name: calls[name] for name in ENERGY_RUNNERS if name in calls}
             for name, energy in energy_per_call_interleaved(measured, nvml,
                                                             args.energy_window).items():
+                if energy.joules <= 0:
+                    continue  # the counter did not move in the window: nothing to report
                 row[name + " TFLOP/J"] = flops(cfg) / energy.joules / 1e12
                 row[name + " W"] = energy.watts
                 row[name + " MHz"] = energy.sm_mhz

@@ -8,14 +8,16 @@ import pytest
 from ptxattn import timing
 
 
-def _fake_cupy(log):
-    """Events whose elapsed time is the number of calls logged between them."""
+def _fake_cupy(log, synced=None):
+    """Events whose elapsed time is the number of calls logged between them; ``synced`` (a
+    list) gets the number of calls logged at each synchronize, as a GPU would have run them."""
     class Event:
         def record(self):
             self.at = len(log)
 
         def synchronize(self):
-            pass
+            if synced is not None:
+                synced.append(self.at)
 
     cuda = types.SimpleNamespace(Event=Event,
                                  get_elapsed_time=lambda start, stop: float(stop.at - start.at))
@@ -52,22 +54,23 @@ def test_the_turns_repeat_for_a_seed(monkeypatch):
 
 
 class _FakeNvml:
-    """An energy counter that spends ``mj_per_call[name]`` millijoules on each logged call."""
+    """An energy counter that has spent ``mj_per_call[name]`` millijoules on each call the GPU
+    has run: those logged before the last synchronize (later ones may still be queued)."""
 
-    def __init__(self, log, mj_per_call):
-        self.log, self.mj_per_call = log, mj_per_call
+    def __init__(self, log, synced, mj_per_call):
+        self.log, self.synced, self.mj_per_call = log, synced, mj_per_call
 
     def energy_mj(self):
-        return sum(self.mj_per_call[name] for name in self.log)
+        return sum(self.mj_per_call[name] for name in self.log[:self.synced[-1]])
 
     def sm_clock_mhz(self):
         return 1500
 
 
 def test_energy_per_call_counts_only_each_functions_own_window(monkeypatch):
-    log = []
-    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(log))
-    nvml = _FakeNvml(log, {"a": 5, "b": 7, "c": 11})
+    log, synced = [], [0]
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(log, synced))
+    nvml = _FakeNvml(log, synced, {"a": 5, "b": 7, "c": 11})
     fns = {name: (lambda name=name: log.append(name)) for name in "abc"}
     # one call reads 1 "ms" on the stand-in events, so a 20 ms window is 20 calls
     energy = timing.energy_per_call_interleaved(fns, nvml, window_s=0.02, rounds=3,
