@@ -165,6 +165,13 @@ def target_configs() -> list[dict]:
             for b, s, h, d, kv in TARGET_SHAPES for causal in (False, True)]
 
 
+def row_label(row: dict) -> str:
+    """A result row's shape as BxSxH[/KV]xD, with " causal" where it is."""
+    gqa = f"/{row['heads_kv']}" if "heads_kv" in row else ""
+    return (f"{row['batch']}x{row['seqlen']}x{row['heads']}{gqa}x{row['head_dim']}"
+            f"{' causal' if row['causal'] else ''}")
+
+
 def ratio_lines(rows: list[dict]) -> list[str]:
     """Per row, each ptxattn runner of RATIOS over the best of its peers that ran there."""
     lines = []
@@ -176,9 +183,7 @@ def ratio_lines(rows: list[dict]) -> list[str]:
                 continue
             cells.append(f"{ours} {row[ours]:.0f} / {best[1]} {best[0]:.0f} = "
                          f"{row[ours] / best[0]:.3f}x")
-        gqa = f"/{row['heads_kv']}" if "heads_kv" in row else ""
-        lines.append(f"{row['batch']}x{row['seqlen']}x{row['heads']}{gqa}x{row['head_dim']}"
-                     f"{' causal' if row['causal'] else ''}: " + ", ".join(cells))
+        lines.append(f"{row_label(row)}: " + ", ".join(cells))
     return lines
 
 
@@ -188,9 +193,7 @@ def energy_lines(rows: list[dict]) -> list[str]:
     for row in rows:
         cells = [f"{n} {row[n + ' TFLOP/J']:.3f} TFLOP/J {row[n + ' W']:.0f} W "
                  f"{row[n + ' MHz']:.0f} MHz" for n in ENERGY_RUNNERS if n + " TFLOP/J" in row]
-        gqa = f"/{row['heads_kv']}" if "heads_kv" in row else ""
-        lines.append(f"{row['batch']}x{row['seqlen']}x{row['heads']}{gqa}x{row['head_dim']}"
-                     f"{' causal' if row['causal'] else ''}: " + ", ".join(cells))
+        lines.append(f"{row_label(row)}: " + ", ".join(cells))
     return lines
 
 
