@@ -11,7 +11,8 @@
 //   dq     (kBlockM x kHeadDim): dQ = dS K, added into the FP32 accumulator in global memory,
 //                                in passes of 32 or 64 columns to bound registers.
 // Shared-memory tiles are swizzled rows (smem_tile.cuh). Layout: [K][V][stage 0: Q, dO, the rows'
-// LSE log2 and D]...[P][dS][with overlapping steps, the ring's mbarriers].
+// LSE log2 and D]...[P][dS][with overlapping steps, the ring's mbarriers]. Tiles load by cp.async,
+// except a step's Q, dO and row values at head_dim 64 on sm_90+ (TMA: kRowsByTma).
 //
 // Synchronisation. Two block barriers a step: one opens it (the step's copies have landed; every
 // warp is done with the last step's tiles), one separates the score phase from the others. With
@@ -64,6 +65,14 @@ struct BwdMmaSyncConfig {
     static constexpr int kDqWarpRows = DqWarpRows;
 
     static constexpr int kRowBytes = HeadDim * 2;  // Q, K, V, dO tiles
+    // With overlapping steps (sm_90+) and rows of one 128-byte swizzle span (head_dim 64), one
+    // thread loads a step's Q and dO by TMA (SWIZZLE_128B writes exactly this file's swizzled
+    // rows) and its row values by bulk copies, all completing on the stage's full mbarrier: the
+    // other threads' LSU queues then hold only the dQ adds, which the refill's copies waited
+    // behind (1.01-1.03x, docs/hopper-tuning.md, session 35). The tiles need the 1024-byte
+    // alignment of the swizzle atom, which the base's alignment may cost.
+    static constexpr bool kRowsByTma = OverlapSteps && kRowBytes == 128;
+    static constexpr int kSmemAlign = kRowsByTma ? 1024 : 0;
     static constexpr int kScoreRowBytes = BlockN * 2;  // P, dS tiles
     static constexpr int kKVTileBytes = BlockN * kRowBytes;
     static constexpr int kQTileBytes = BlockM * kRowBytes;
@@ -77,7 +86,8 @@ struct BwdMmaSyncConfig {
     static constexpr int kBarrierOffset =
         2 * kKVTileBytes + Stages * kStageBytes + 2 * kScoreTileBytes;
     static constexpr int kSmemBytes =
-        kBarrierOffset + (OverlapSteps ? static_cast<int>(sizeof(Pipeline<Stages>)) : 0);
+        kBarrierOffset + (OverlapSteps ? static_cast<int>(sizeof(Pipeline<Stages>)) : 0) +
+        kSmemAlign;
 
     static_assert(Warps % ScoreWarpRows == 0 && Warps % DkvWarpRows == 0 &&
                       Warps % DqWarpRows == 0, "every phase's warp grid uses all warps");
@@ -85,6 +95,9 @@ struct BwdMmaSyncConfig {
                   "warps own whole 16-row mma tiles");
     static_assert(kScoreCols % 16 == 0 && kDkvCols % 16 == 0 && kDqPassCols % 16 == 0 &&
                       kDqCols % kDqPassCols == 0, "warps own whole pairs of 8-column tiles");
+    static_assert(!kRowsByTma || (kKVTileBytes % 1024 == 0 && kQTileBytes % 1024 == 0 &&
+                                  kStageBytes % 1024 == 0),
+                  "TMA-loaded tiles start on the 1024-byte swizzle atom");
     static_assert(Stages >= 1, "at least one (Q, dO) stage");
     static_assert(!OverlapSteps || Stages >= 2, "overlapping steps refill a stage a step ahead");
     static_assert(kSmemBytes == SmemBytes,

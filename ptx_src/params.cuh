@@ -124,8 +124,9 @@ struct CombineParams {
 // (batch * heads_q + head) * seqlen_q_rounded + row for dpsum and lse_log2, whose padding rows
 // let a kernel copy whole query tiles of rows.
 struct alignas(64) BwdParams {
-    // Hopper only (bwd_sm90.cu): 4-d TMA maps of q, k, v and dout, coordinates (d, head, row,
-    // batch), boxes of 64 columns x the kernel's rows; the portable kernel leaves them zero.
+    // 4-d TMA maps of q, k, v and dout, coordinates (d, head, row, batch), boxes of 64 columns x
+    // the kernel's rows: the Hopper kernel's (bwd_sm90.cu), and q's and dout's for the portable
+    // kernel where it loads them by TMA (head_dim 64 on sm_90+); zero where unused.
     TensorMap q_map;
     TensorMap k_map;
     TensorMap v_map;
