@@ -11,9 +11,9 @@
 // end; dQ crosses key blocks, so each block adds its part into the FP32 accumulator: with
 // red.global.add in any order, or, with dq_semaphore, in key-block order (atomics.cuh) so that
 // the sums are bit-reproducible.
-// Q, dO and the rows' values reach the ring by cp.async from every thread, or at head_dim 64 on
-// sm_90+ by one thread's TMA and bulk copies (Cfg::kRowsByTma), which then alone waits for the
-// ring's free stages.
+// Q, dO and the rows' values reach the ring by cp.async from every thread, or with overlapping
+// steps (sm_90+) by one thread's TMA and bulk copies (Cfg::kRowsByTma), which then alone waits for
+// the ring's free stages.
 // The order of the walk and of the deterministic sums is BwdWalk's (tile_scheduler.cuh).
 //
 // The launcher (ptxattn/portable.py) instantiates attn_bwd_mma_sync<BwdMmaSyncConfig<...>> by
@@ -92,8 +92,14 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
             MBarrier& full = ring_sync.full_barrier(PipelineState<kStages>{stage});
             full.arrive_expect_tx(2 * Cfg::kQTileBytes + Cfg::kRowValuesBytes);
             uint8_t* const tile = smem + (q_dst - k_tile);
-            tma_load_4d(tile, &p.q_map, full, 0, head, row0, batch);
-            tma_load_4d(tile + Cfg::kQTileBytes, &p.dout_map, full, 0, head, row0, batch);
+            using QTile = typename Mainloop::QTile;
+#pragma unroll
+            for (int slab = 0; slab < QTile::kSlabs; ++slab) {
+                uint8_t* const q_slab = tile + slab * QTile::kSlabBytes;
+                tma_load_4d(q_slab, &p.q_map, full, 64 * slab, head, row0, batch);
+                tma_load_4d(q_slab + Cfg::kQTileBytes, &p.dout_map, full, 64 * slab, head, row0,
+                            batch);
+            }
             const int padded_row = (batch * p.heads_q + head) * p.seqlen_q_rounded + row0;
             bulk_load(tile + 2 * Cfg::kQTileBytes, p.lse_log2 + padded_row, 4 * kBlockM, full);
             bulk_load(tile + 2 * Cfg::kQTileBytes + 4 * kBlockM, p.dpsum + padded_row,
@@ -304,20 +310,20 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
             }
         }
         __syncthreads();
-        using HeadTile = typename Mainloop::HeadTile;
+        using KVTile = typename Mainloop::KVTile;
         const auto warp_chunks = [&](int row, int chunk) {
-            return HeadTile::offset(row, dkv_d0 / 8 + chunk);
+            return KVTile::offset(row, dkv_d0 / 8 + chunk);
         };
         stage_accumulator_rows<Cfg::kBf16>(smem, warp_chunks, dk, dkv_key0, lane);
         stage_accumulator_rows<Cfg::kBf16>(smem + Cfg::kKVTileBytes, warp_chunks, dv, dkv_key0,
                                            lane);
         __syncthreads();
         constexpr int kWarpKeys = kBlockN / Cfg::kWarps;
-        const auto row_chunks = [](int row, int chunk) { return HeadTile::offset(row, chunk); };
-        store_staged_rows<kWarpKeys, HeadTile::kChunksPerRow>(
+        const auto row_chunks = [](int row, int chunk) { return KVTile::offset(row, chunk); };
+        store_staged_rows<kWarpKeys, KVTile::kChunksPerRow>(
             smem, row_chunks, dk_head, p.dk_stride_s, first_key, warp * kWarpKeys, p.seqlen_k,
             lane);
-        store_staged_rows<kWarpKeys, HeadTile::kChunksPerRow>(
+        store_staged_rows<kWarpKeys, KVTile::kChunksPerRow>(
             smem + Cfg::kKVTileBytes, row_chunks, dv_head, p.dv_stride_s, first_key,
             warp * kWarpKeys, p.seqlen_k, lane);
     } else {

@@ -10,9 +10,10 @@
 //                                with ldmatrix.trans;
 //   dq     (kBlockM x kHeadDim): dQ = dS K, added into the FP32 accumulator in global memory,
 //                                in passes of 32 or 64 columns to bound registers.
-// Shared-memory tiles are swizzled rows (smem_tile.cuh). Layout: [K][V][stage 0: Q, dO, the rows'
+// Shared-memory tiles are swizzled rows (smem_tile.cuh): K, V, Q and dO in slabs of 128-byte rows
+// (SlabbedTile, TMA's layout), P and dS as whole rows. Layout: [K][V][stage 0: Q, dO, the rows'
 // LSE log2 and D]...[P][dS][with overlapping steps, the ring's mbarriers]. Tiles load by cp.async,
-// except a step's Q, dO and row values at head_dim 64 on sm_90+ (TMA: kRowsByTma).
+// except a step's Q, dO and row values with overlapping steps (sm_90+: TMA, kRowsByTma).
 //
 // Synchronisation. Two block barriers a step: one opens it (the step's copies have landed; every
 // warp is done with the last step's tiles), one separates the score phase from the others. With
@@ -65,13 +66,13 @@ struct BwdMmaSyncConfig {
     static constexpr int kDqWarpRows = DqWarpRows;
 
     static constexpr int kRowBytes = HeadDim * 2;  // Q, K, V, dO tiles
-    // With overlapping steps (sm_90+) and rows of one 128-byte swizzle span (head_dim 64), one
-    // thread loads a step's Q and dO by TMA (SWIZZLE_128B writes exactly this file's swizzled
-    // rows) and its row values by bulk copies, all completing on the stage's full mbarrier: the
-    // other threads' LSU queues then hold only the dQ adds, which the refill's copies waited
-    // behind (1.01-1.03x, docs/hopper-tuning.md, session 35). The tiles need the 1024-byte
-    // alignment of the swizzle atom, which the base's alignment may cost.
-    static constexpr bool kRowsByTma = OverlapSteps && kRowBytes == 128;
+    // With overlapping steps (sm_90+), one thread loads a step's Q and dO by TMA (SWIZZLE_128B,
+    // a box per slab of the tiles) and its row values by bulk copies, all completing on the
+    // stage's full mbarrier: the other threads' LSU queues then hold only the dQ adds, which the
+    // refill's copies waited behind (docs/hopper-tuning.md, session 35). The tiles need the
+    // 1024-byte alignment of the swizzle atom: the base's alignment may cost 1024 bytes, and
+    // each stage is padded to a multiple.
+    static constexpr bool kRowsByTma = OverlapSteps;
     static constexpr int kSmemAlign = kRowsByTma ? 1024 : 0;
     static constexpr int kScoreRowBytes = BlockN * 2;  // P, dS tiles
     static constexpr int kKVTileBytes = BlockN * kRowBytes;
@@ -81,7 +82,9 @@ struct BwdMmaSyncConfig {
     // 0) and D (0 there). (Read from global memory at the step, their latency was the kernel's
     // largest stall: long scoreboard 1.5 cycles an instruction against FlashAttention-2's 0.8.)
     static constexpr int kRowValuesBytes = 2 * BlockM * 4;
-    static constexpr int kStageBytes = 2 * kQTileBytes + kRowValuesBytes;
+    static constexpr int kStageAlign = kRowsByTma ? 1024 : 16;
+    static constexpr int kStageBytes =
+        (2 * kQTileBytes + kRowValuesBytes + kStageAlign - 1) / kStageAlign * kStageAlign;
     static constexpr int kScoreTileBytes = BlockM * kScoreRowBytes;
     static constexpr int kBarrierOffset =
         2 * kKVTileBytes + Stages * kStageBytes + 2 * kScoreTileBytes;
@@ -95,8 +98,7 @@ struct BwdMmaSyncConfig {
                   "warps own whole 16-row mma tiles");
     static_assert(kScoreCols % 16 == 0 && kDkvCols % 16 == 0 && kDqPassCols % 16 == 0 &&
                       kDqCols % kDqPassCols == 0, "warps own whole pairs of 8-column tiles");
-    static_assert(!kRowsByTma || (kKVTileBytes % 1024 == 0 && kQTileBytes % 1024 == 0 &&
-                                  kStageBytes % 1024 == 0),
+    static_assert(!kRowsByTma || (kKVTileBytes % 1024 == 0 && BlockM * 128 % 1024 == 0),
                   "TMA-loaded tiles start on the 1024-byte swizzle atom");
     static_assert(Stages >= 1, "at least one (Q, dO) stage");
     static_assert(!OverlapSteps || Stages >= 2, "overlapping steps refill a stage a step ahead");
@@ -107,19 +109,20 @@ struct BwdMmaSyncConfig {
 template <class Cfg>
 struct BwdMmaSyncMainloop {
     static constexpr bool kBf16 = Cfg::kBf16;
-    using HeadTile = SwizzledTile<Cfg::kRowBytes>;
+    using QTile = SlabbedTile<Cfg::kRowBytes, Cfg::kBlockM>;   // Q, dO
+    using KVTile = SlabbedTile<Cfg::kRowBytes, Cfg::kBlockN>;  // K, V (and the staged dK, dV)
     using ScoreTile = SwizzledTile<Cfg::kScoreRowBytes>;
 
     // Per-lane ldmatrix addresses for both tile widths and both lane patterns.
     struct Lanes {
-        typename HeadTile::LaneAddr head_rows;   // rows_then_chunks
-        typename HeadTile::LaneAddr head_cols;   // chunks_then_rows
+        typename QTile::LaneAddr head_rows;   // rows_then_chunks (of any SlabbedTile)
+        typename QTile::LaneAddr head_cols;   // chunks_then_rows
         typename ScoreTile::LaneAddr score_rows;
         typename ScoreTile::LaneAddr score_cols;
 
         __device__ __forceinline__ explicit Lanes(int lane)
-            : head_rows(HeadTile::rows_then_chunks(lane)),
-              head_cols(HeadTile::chunks_then_rows(lane)),
+            : head_rows(QTile::Slab::rows_then_chunks(lane)),
+              head_cols(QTile::Slab::chunks_then_rows(lane)),
               score_rows(ScoreTile::rows_then_chunks(lane)),
               score_cols(ScoreTile::chunks_then_rows(lane)) {}
     };
@@ -127,8 +130,8 @@ struct BwdMmaSyncMainloop {
     template <int kRows>
     static __device__ __forceinline__ void load_rows(uint32_t tile, const uint16_t* rows,
                                                      int64_t seq_stride, int valid_rows, int tid) {
-        HeadTile::template load<kRows, Cfg::kThreads, true>(tile, rows, seq_stride, valid_rows,
-                                                           tid);
+        SlabbedTile<Cfg::kRowBytes, kRows>::template load<Cfg::kThreads, true>(
+            tile, rows, seq_stride, valid_rows, tid);
     }
 
     // The step's row values into `dst`: kBlockM floats of lse_log2, then of dpsum, from the
@@ -167,10 +170,10 @@ struct BwdMmaSyncMainloop {
         warp_gemm<kBf16, Cfg::kHeadDim / 16>(
             acc,
             [&](uint32_t(&a)[4], int m, int ks) {
-                ldmatrix_x4(a, lanes.head_rows.at(x_tile, row0 + 16 * m, 2 * ks));
+                ldmatrix_x4(a, QTile::at(lanes.head_rows, x_tile, row0 + 16 * m, 2 * ks));
             },
             [&](uint32_t(&b)[4], int np, int ks) {
-                ldmatrix_x4(b, lanes.head_cols.at(y_tile, col0 + 16 * np, 2 * ks));
+                ldmatrix_x4(b, KVTile::at(lanes.head_cols, y_tile, col0 + 16 * np, 2 * ks));
             });
     }
 
@@ -219,7 +222,7 @@ struct BwdMmaSyncMainloop {
                 ldmatrix_x4_trans(a, lanes.score_cols.at(x_tile, 16 * ks, key0 / 8 + 2 * m));
             },
             [&](uint32_t(&b)[4], int np, int ks) {
-                ldmatrix_x4_trans(b, lanes.head_rows.at(y_tile, 16 * ks, d0 / 8 + 2 * np));
+                ldmatrix_x4_trans(b, QTile::at(lanes.head_rows, y_tile, 16 * ks, d0 / 8 + 2 * np));
             });
     }
 
@@ -235,7 +238,7 @@ struct BwdMmaSyncMainloop {
                 ldmatrix_x4(a, lanes.score_rows.at(ds_tile, row0 + 16 * m, 2 * ks));
             },
             [&](uint32_t(&b)[4], int np, int ks) {
-                ldmatrix_x4_trans(b, lanes.head_rows.at(k_tile, 16 * ks, d0 / 8 + 2 * np));
+                ldmatrix_x4_trans(b, KVTile::at(lanes.head_rows, k_tile, 16 * ks, d0 / 8 + 2 * np));
             });
     }
 
@@ -266,7 +269,7 @@ struct BwdMmaSyncMainloop {
                 for (int i = 0; i < 4; ++i) a[i] = ds[ks][m][i];
             },
             [&](uint32_t(&b)[4], int np, int ks) {
-                ldmatrix_x4_trans(b, lanes.head_rows.at(k_tile, 16 * ks, d0 / 8 + 2 * np));
+                ldmatrix_x4_trans(b, KVTile::at(lanes.head_rows, k_tile, 16 * ks, d0 / 8 + 2 * np));
             });
     }
 };

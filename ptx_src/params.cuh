@@ -126,7 +126,7 @@ struct CombineParams {
 struct alignas(64) BwdParams {
     // 4-d TMA maps of q, k, v and dout, coordinates (d, head, row, batch), boxes of 64 columns x
     // the kernel's rows: the Hopper kernel's (bwd_sm90.cu), and q's and dout's for the portable
-    // kernel where it loads them by TMA (head_dim 64 on sm_90+); zero where unused.
+    // kernel where it loads them by TMA (overlapping steps, sm_90+); zero where unused.
     TensorMap q_map;
     TensorMap k_map;
     TensorMap v_map;

@@ -47,6 +47,34 @@ __device__ __forceinline__ float2 ld_shared_f32x2(uint32_t addr) {
     return v;
 }
 
+// cp.async of rows [0, kRows) of a Tile (its kChunksPerRow 16-byte chunks a row, each at
+// Tile::offset) from consecutive sequence positions, `rows` pointing at the first. Each of
+// kThreads threads moves one chunk of every (kThreads / chunks)-th row. With kCheckRows, rows at
+// or past `valid_rows` are zero-filled and their source never read.
+template <class Tile, int kRows, int kThreads, bool kCheckRows>
+__device__ __forceinline__ void copy_rows(uint32_t tile, const uint16_t* rows, int64_t seq_stride,
+                                          int valid_rows, int tid) {
+    constexpr int kChunksPerRow = Tile::kChunksPerRow;
+    constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+    static_assert(kThreads % kChunksPerRow == 0 && kRows % kRowsPerPass == 0,
+                  "every thread moves the same number of whole chunks");
+    static_assert(kRowsPerPass <= 32,
+                  "a thread's row within a pass times the seq stride (< 2^26, checked by the "
+                  "launchers) must fit in 32 bits");
+    const int chunk = tid % kChunksPerRow;
+    const int first = tid / kChunksPerRow;
+    // a 32-bit per-thread offset is cheap to recompute per tile, where 64-bit per-thread
+    // pointers would stay live through the main loop and cost registers
+    const int thread_offset = first * static_cast<int>(seq_stride) + chunk * 8;
+#pragma unroll
+    for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
+        const int row = first + pass * kRowsPerPass;
+        const bool valid = !kCheckRows || row < valid_rows;
+        const uint16_t* src = rows + pass * kRowsPerPass * seq_stride + thread_offset;
+        cp_async_16(tile + Tile::offset(row, chunk), valid ? src : rows, valid);
+    }
+}
+
 template <int kRowBytes>
 struct SwizzledTile {
     static_assert(kRowBytes % 128 == 0, "the swizzle permutes 8 chunks of 16 bytes");
@@ -61,30 +89,12 @@ struct SwizzledTile {
         return offset(row, col >> 3) + ((col & 7) << 1);
     }
 
-    // cp.async of tile rows [0, kRows) from consecutive sequence positions, `rows` pointing at
-    // the first. Each of kThreads threads moves one chunk of every (kThreads / chunks)-th row.
-    // With kCheckRows, rows at or past `valid_rows` are zero-filled and their source never read.
+    // cp.async of tile rows [0, kRows) from consecutive sequence positions (copy_rows, below).
     template <int kRows, int kThreads, bool kCheckRows>
     static __device__ __forceinline__ void load(uint32_t tile, const uint16_t* rows,
                                                 int64_t seq_stride, int valid_rows, int tid) {
-        constexpr int kRowsPerPass = kThreads / kChunksPerRow;
-        static_assert(kThreads % kChunksPerRow == 0 && kRows % kRowsPerPass == 0,
-                      "every thread moves the same number of whole chunks");
-        static_assert(kRowsPerPass <= 32,
-                      "a thread's row within a pass times the seq stride (< 2^26, checked by the "
-                      "launchers) must fit in 32 bits");
-        const int chunk = tid % kChunksPerRow;
-        const int first = tid / kChunksPerRow;
-        // a 32-bit per-thread offset is cheap to recompute per tile, where 64-bit per-thread
-        // pointers would stay live through the main loop and cost registers
-        const int thread_offset = first * static_cast<int>(seq_stride) + chunk * 8;
-#pragma unroll
-        for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
-            const int row = first + pass * kRowsPerPass;
-            const bool valid = !kCheckRows || row < valid_rows;
-            const uint16_t* src = rows + pass * kRowsPerPass * seq_stride + thread_offset;
-            cp_async_16(tile + offset(row, chunk), valid ? src : rows, valid);
-        }
+        copy_rows<SwizzledTile, kRows, kThreads, kCheckRows>(tile, rows, seq_stride, valid_rows,
+                                                             tid);
     }
 
     // A lane's ldmatrix address of tile rows row.., chunks chunk.. (row % 8 == 0, chunk even).
@@ -106,6 +116,40 @@ struct SwizzledTile {
     static __device__ __forceinline__ LaneAddr chunks_then_rows(int lane) {
         return {static_cast<uint32_t>(((lane & 7) + ((lane >> 4) << 3)) * kRowBytes),
                 static_cast<uint32_t>(((lane >> 3) & 1) ^ (lane & 7))};
+    }
+};
+
+// A tile of kRows rows of kRowBytes kept as kRowBytes / 128 slabs: slab s holds chunks 8s..8s+7
+// of every row, as a SwizzledTile<128> of kRows rows at s * kRows * 128. It is the layout TMA
+// writes with SWIZZLE_128B and one box of 128-byte rows per slab (from a 1024-byte aligned
+// tile), which a SwizzledTile of rows wider than 128 bytes is not (TMA's swizzle follows the
+// shared-memory address, whose 1024-byte atom then spans fewer than eight rows); within a slab
+// ldmatrix and cp.async stay free of bank conflicts as in any SwizzledTile<128>. Lane addresses
+// are the slab's, so tiles of any row count share them.
+template <int kRowBytes, int kRows>
+struct SlabbedTile {
+    static_assert(kRowBytes % 128 == 0, "whole 128-byte slabs");
+    using Slab = SwizzledTile<128>;
+    using LaneAddr = Slab::LaneAddr;
+    static constexpr int kChunksPerRow = kRowBytes / 16;
+    static constexpr int kSlabs = kRowBytes / 128;
+    static constexpr uint32_t kSlabBytes = kRows * 128;
+
+    static __device__ __forceinline__ uint32_t offset(int row, int chunk) {
+        return (chunk >> 3) * kSlabBytes + Slab::offset(row, chunk & 7);
+    }
+
+    template <int kThreads, bool kCheckRows>
+    static __device__ __forceinline__ void load(uint32_t tile, const uint16_t* rows,
+                                                int64_t seq_stride, int valid_rows, int tid) {
+        copy_rows<SlabbedTile, kRows, kThreads, kCheckRows>(tile, rows, seq_stride, valid_rows,
+                                                            tid);
+    }
+
+    // A lane's ldmatrix address of rows row.., chunks chunk.. (row % 8 == 0, chunk even).
+    static __device__ __forceinline__ uint32_t at(const LaneAddr& lane, uint32_t tile, int row,
+                                                  int chunk) {
+        return lane.at(tile + (chunk >> 3) * kSlabBytes, row, chunk & 7);
     }
 };
 
