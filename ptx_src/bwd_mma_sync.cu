@@ -12,8 +12,7 @@
 // red.global.add in any order, or, with dq_semaphore, in key-block order (atomics.cuh) so that
 // the sums are bit-reproducible.
 // Q, dO and the rows' values reach the ring by cp.async from every thread, or with overlapping
-// steps (sm_90+) by one thread's TMA and bulk copies (Cfg::kRowsByTma), which then alone waits for
-// the ring's free stages.
+// steps (sm_90+) by one thread's TMA and bulk copies.
 // The order of the walk and of the deterministic sums is BwdWalk's (tile_scheduler.cuh).
 //
 // The launcher (ptxattn/portable.py) instantiates attn_bwd_mma_sync<BwdMmaSyncConfig<...>> by
@@ -38,10 +37,9 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
     constexpr int kBlockN = Cfg::kBlockN;
     constexpr int kStages = Cfg::kStages;
     constexpr bool kOverlapSteps = Cfg::kOverlapSteps;
-    constexpr bool kRowsByTma = Cfg::kRowsByTma;
     constexpr int kScoreTiles = Cfg::kScoreCols / 8;
     extern __shared__ __align__(128) uint8_t smem_raw[];
-    uint8_t* const smem = kRowsByTma ? align_smem<1024>(smem_raw) : smem_raw;
+    uint8_t* const smem = kOverlapSteps ? align_smem<1024>(smem_raw) : smem_raw;
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
@@ -63,9 +61,8 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
     const uint32_t ds_tile = p_tile + Cfg::kScoreTileBytes;
     auto& ring_sync = *reinterpret_cast<Pipeline<kStages>*>(smem + Cfg::kBarrierOffset);
     if constexpr (kOverlapSteps) {
-        // A stage's copies land when every thread's cp.async have, or by TMA when its bytes have
-        // (the loading thread's expect_tx arrival).
-        if (tid == 0) ring_sync.init(kRowsByTma ? 1 : Cfg::kThreads, Cfg::kWarps);
+        // A stage's copies land with their bytes (the loading thread's expect_tx arrival).
+        if (tid == 0) ring_sync.init(1, Cfg::kWarps);
         __syncthreads();
     }
 
@@ -82,13 +79,14 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
 
     // Q and dO of the step at `cursor` into ring stage `stage`; the cursor moves to the next.
     // (The walk as a cursor, without head()'s and m_block()'s divisions at every step, leaves
-    // head_dim 128 the registers for FlashAttention-2's warp grid without spills.) By TMA, only
-    // thread 0 calls it: rows past seqlen_q arrive zero-filled, as the map ends there.
+    // head_dim 128 the registers for FlashAttention-2's warp grid without spills.) By TMA
+    // (overlapping steps), only thread 0 calls it: rows past seqlen_q arrive zero-filled, as the
+    // map ends there.
     const auto load_step = [&](BwdSteps::Cursor& cursor, int stage) {
         const int head = cursor.head;
         const int row0 = cursor.m_block * kBlockM;
         const uint32_t q_dst = ring + stage * Cfg::kStageBytes;
-        if constexpr (kRowsByTma) {
+        if constexpr (kOverlapSteps) {
             MBarrier& full = ring_sync.full_barrier(PipelineState<kStages>{stage});
             full.arrive_expect_tx(2 * Cfg::kQTileBytes + Cfg::kRowValuesBytes);
             uint8_t* const tile = smem + (q_dst - k_tile);
@@ -124,15 +122,10 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
     BwdSteps::Cursor loading = walk_steps.start(kv_head, p.q_per_kv);
 #pragma unroll
     for (int step = 0; step < (kStages > 1 ? kStages - 1 : 1); ++step) {
-        if (step < steps && (!kRowsByTma || tid == 0)) {
-            load_step(loading, step);
-            if constexpr (kOverlapSteps && !kRowsByTma) {
-                cp_async_arrive(ring_sync.full_barrier(PipelineState<kStages>{step}));
-            }
-        }
-        cp_async_commit();  // K and V ride in the first group (and, by cp.async, the first full phase)
+        if (step < steps && (!kOverlapSteps || tid == 0)) load_step(loading, step);
+        cp_async_commit();  // K and V ride in the first group
     }
-    if constexpr (kRowsByTma) {
+    if constexpr (kOverlapSteps) {
         cp_async_wait<0>();  // K and V, the block's only cp.async copies
         __syncthreads();
     }
@@ -156,15 +149,12 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
         const int stage = kStages > 1 ? step % kStages : 0;
         if constexpr (kOverlapSteps) {
             // Once every warp has released step - 1 (its stage, P and dS), though some may still
-            // be adding their dQ, refill that stage; then wait for this step's copies alone.
+            // be adding their dQ, thread 0 refills that stage; then every thread waits for this
+            // step's copies alone. (Waiting for the release only before writing P, the single
+            // P and dS tiles' hazard, measured 0.97-1.00 of this: docs/hopper-tuning.md.)
             const PipelineState<kStages> refill{step + kStages - 1};
-            if (!kRowsByTma || tid == 0) {
-                ring_sync.producer_acquire(refill);
-                if (refill.count < steps) {
-                    load_step(loading, refill.stage());
-                    if constexpr (!kRowsByTma) cp_async_arrive(ring_sync.full_barrier(refill));
-                }
-            }
+            ring_sync.producer_acquire(refill);
+            if (tid == 0 && refill.count < steps) load_step(loading, refill.stage());
             ring_sync.consumer_wait(PipelineState<kStages>{step});
         } else if constexpr (kStages > 1) {
             cp_async_wait<kStages - 2>();

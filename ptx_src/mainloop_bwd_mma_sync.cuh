@@ -13,14 +13,15 @@
 // Shared-memory tiles are swizzled rows (smem_tile.cuh): K, V, Q and dO in slabs of 128-byte rows
 // (SlabbedTile, TMA's layout), P and dS as whole rows. Layout: [K][V][stage 0: Q, dO, the rows'
 // LSE log2 and D]...[P][dS][with overlapping steps, the ring's mbarriers]. Tiles load by cp.async,
-// except a step's Q, dO and row values with overlapping steps (sm_90+: TMA, kRowsByTma).
+// except a step's Q, dO and row values with overlapping steps (sm_90+: TMA).
 //
 // Synchronisation. Two block barriers a step: one opens it (the step's copies have landed; every
 // warp is done with the last step's tiles), one separates the score phase from the others. With
 // overlapping steps (sm_90+) only the second remains: a step's copies complete on its stage's
-// full mbarrier (cp_async_arrive), and a warp releases the step on the stage's empty mbarrier
-// once it has read dS for dQ, so a warp may start the next step while others still add their
-// dQ into global memory.
+// full mbarrier (TMA's bytes), and a warp releases the step on the stage's empty mbarrier once it
+// has read dS for dQ. Before a step every warp waits until all have released the one before
+// (thread 0 then refills that stage, and the step rewrites P and dS), so a warp may start a
+// step while others still add the last one's dQ into global memory.
 #pragma once
 #include "common.cuh"
 #include "cp_async.cuh"
@@ -72,8 +73,7 @@ struct BwdMmaSyncConfig {
     // refill's copies waited behind (docs/hopper-tuning.md, session 35). The tiles need the
     // 1024-byte alignment of the swizzle atom: the base's alignment may cost 1024 bytes, and
     // each stage is padded to a multiple.
-    static constexpr bool kRowsByTma = OverlapSteps;
-    static constexpr int kSmemAlign = kRowsByTma ? 1024 : 0;
+    static constexpr int kSmemAlign = OverlapSteps ? 1024 : 0;
     static constexpr int kScoreRowBytes = BlockN * 2;  // P, dS tiles
     static constexpr int kKVTileBytes = BlockN * kRowBytes;
     static constexpr int kQTileBytes = BlockM * kRowBytes;
@@ -82,7 +82,7 @@ struct BwdMmaSyncConfig {
     // 0) and D (0 there). (Read from global memory at the step, their latency was the kernel's
     // largest stall: long scoreboard 1.5 cycles an instruction against FlashAttention-2's 0.8.)
     static constexpr int kRowValuesBytes = 2 * BlockM * 4;
-    static constexpr int kStageAlign = kRowsByTma ? 1024 : 16;
+    static constexpr int kStageAlign = OverlapSteps ? 1024 : 16;
     static constexpr int kStageBytes =
         (2 * kQTileBytes + kRowValuesBytes + kStageAlign - 1) / kStageAlign * kStageAlign;
     static constexpr int kScoreTileBytes = BlockM * kScoreRowBytes;
@@ -98,7 +98,7 @@ struct BwdMmaSyncConfig {
                   "warps own whole 16-row mma tiles");
     static_assert(kScoreCols % 16 == 0 && kDkvCols % 16 == 0 && kDqPassCols % 16 == 0 &&
                       kDqCols % kDqPassCols == 0, "warps own whole pairs of 8-column tiles");
-    static_assert(!kRowsByTma || (kKVTileBytes % 1024 == 0 && BlockM * 128 % 1024 == 0),
+    static_assert(!OverlapSteps || (kKVTileBytes % 1024 == 0 && BlockM * 128 % 1024 == 0),
                   "TMA-loaded tiles start on the 1024-byte swizzle atom");
     static_assert(Stages >= 1, "at least one (Q, dO) stage");
     static_assert(!OverlapSteps || Stages >= 2, "overlapping steps refill a stage a step ahead");

@@ -96,24 +96,19 @@ class BwdTile:
     dq_rows: int       # warp rows over dQ (block_m x head_dim)
     stages: int        # depth of the (Q, dO) ring
     min_blocks: int
-    # warps meet once a step instead of twice, the ring then guarded by mbarriers (sm_90+)
+    # warps meet once a step instead of twice, the ring then guarded by mbarriers and filled
+    # by TMA (sm_90+)
     overlap_steps: bool = False
-
-    @property
-    def rows_by_tma(self) -> bool:
-        """BwdMmaSyncConfig::kRowsByTma: with overlapping steps a step's Q and dO arrive by TMA,
-        its row values by bulk copies."""
-        return self.overlap_steps
 
     def smem_bytes(self, head_dim: int) -> int:
         """BwdMmaSyncConfig::kSmemBytes: K, V, the stages' Q, dO and row values (LSE, D), P, dS,
-        with overlapping steps the ring's full and empty mbarriers, and for TMA's tiles stages
+        and with overlapping steps (Q and dO by TMA) the ring's full and empty mbarriers, stages
         padded to 1024 bytes and the base's alignment to 1024 bytes."""
-        align = 1024 if self.rows_by_tma else 16
+        align = 1024 if self.overlap_steps else 16
         stage = -(-(2 * self.block_m * head_dim * 2 + 2 * self.block_m * 4) // align) * align
         return ((2 * self.block_n * head_dim + 2 * self.block_m * self.block_n) * 2
                 + self.stages * stage + (2 * self.stages * 8 if self.overlap_steps else 0)
-                + (1024 if self.rows_by_tma else 0))
+                + (1024 if self.overlap_steps else 0))
 
     def label(self) -> str:
         return (f"m{self.block_m}_n{self.block_n}_w{self.warps}_g{self.score_rows}"
@@ -246,7 +241,7 @@ def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: boo
     ws = shared_backward.Workspace.allocate(problem, tile.block_m, deterministic)
     p = shared_backward.make_params(problem, dout, q, k, v, out, lse, dq, dk, dv, ws,
                                       tile.block_m)
-    if tile.rows_by_tma:
+    if tile.overlap_steps:
         # boxes of a tile's rows x 64 columns (one 128-byte slab), coordinates (column, head,
         # row, batch); rows past seqlen_q arrive zero-filled
         box = (1, tile.block_m, 1, 64)
