@@ -251,8 +251,10 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
             }
             if (pass == 0 && turn != nullptr) {
                 // The walk is made again rather than kept in registers (kept, fp16 head_dim 128
-                // spilled).
-                if (tid == 0) {
+                // spilled). The block's last thread waits: thread 0 issues the TMA refills of
+                // overlapping steps, and waiting for turns as well cost it 1-4%
+                // (docs/hopper-tuning.md, session 35).
+                if (tid == Cfg::kThreads - 1) {
                     const BwdWalk turns = BwdWalk::make(blockIdx.x, gridDim.x, p.num_m_blocks,
                                                         Cfg::kCausal, true, p.dq_turn_group);
                     wait_turn(turn, turns.turn(m_block, info.n_max(m_block)));
@@ -275,7 +277,7 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
         }
         if (turn != nullptr) {
             __syncthreads();  // every warp's adds precede the release (it is cumulative)
-            if (tid == 0) pass_turn(turn);
+            if (tid == Cfg::kThreads - 1) pass_turn(turn);
         }
     }
     cp_async_wait<0>();
