@@ -6,7 +6,13 @@
 // ptxattn.runtime.tensor_map) into a 1024-byte aligned tile of `rows` rows; then every thread
 // reads 32-bit words back through swizzled_offset<kRowBytes>(row, chunk) and stores the tile
 // unswizzled, row-major, at out[row * kRowBytes / 4 + word].
+//
+// slabbed_tile_probe<kRowBytes, kRows>: the same for smem_tile.cuh's SlabbedTile (the portable
+// backward's K, V, Q and dO): thread 0 TMA-loads kRowBytes / 128 boxes of kRows rows x 128 bytes
+// (float32), box s from column c0 + 32 s, into slab s; every thread reads the tile back through
+// SlabbedTile::offset.
 #include "mbarrier.cuh"
+#include "smem_tile.cuh"
 #include "tma.cuh"
 
 namespace ptxattn {
@@ -34,6 +40,35 @@ __global__ void swizzle_probe(const __grid_constant__ TensorMap src, int c0, int
         const int row = i / kWords;
         const int word = i % kWords;
         out[i] = *reinterpret_cast<const uint32_t*>(tile + swizzled_offset<kRowBytes>(row, word / 4) +
+                                                    4 * (word % 4));
+    }
+}
+
+template <int kRowBytes, int kRows>
+__global__ void slabbed_tile_probe(const __grid_constant__ TensorMap src, int c0, int c1,
+                                   uint32_t* __restrict__ out) {
+    using Tile = SlabbedTile<kRowBytes, kRows>;
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t* tile = smem_raw + (1024 - smem_addr(smem_raw) % 1024) % 1024;
+    __shared__ MBarrier loaded;
+    if (threadIdx.x == 0) {
+        loaded.init(1);
+        fence_barrier_init();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        loaded.arrive_expect_tx(kRows * kRowBytes);
+        for (int slab = 0; slab < Tile::kSlabs; ++slab) {
+            tma_load_2d(tile + slab * Tile::kSlabBytes, &src, loaded, c0 + 32 * slab, c1);
+        }
+    }
+    loaded.wait(0);
+
+    constexpr int kWords = kRowBytes / 4;
+    for (int i = threadIdx.x; i < kRows * kWords; i += blockDim.x) {
+        const int row = i / kWords;
+        const int word = i % kWords;
+        out[i] = *reinterpret_cast<const uint32_t*>(tile + Tile::offset(row, word / 4) +
                                                     4 * (word % 4));
     }
 }

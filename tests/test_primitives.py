@@ -10,7 +10,8 @@ kernel (ptx_src/*_probe.cu) held against a NumPy model of what its header promis
   pipeline_probe.cu        pipeline.cuh: phases of the mbarrier ring over many wraps, filled by
                            one thread's stores or by every thread's cp.async (cp_async.cuh's
                            cp_async_arrive, the portable backward's overlapping steps).
-  swizzle_probe.cu         tma.cuh: swizzled_offset against the layout TMA writes.
+  swizzle_probe.cu         tma.cuh: swizzled_offset against the layout TMA writes; smem_tile.cuh:
+                           SlabbedTile::offset against TMA's boxes, one per 128-byte slab.
   mma_probe.cu             mma_sync.cuh: mma.sync, ldmatrix(.trans), C -> A fragment packing.
   wgmma_probe.cu           wgmma.cuh, wgmma_fp8.cuh: SS and RS wgmma with the descriptors the
                            Hopper kernel builds; the backward's dQ = dS K (SS with transposed
@@ -42,6 +43,8 @@ BLOCK_SHAPES = [(128, 128), (192, 64), (64, 32)]  # (kBlockM, kBlockN)
 PIPELINE_STAGES = [2, 3]
 SWIZZLE_CASES = [(128, 64), (64, 48)]  # (row bytes = swizzle span, box rows)
 MAX_SWIZZLE_ROWS = 64
+SLABBED_CASES = [(256, 64), (512, 64), (256, 128)]  # (row bytes, rows): the portable backward's
+# Q and K tiles at head_dims 128 and 256
 WGMMA16_SHAPES = [(64, 128), (128, 64)]  # (head_dim = N of P V, kBlockN = N of Q K^T)
 E4M3_SHAPES = [(64, 128), (128, 64), (256, 128)]  # (head_dim = K, N)
 DQ_HEAD_DIMS = [64, 128]  # one 64-column slab of K, and two
@@ -83,6 +86,12 @@ def swizzle_spec(row_bytes):
                   smem_bytes=MAX_SWIZZLE_ROWS * row_bytes + 1024)
 
 
+def slabbed_spec(row_bytes, rows):
+    return _probe(f"slabbed_tile_probe_{row_bytes}x{rows}", "swizzle_probe.cu",
+                  f"ptxattn::probe::slabbed_tile_probe<{row_bytes}, {rows}>", SM90,
+                  smem_bytes=rows * row_bytes + 1024)
+
+
 def mma_spec(dtype):
     return _probe(f"mma_probe_{dtype}", "mma_probe.cu",
                   f"ptxattn::probe::mma_probe<{str(dtype == 'bfloat16').lower()}>", SM80_UP)
@@ -114,6 +123,7 @@ ALL_PROBES = ([block_info_spec(*shape) for shape in BLOCK_SHAPES]
               + [pipeline_spec(stages) for stages in PIPELINE_STAGES]
               + [cp_async_pipeline_spec(stages) for stages in PIPELINE_STAGES]
               + [swizzle_spec(row_bytes) for row_bytes, _ in SWIZZLE_CASES]
+              + [slabbed_spec(*case) for case in SLABBED_CASES]
               + [mma_spec(dtype) for dtype in DTYPES]
               + [wgmma16_spec(d, n, dtype) for d, n in WGMMA16_SHAPES for dtype in DTYPES]
               + [wgmma16_dq_spec(d, dtype) for d in DQ_HEAD_DIMS for dtype in DTYPES]
@@ -575,6 +585,26 @@ def test_swizzled_offset_matches_the_tma_layout(row_bytes, rows, rng):
     runtime.launch(kernel, (1,), (128,),
                    [runtime.tensor_map(src, (rows, width), swizzle=row_bytes), np.int32(col),
                     np.int32(row), np.int32(rows), out])
+    expected = src[row:row + rows, col:col + width].get()
+    got = out.get().view(np.float32).reshape(rows, width)
+    wrong = np.argwhere(got != expected)
+    assert wrong.size == 0, f"{len(wrong)} words differ, first (row, word) {wrong[:4].tolist()}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("row_bytes,rows", SLABBED_CASES)
+def test_slabbed_tile_matches_the_tma_layout(row_bytes, rows, rng):
+    """Boxes of 128-byte rows, one per slab, read back through SlabbedTile::offset: the layout
+    the portable backward's TMA loads write is the one its ldmatrix and cp.async address."""
+    import cupy
+    kernel = _load(slabbed_spec(row_bytes, rows))
+    src = cupy.asarray(rng.permutation(200 * 160).astype(np.float32).reshape(200, 160))
+    width = row_bytes // 4
+    col, row = 16, 37
+    out = cupy.zeros(rows * width, cupy.uint32)
+    runtime.launch(kernel, (1,), (128,),
+                   [runtime.tensor_map(src, (rows, 32), swizzle=128), np.int32(col),
+                    np.int32(row), out])
     expected = src[row:row + rows, col:col + width].get()
     got = out.get().view(np.float32).reshape(rows, width)
     wrong = np.argwhere(got != expected)
