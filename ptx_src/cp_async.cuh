@@ -3,12 +3,10 @@
 // Wraps cp.async.cg.shared.global with a 16-byte size (and cp.async.ca with 4 bytes, for single
 // words) and a run-time source size: a source size of 0 copies nothing and zero-fills the
 // destination bytes, which is how rows past a sequence's end are loaded without reading out of
-// bounds. Copies are grouped with
-// commit_group and retired with wait_group N (at most N groups still in flight), or tracked by
-// an mbarrier (cp_async_arrive), which lets other threads wait for them.
+// bounds. Copies are grouped with commit_group and retired with wait_group N (at most N groups
+// still in flight).
 #pragma once
 #include "common.cuh"
-#include "mbarrier.cuh"
 
 namespace ptxattn {
 
@@ -29,15 +27,6 @@ __device__ __forceinline__ void cp_async_commit() {
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
-// One of `barrier`'s expected arrivals, made once every cp.async this thread issued before it
-// has landed: cp.async.mbarrier.arrive.noinc (.noinc: the arrival counts toward the count the
-// barrier was initialised with, so a barrier of kThreads completes when every thread's copies
-// have). A thread that waits on the phase then sees all those copies' data.
-__device__ __forceinline__ void cp_async_arrive(MBarrier& barrier) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(barrier.addr())
-                 : "memory");
 }
 
 }  // namespace ptxattn

@@ -9,15 +9,6 @@
 // Both sides advance a PipelineState of their own. The producer dawdles on some stretches of
 // items and the consumers (each warp by a different amount) on others, so the ring runs both
 // full (producer_acquire waits) and empty (consumer_wait waits).
-//
-// cp_async_pipeline_probe is the portable backward's protocol (overlapping steps): every thread
-// is a producer and a consumer. Per item each of the 128 threads copies 16 bytes of the item's
-// 512 ints into the slot with cp.async and arrives with cp_async_arrive (full: kThreads
-// arrivals); every warp waits for the slot and lane l copies a word written by another warp,
-// slot[128 ((warp + 1) % 4) + 4 l + i % 4], to out[(warp * items + i) * 32 + l]; after __syncwarp
-// lane 0 releases the slot (empty: one arrival a warp). A thread refills a slot kStages - 1
-// items ahead, once every warp released it, as the kernel does at the start of a step.
-#include "cp_async.cuh"
 #include "mbarrier.cuh"
 #include "pipeline.cuh"
 
@@ -58,37 +49,6 @@ pipeline_probe(const int* __restrict__ src, int items, int* __restrict__ out) {
     for (int i = 0; i < items; ++i, ++state.count) {
         pipe.consumer_wait(state);
         out[((warp - 1) * items + i) * 32 + lane] = slots[state.stage()][lane];
-        dawdle(i, warp);
-        __syncwarp();
-        if (lane == 0) pipe.consumer_release(state);
-    }
-}
-
-template <int kStages>
-__global__ void __launch_bounds__(128)
-cp_async_pipeline_probe(const int* __restrict__ src, int items, int* __restrict__ out) {
-    constexpr int kThreads = 128;
-    __shared__ Pipeline<kStages> pipe;
-    __shared__ __align__(16) int slots[kStages][4 * kThreads];
-    const int warp = threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
-    if (threadIdx.x == 0) pipe.init(kThreads, kThreads / 32);
-    __syncthreads();
-
-    const auto load = [&](int item) {
-        const PipelineState<kStages> state{item};
-        pipe.producer_acquire(state);
-        cp_async_16(smem_addr(&slots[state.stage()][4 * threadIdx.x]),
-                    src + 4 * (kThreads * item + threadIdx.x), true);
-        cp_async_arrive(pipe.full_barrier(state));
-    };
-    for (int i = 0; i < kStages - 1 && i < items; ++i) load(i);
-    for (int i = 0; i < items; ++i) {
-        if (i + kStages - 1 < items) load(i + kStages - 1);
-        const PipelineState<kStages> state{i};
-        pipe.consumer_wait(state);
-        out[(warp * items + i) * 32 + lane] =
-            slots[state.stage()][128 * ((warp + 1) % 4) + 4 * lane + i % 4];
         dawdle(i, warp);
         __syncwarp();
         if (lane == 0) pipe.consumer_release(state);

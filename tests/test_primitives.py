@@ -8,8 +8,7 @@ kernel (ptx_src/*_probe.cu) held against a NumPy model of what its header promis
                            in static and dynamic order through the TileMailbox; the backward's
                            walk (BwdWalk, BwdSteps) and its deterministic turns.
   pipeline_probe.cu        pipeline.cuh: phases of the mbarrier ring over many wraps, filled by
-                           one thread's stores or by every thread's cp.async (cp_async.cuh's
-                           cp_async_arrive, the portable backward's overlapping steps).
+                           one thread's stores.
   swizzle_probe.cu         tma.cuh: swizzled_offset against the layout TMA writes; smem_tile.cuh:
                            SlabbedTile::offset against TMA's boxes, one per 128-byte slab.
   mma_probe.cu             mma_sync.cuh: mma.sync, ldmatrix(.trans), C -> A fragment packing.
@@ -75,11 +74,6 @@ def pipeline_spec(stages):
                   f"ptxattn::probe::pipeline_probe<{stages}>", SM90)
 
 
-def cp_async_pipeline_spec(stages):
-    return _probe(f"cp_async_pipeline_probe_{stages}", "pipeline_probe.cu",
-                  f"ptxattn::probe::cp_async_pipeline_probe<{stages}>", SM90)
-
-
 def swizzle_spec(row_bytes):
     return _probe(f"swizzle_probe_{row_bytes}", "swizzle_probe.cu",
                   f"ptxattn::probe::swizzle_probe<{row_bytes}>", SM90,
@@ -121,7 +115,6 @@ ALL_PROBES = ([block_info_spec(*shape) for shape in BLOCK_SHAPES]
               + [SEQLENS, TILE_ORDER, GRID_TILES, PERSISTENT_TILES]
               + [bwd_walk_spec(*shape) for shape in BWD_WALK_SHAPES]
               + [pipeline_spec(stages) for stages in PIPELINE_STAGES]
-              + [cp_async_pipeline_spec(stages) for stages in PIPELINE_STAGES]
               + [swizzle_spec(row_bytes) for row_bytes, _ in SWIZZLE_CASES]
               + [slabbed_spec(*case) for case in SLABBED_CASES]
               + [mma_spec(dtype) for dtype in DTYPES]
@@ -541,30 +534,6 @@ def test_pipeline_passes_every_item_once_in_order(stages, rng):
             source = f"item {item_of[value]}" if 0 <= value < items * 32 else "no item"
             pytest.fail(f"consumer warp {warp}: {len(wrong)} wrong words; item {i} word {lane} "
                         f"holds {value}, from {source}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("stages", PIPELINE_STAGES)
-def test_cp_async_pipeline_sees_every_thread_s_copy(stages, rng):
-    """1537 items of 512 distinct ints copied by 128 threads' cp.async; each warp reads words
-    another warp copied, so a full phase that completed before every thread's copy landed, or a
-    refill before every warp released the slot, shows as a wrong or stale word."""
-    import cupy
-    kernel = _load(cp_async_pipeline_spec(stages))
-    items, warps = 1537, 4
-    src = rng.permutation(items * 512).astype(np.int32).reshape(items, 512)
-    out = cupy.full((warps, items, 32), -1, cupy.int32)
-    runtime.launch(kernel, (1,), (32 * warps,), [cupy.asarray(src), np.int32(items), out])
-    got = out.get()
-    lanes = np.arange(32)
-    for warp in range(warps):
-        words = 128 * ((warp + 1) % warps) + 4 * lanes[None, :] + (np.arange(items) % 4)[:, None]
-        expected = np.take_along_axis(src, words, axis=1)
-        wrong = np.argwhere(got[warp] != expected)
-        if wrong.size:
-            i, lane = wrong[0]
-            pytest.fail(f"warp {warp}: {len(wrong)} wrong words; item {i} lane {lane} holds "
-                        f"{got[warp, i, lane]}, expected {expected[i, lane]}")
 
 
 # ---------------------------------------------------------------------------------------------
