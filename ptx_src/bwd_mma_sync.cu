@@ -5,7 +5,7 @@
 //
 // Grid (key blocks, kv heads, batch): block (n, kv head, b) loads its kBlockN keys of K and V
 // once, then for every q head sharing the kv head walks the query tiles that see those keys
-// (block_info.cuh), first to last, through the cp.async ring of (Q, dO) stages, and runs the
+// (block_info.cuh), first to last, through a ring of (Q, dO) stages, and runs the
 // three phases of mainloop_bwd_mma_sync.cuh (whose header also says how warps synchronise). dK
 // and dV are sums over the block's own walk (GQA heads included) and stay in registers until the
 // end; dQ crosses key blocks, so each block adds its part into the FP32 accumulator: with
@@ -62,7 +62,10 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
     auto& ring_sync = *reinterpret_cast<Pipeline<kStages>*>(smem + Cfg::kBarrierOffset);
     if constexpr (kOverlapSteps) {
         // A stage's copies land with their bytes (the loading thread's expect_tx arrival).
-        if (tid == 0) ring_sync.init(1, Cfg::kWarps);
+        if (tid == 0) {
+            ring_sync.init(1, Cfg::kWarps);
+            fence_barrier_init();  // the TMA copies complete on these barriers
+        }
         __syncthreads();
     }
 
@@ -223,10 +226,10 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
         // With overlapping steps the warp releases the step once it has read its last shared
         // tile of the step (dS): the adds, whose back-pressure sets the slowest warp's pace, then
         // overlap the next step of the others. One lane arrives, after the __syncwarp that
-        // orders the warp's reads before it. (compute-sanitizer's racecheck does not follow that
-        // ordering and reports each refill as a WAR hazard. An arrival by every thread, which it
-        // accepts, measured 0.985-1.000 of this and spills 8 bytes at bf16 head_dim 128 causal
-        // under NVRTC 13.0: docs/hopper-tuning.md, session 31.)
+        // orders the warp's reads before it. (With the cp.async refills of session 31,
+        // compute-sanitizer's racecheck did not follow that ordering and reported each refill as
+        // a WAR hazard; an arrival by every thread, which it accepted, measured 0.985-1.000 of
+        // this: docs/hopper-tuning.md.)
         const auto release_step = [&] {
             if constexpr (kOverlapSteps) {
                 __syncwarp();

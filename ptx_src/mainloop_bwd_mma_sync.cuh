@@ -2,7 +2,7 @@
 //
 // A block owns kBlockN keys of one (batch, kv head): K and V stay in shared memory, dK and dV in
 // its warps' registers. It walks the query tiles of kBlockM rows that see those keys (of every q
-// head sharing the kv head) through a cp.async ring of (Q, dO) stages, and per tile runs five
+// head sharing the kv head) through a ring of (Q, dO) stages, and per tile runs five
 // GEMMs in three phases, each over all warps with its own warp grid:
 //   scores (kBlockM x kBlockN):  S = Q K^T and dP = dO V^T; P and dS = P (dP - D) (softmax.cuh)
 //                                go to shared memory as 16-bit tiles;
@@ -33,7 +33,7 @@ namespace ptxattn {
 
 // The compile-time shape of a portable backward kernel: head_dim, query rows per tile, keys per
 // block, warps, the warp grid's row count in each phase (its columns are warps / rows), the
-// (Q, dO) ring depth, overlapping steps (above; sm_90+ for the mbarrier waits), bf16 (else
+// (Q, dO) ring depth, overlapping steps (above; sm_90+: TMA and mbarriers), bf16 (else
 // fp16), causal, __launch_bounds__ minimum blocks/SM, and the dynamic shared memory the launcher
 // requests (BwdTile.smem_bytes, checked against the layout).
 template <int HeadDim, int BlockM, int BlockN, int Warps, int ScoreWarpRows, int DkvWarpRows,
@@ -71,9 +71,9 @@ struct BwdMmaSyncConfig {
     // a box per slab of the tiles) and its row values by bulk copies, all completing on the
     // stage's full mbarrier: the other threads' LSU queues then hold only the dQ adds, which the
     // refill's copies waited behind (docs/hopper-tuning.md, session 35). The tiles need the
-    // 1024-byte alignment of the swizzle atom: the base's alignment may cost 1024 bytes, and
-    // each stage is padded to a multiple.
-    static constexpr int kSmemAlign = OverlapSteps ? 1024 : 0;
+    // 1024-byte alignment of the swizzle atom: aligning the base may cost up to 1024 bytes
+    // (kAlignSlack), and each stage is padded to a multiple.
+    static constexpr int kAlignSlack = OverlapSteps ? 1024 : 0;
     static constexpr int kScoreRowBytes = BlockN * 2;  // P, dS tiles
     static constexpr int kKVTileBytes = BlockN * kRowBytes;
     static constexpr int kQTileBytes = BlockM * kRowBytes;
@@ -90,7 +90,7 @@ struct BwdMmaSyncConfig {
         2 * kKVTileBytes + Stages * kStageBytes + 2 * kScoreTileBytes;
     static constexpr int kSmemBytes =
         kBarrierOffset + (OverlapSteps ? static_cast<int>(sizeof(Pipeline<Stages>)) : 0) +
-        kSmemAlign;
+        kAlignSlack;
 
     static_assert(Warps % ScoreWarpRows == 0 && Warps % DkvWarpRows == 0 &&
                       Warps % DqWarpRows == 0, "every phase's warp grid uses all warps");

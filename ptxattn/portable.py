@@ -133,7 +133,7 @@ _SCALAR_RED_163K = tuple(a for a in _SMEM_163K if a not in _VECTOR_RED)
 # 128: 4 x 2 warps over dK and dV, where 8 x 1 read 72K instead of 48K elements a step each,
 # and FlashAttention-2's 2 x 4 over the scores and dQ, 288K elements a step in all against 4 x 2's
 # 336K, which fits 255 registers since the walk is a cursor: 1.02-1.06x; head_dim 256: 2 x 4,
-# with a second (Q, dO) stage where its 214,016 bytes of shared memory fit, sm_90+: 1.01-1.02x).
+# with a second (Q, dO) stage where its 216,096 bytes of shared memory fit, sm_90+: 1.01-1.02x).
 # The smaller tiles of sm_80 and the 99 KB archs were timed on the H100 only (its vector adds;
 # docs/hopper-tuning.md). Head dim 256 needs more shared memory than the 99 KB of sm_86/89/120
 # allow for any tile of whole mma fragments.
