@@ -18,9 +18,12 @@
 namespace ptxattn {
 namespace probe {
 
-template <int kRowBytes>
-__global__ void swizzle_probe(const __grid_constant__ TensorMap src, int c0, int c1, int rows,
-                              uint32_t* __restrict__ out) {
+// The probes' common part: thread 0 fills the block's 1024-byte aligned tile with `bytes` bytes
+// of TMA loads (load(tile, barrier)), then every thread reads it back through offset(row, chunk)
+// (byte offsets of 16-byte chunks) and stores it row-major, rows of kRowBytes, at out.
+template <int kRowBytes, class Load, class Offset>
+__device__ __forceinline__ void read_back_loaded_tile(int rows, Load load, Offset offset,
+                                                      uint32_t* __restrict__ out) {
     extern __shared__ uint8_t smem_raw[];
     uint8_t* tile = smem_raw + (1024 - smem_addr(smem_raw) % 1024) % 1024;
     __shared__ MBarrier loaded;
@@ -31,7 +34,7 @@ __global__ void swizzle_probe(const __grid_constant__ TensorMap src, int c0, int
     __syncthreads();
     if (threadIdx.x == 0) {
         loaded.arrive_expect_tx(rows * kRowBytes);
-        tma_load_2d(tile, &src, loaded, c0, c1);
+        load(tile, loaded);
     }
     loaded.wait(0);
 
@@ -39,38 +42,30 @@ __global__ void swizzle_probe(const __grid_constant__ TensorMap src, int c0, int
     for (int i = threadIdx.x; i < rows * kWords; i += blockDim.x) {
         const int row = i / kWords;
         const int word = i % kWords;
-        out[i] = *reinterpret_cast<const uint32_t*>(tile + swizzled_offset<kRowBytes>(row, word / 4) +
-                                                    4 * (word % 4));
+        out[i] = *reinterpret_cast<const uint32_t*>(tile + offset(row, word / 4) + 4 * (word % 4));
     }
+}
+
+template <int kRowBytes>
+__global__ void swizzle_probe(const __grid_constant__ TensorMap src, int c0, int c1, int rows,
+                              uint32_t* __restrict__ out) {
+    read_back_loaded_tile<kRowBytes>(
+        rows, [&](uint8_t* tile, MBarrier& loaded) { tma_load_2d(tile, &src, loaded, c0, c1); },
+        [](int row, int chunk) { return swizzled_offset<kRowBytes>(row, chunk); }, out);
 }
 
 template <int kRowBytes, int kRows>
 __global__ void slabbed_tile_probe(const __grid_constant__ TensorMap src, int c0, int c1,
                                    uint32_t* __restrict__ out) {
     using Tile = SlabbedTile<kRowBytes, kRows>;
-    extern __shared__ uint8_t smem_raw[];
-    uint8_t* tile = smem_raw + (1024 - smem_addr(smem_raw) % 1024) % 1024;
-    __shared__ MBarrier loaded;
-    if (threadIdx.x == 0) {
-        loaded.init(1);
-        fence_barrier_init();
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        loaded.arrive_expect_tx(kRows * kRowBytes);
-        for (int slab = 0; slab < Tile::kSlabs; ++slab) {
-            tma_load_2d(tile + slab * Tile::kSlabBytes, &src, loaded, c0 + 32 * slab, c1);
-        }
-    }
-    loaded.wait(0);
-
-    constexpr int kWords = kRowBytes / 4;
-    for (int i = threadIdx.x; i < kRows * kWords; i += blockDim.x) {
-        const int row = i / kWords;
-        const int word = i % kWords;
-        out[i] = *reinterpret_cast<const uint32_t*>(tile + Tile::offset(row, word / 4) +
-                                                    4 * (word % 4));
-    }
+    read_back_loaded_tile<kRowBytes>(
+        kRows,
+        [&](uint8_t* tile, MBarrier& loaded) {
+            for (int slab = 0; slab < Tile::kSlabs; ++slab) {
+                tma_load_2d(tile + slab * Tile::kSlabBytes, &src, loaded, c0 + 32 * slab, c1);
+            }
+        },
+        [](int row, int chunk) { return Tile::offset(row, chunk); }, out);
 }
 
 }  // namespace probe
