@@ -154,7 +154,7 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
             // Once every warp has released step - 1 (its stage, P and dS), though some may still
             // be adding their dQ, thread 0 refills that stage; then every thread waits for this
             // step's copies alone. (Waiting for the release only before writing P, the single
-            // P and dS tiles' hazard, measured 0.97-1.00 of this: docs/hopper-tuning.md.)
+            // P and dS tiles' hazard, measured 0.94-1.02 of this: docs/hopper-tuning.md.)
             const PipelineState<kStages> refill{step + kStages - 1};
             ring_sync.producer_acquire(refill);
             if (tid == 0 && refill.count < steps) load_step(loading, refill.stage());
