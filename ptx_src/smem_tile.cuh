@@ -18,6 +18,9 @@
 // Every fragment load starts at a row that is a multiple of 8 and at an even chunk, so a lane's
 // address splits into a per-lane part fixed for the whole kernel (its row offset, and `swizzle`
 // = its chunk bit ^ row % 8) plus compile-time offsets after unrolling.
+//
+// SlabbedTile (below) keeps rows wider than 128 bytes as 128-byte slabs, each a SwizzledTile<128>:
+// the layout TMA writes, for tiles that are loaded both ways.
 #pragma once
 #include "common.cuh"
 #include "cp_async.cuh"
@@ -89,7 +92,7 @@ struct SwizzledTile {
         return offset(row, col >> 3) + ((col & 7) << 1);
     }
 
-    // cp.async of tile rows [0, kRows) from consecutive sequence positions (copy_rows, below).
+    // cp.async of tile rows [0, kRows) from consecutive sequence positions (copy_rows, above).
     template <int kRows, int kThreads, bool kCheckRows>
     static __device__ __forceinline__ void load(uint32_t tile, const uint16_t* rows,
                                                 int64_t seq_stride, int valid_rows, int tid) {
