@@ -12,7 +12,8 @@
 // red.global.add in any order, or, with dq_semaphore, in key-block order (atomics.cuh) so that
 // the sums are bit-reproducible.
 // Q, dO and the rows' values reach the ring by cp.async from every thread, or with overlapping
-// steps (sm_90+) by one thread's TMA and bulk copies.
+// steps (sm_90+) by one thread's TMA and bulk copies, issued once every warp is past the step
+// before (P and dS then alternate between two buffers).
 // The order of the walk and of the deterministic sums is BwdWalk's (tile_scheduler.cuh).
 //
 // The launcher (ptxattn/portable.py) instantiates attn_bwd_mma_sync<BwdMmaSyncConfig<...>> by
@@ -57,13 +58,14 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
     const uint32_t k_tile = smem_addr(smem);
     const uint32_t v_tile = k_tile + Cfg::kKVTileBytes;
     const uint32_t ring = v_tile + Cfg::kKVTileBytes;
-    const uint32_t p_tile = ring + kStages * Cfg::kStageBytes;
-    const uint32_t ds_tile = p_tile + Cfg::kScoreTileBytes;
-    auto& ring_sync = *reinterpret_cast<Pipeline<kStages>*>(smem + Cfg::kBarrierOffset);
+    const uint32_t score_buffers = ring + kStages * Cfg::kStageBytes;
+    const uint32_t row_values_ring = smem_addr(smem) + Cfg::kRowValuesOffset;
+    MBarrier* const landed = reinterpret_cast<MBarrier*>(smem + Cfg::kBarrierOffset);
     if constexpr (kOverlapSteps) {
         // A stage's copies land with their bytes (the loading thread's expect_tx arrival).
         if (tid == 0) {
-            ring_sync.init(1, Cfg::kWarps);
+#pragma unroll
+            for (int stage = 0; stage < kStages; ++stage) landed[stage].init(1);
             fence_barrier_init();  // the TMA copies complete on these barriers
         }
         __syncthreads();
@@ -89,8 +91,9 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
         const int head = cursor.head;
         const int row0 = cursor.m_block * kBlockM;
         const uint32_t q_dst = ring + stage * Cfg::kStageBytes;
+        const uint32_t values_dst = row_values_ring + stage * Cfg::kRowValuesBytes;
         if constexpr (kOverlapSteps) {
-            MBarrier& full = ring_sync.full_barrier(PipelineState<kStages>{stage});
+            MBarrier& full = landed[stage];
             full.arrive_expect_tx(2 * Cfg::kQTileBytes + Cfg::kRowValuesBytes);
             uint8_t* const tile = smem + (q_dst - k_tile);
             using QTile = typename Mainloop::QTile;
@@ -102,9 +105,9 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
                             batch);
             }
             const int padded_row = (batch * p.heads_q + head) * p.seqlen_q_rounded + row0;
-            bulk_load(tile + 2 * Cfg::kQTileBytes, p.lse_log2 + padded_row, 4 * kBlockM, full);
-            bulk_load(tile + 2 * Cfg::kQTileBytes + 4 * kBlockM, p.dpsum + padded_row,
-                      4 * kBlockM, full);
+            uint8_t* const values = smem + (values_dst - k_tile);
+            bulk_load(values, p.lse_log2 + padded_row, 4 * kBlockM, full);
+            bulk_load(values + 4 * kBlockM, p.dpsum + padded_row, 4 * kBlockM, full);
             walk_steps.next(cursor);
             return;
         }
@@ -118,7 +121,7 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
             static_cast<const uint16_t*>(p.dout) + batch * p.dout_stride_b +
                 head * p.dout_stride_h + row0 * p.dout_stride_s,
             p.dout_stride_s, p.seqlen_q - row0, tid);
-        Mainloop::load_row_values(q_dst + 2 * Cfg::kQTileBytes, p.lse_log2, p.dpsum,
+        Mainloop::load_row_values(values_dst, p.lse_log2, p.dpsum,
                                   (batch * p.heads_q + head) * p.seqlen_q_rounded + row0, tid);
         walk_steps.next(cursor);
     };
@@ -134,7 +137,7 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
     }
     BwdSteps::Cursor at = walk_steps.start(kv_head, p.q_per_kv);  // the step computed
 
-    const typename Mainloop::Lanes lanes(lane);
+    typename Mainloop::Lanes lanes(lane);
     const int score_row0 = (warp % Cfg::kScoreWarpRows) * Cfg::kScoreRows;
     const int score_col0 = (warp / Cfg::kScoreWarpRows) * Cfg::kScoreCols;
     const int dkv_key0 = (warp % Cfg::kDkvWarpRows) * Cfg::kDkvRows;
@@ -142,6 +145,7 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
     const int dq_row0 = (warp % Cfg::kDqWarpRows) * Cfg::kDqRows;
     const int dq_d0 = (warp / Cfg::kDqWarpRows) * Cfg::kDqCols;
 
+    uint32_t score_buffer = 0;  // the step's P and dS buffer, as an offset from the first
     float dv[Cfg::kDkvRows / 16][Cfg::kDkvCols / 8][4];
     float dk[Cfg::kDkvRows / 16][Cfg::kDkvCols / 8][4];
     zero_fill(dv);
@@ -151,14 +155,7 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
     for (int step = 0; step < steps; ++step) {
         const int stage = kStages > 1 ? step % kStages : 0;
         if constexpr (kOverlapSteps) {
-            // Once every warp has released step - 1 (its stage, P and dS), though some may still
-            // be adding their dQ, thread 0 refills that stage; then every thread waits for this
-            // step's copies alone. (Waiting for the release only before writing P, the single
-            // P and dS tiles' hazard, measured 0.94-1.02 of this: docs/hopper-tuning.md.)
-            const PipelineState<kStages> refill{step + kStages - 1};
-            ring_sync.producer_acquire(refill);
-            if (tid == 0 && refill.count < steps) load_step(loading, refill.stage());
-            ring_sync.consumer_wait(PipelineState<kStages>{step});
+            landed[stage].wait((step / kStages) & 1);  // the stage's copies alone
         } else if constexpr (kStages > 1) {
             cp_async_wait<kStages - 2>();
             __syncthreads();  // this step's tiles landed; every warp is done with step - 1
@@ -175,11 +172,15 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
         const int first_row = m_block * kBlockM;
         const uint32_t q_tile = ring + stage * Cfg::kStageBytes;
         const uint32_t do_tile = q_tile + Cfg::kQTileBytes;
+        // P and dS of the first buffer: the stores add the step's buffer, ldmatrix's lane
+        // addresses carry it (Lanes::next_score_buffer).
+        const uint32_t p_tile = score_buffers;
+        const uint32_t ds_tile = p_tile + Cfg::kScoreTileBytes;
 
-        // The rows' LSE log2(e) and D, in the stage after Q and dO (a row that sees no key or
+        // The rows' LSE log2(e) and D, in the stage's row values (a row that sees no key or
         // lies past seqlen_q has +inf and 0, so P = 0), each read once its GEMM is done (shared
         // memory's latency needs no hiding; read ahead, head_dim 128 spilled).
-        const uint32_t row_values = q_tile + 2 * Cfg::kQTileBytes;
+        const uint32_t row_values = row_values_ring + stage * Cfg::kRowValuesBytes;
         const int64_t row_base = (static_cast<int64_t>(batch) * p.heads_q + head) * p.seqlen_q;
         // Phase 1: S -> P, then dP -> dS, each into shared memory as 16-bit values.
         typename Mainloop::ScorePairs pairs;
@@ -195,7 +196,7 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
             recompute_probabilities(s, lse_log2, p.scale_log2);
             Mainloop::pack_scores(pairs, s);
         }
-        Mainloop::store_scores(p_tile, pairs, score_row0, score_col0, lane);
+        Mainloop::store_scores(p_tile + score_buffer, pairs, score_row0, score_col0, lane);
         {
             float dp[Cfg::kScoreRows / 16][kScoreTiles][4];
             Mainloop::gemm_abt(dp, do_tile, v_tile, score_row0, score_col0, lanes);
@@ -204,8 +205,13 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
             score_gradient<Cfg::kBf16>(dp, pairs, dpsum);
             Mainloop::pack_scores(pairs, dp);
         }
-        Mainloop::store_scores(ds_tile, pairs, score_row0, score_col0, lane);
+        Mainloop::store_scores(ds_tile + score_buffer, pairs, score_row0, score_col0, lane);
         __syncthreads();
+        if constexpr (kOverlapSteps) {
+            // Every warp is done with step - 1: its stage takes the step kStages - 1 ahead.
+            const int refill = step + kStages - 1;
+            if (tid == 0 && refill < steps) load_step(loading, refill % kStages);
+        }
 
         // Phase 2: dV += P^T dO, dK += dS^T Q.
         Mainloop::gemm_atb(dv, p_tile, do_tile, dkv_key0, dkv_d0, lanes);
@@ -223,24 +229,10 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
                         ? nullptr
                         : p.dq_semaphore + (static_cast<int64_t>(batch) * p.heads_q + head) *
                                                p.num_m_blocks + m_block;
-        // With overlapping steps the warp releases the step once it has read its last shared
-        // tile of the step (dS): the adds, whose back-pressure sets the slowest warp's pace, then
-        // overlap the next step of the others. One lane arrives, after the __syncwarp that
-        // orders the warp's reads before it. (With the cp.async refills of session 31,
-        // compute-sanitizer's racecheck did not follow that ordering and reported each refill as
-        // a WAR hazard; an arrival by every thread, which it accepted, measured 0.985-1.000 of
-        // this: docs/hopper-tuning.md.)
-        const auto release_step = [&] {
-            if constexpr (kOverlapSteps) {
-                __syncwarp();
-                if (lane == 0) ring_sync.consumer_release(PipelineState<kStages>{step});
-            }
-        };
         // Several passes (head_dim 256) read the warp's rows of dS once, before the first.
         typename Mainloop::DsFragments ds;
         if constexpr (Cfg::kDqPasses > 1) {
             Mainloop::load_ds(ds, ds_tile, dq_row0, lanes);
-            release_step();
         }
 #pragma unroll 1
         for (int pass = 0; pass < Cfg::kDqPasses; ++pass) {
@@ -250,7 +242,6 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
                 Mainloop::gemm_ab(dq, ds, k_tile, d0, lanes);
             } else {
                 Mainloop::gemm_ab(dq, ds_tile, k_tile, dq_row0, d0, lanes);
-                release_step();
             }
             if (pass == 0 && turn != nullptr) {
                 // The walk is made again rather than kept in registers (kept, fp16 head_dim 128
@@ -282,6 +273,8 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
             __syncthreads();  // every warp's adds precede the release (it is cumulative)
             if (tid == Cfg::kThreads - 1) pass_turn(turn);
         }
+        lanes.next_score_buffer(step);
+        if constexpr (Cfg::kScoreBuffers == 2) score_buffer ^= Cfg::kScoreBufferBytes;
     }
     cp_async_wait<0>();
 

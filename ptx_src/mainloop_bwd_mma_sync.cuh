@@ -11,22 +11,23 @@
 //   dq     (kBlockM x kHeadDim): dQ = dS K, added into the FP32 accumulator in global memory,
 //                                in passes of 32 or 64 columns to bound registers.
 // Shared-memory tiles are swizzled rows (smem_tile.cuh): K, V, Q and dO in slabs of 128-byte rows
-// (SlabbedTile, TMA's layout), P and dS as whole rows. Layout: [K][V][stage 0: Q, dO, the rows'
-// LSE log2 and D]...[P][dS][with overlapping steps, the ring's mbarriers]. Tiles load by cp.async,
-// except a step's Q, dO and row values with overlapping steps (sm_90+: TMA).
+// (SlabbedTile, TMA's layout), P and dS as whole rows. Layout: [K][V][stage 0: Q, dO]...[P][dS]
+// (twice with overlapping steps)[stage 0: the rows' LSE log2 and D]...[with overlapping steps,
+// the stages' full mbarriers]. Tiles load by cp.async, except a step's Q, dO and row values
+// with overlapping steps (sm_90+: TMA and bulk copies).
 //
 // Synchronisation. Two block barriers a step: one opens it (the step's copies have landed; every
 // warp is done with the last step's tiles), one separates the score phase from the others. With
 // overlapping steps (sm_90+) only the second remains: a step's copies complete on its stage's
-// full mbarrier (TMA's bytes), and a warp releases the step on the stage's empty mbarrier once it
-// has read dS for dQ. Before a step every warp waits until all have released the one before
-// (thread 0 then refills that stage, and the step rewrites P and dS), so a warp may start a
-// step while others still add the last one's dQ into global memory.
+// full mbarrier (TMA's bytes), and P and dS alternate between two buffers. A warp past the
+// score barrier of step s has finished step s - 1, so there thread 0 refills step s - 1's stage
+// (for step s + kStages - 1), and step s + 1 writes the buffers step s - 1 read: a warp may
+// start the next step while others still compute and add this step's dQ.
 #pragma once
 #include "common.cuh"
 #include "cp_async.cuh"
 #include "mma_sync.cuh"
-#include "pipeline.cuh"
+#include "mbarrier.cuh"
 #include "smem_tile.cuh"
 
 namespace ptxattn {
@@ -71,25 +72,30 @@ struct BwdMmaSyncConfig {
     // a box per slab of the tiles) and its row values by bulk copies, all completing on the
     // stage's full mbarrier: the other threads' LSU queues then hold only the dQ adds, which the
     // refill's copies waited behind (docs/hopper-tuning.md, session 35). The tiles need the
-    // 1024-byte alignment of the swizzle atom: aligning the base may cost up to 1024 bytes
-    // (kAlignSlack), and each stage is padded to a multiple.
-    static constexpr int kAlignSlack = OverlapSteps ? 1024 : 0;
+    // 1024-byte alignment of the swizzle atom: aligning the base, which is 16-byte aligned, may
+    // cost 1008 bytes (kAlignSlack); every tile before the score tiles is a multiple of 1024.
+    static constexpr int kAlignSlack = OverlapSteps ? 1024 - 16 : 0;
     static constexpr int kScoreRowBytes = BlockN * 2;  // P, dS tiles
     static constexpr int kKVTileBytes = BlockN * kRowBytes;
     static constexpr int kQTileBytes = BlockM * kRowBytes;
+    static constexpr int kStageBytes = 2 * kQTileBytes;  // Q, dO
+    static constexpr int kScoreTileBytes = BlockM * kScoreRowBytes;
+    // P and dS of consecutive steps in alternate buffers with overlapping steps (above).
+    static constexpr int kScoreBuffers = OverlapSteps ? 2 : 1;
+    static constexpr int kScoreBufferBytes = 2 * kScoreTileBytes;
+    static_assert((kScoreBufferBytes & (kScoreBufferBytes - 1)) == 0,
+                  "the stores' buffer offset toggles by XOR");
     // A step's row values, copied with its Q and dO from the preprocess's padded rows (whole
     // tiles, so no row checks): LSE log2(e) (+inf where no key is seen or past seqlen_q, so P =
     // 0) and D (0 there). (Read from global memory at the step, their latency was the kernel's
     // largest stall: long scoreboard 1.5 cycles an instruction against FlashAttention-2's 0.8.)
+    // Apart from the stages, the tiles need no padding to 1024 bytes.
     static constexpr int kRowValuesBytes = 2 * BlockM * 4;
-    static constexpr int kStageAlign = OverlapSteps ? 1024 : 16;
-    static constexpr int kStageBytes =
-        (2 * kQTileBytes + kRowValuesBytes + kStageAlign - 1) / kStageAlign * kStageAlign;
-    static constexpr int kScoreTileBytes = BlockM * kScoreRowBytes;
-    static constexpr int kBarrierOffset =
-        2 * kKVTileBytes + Stages * kStageBytes + 2 * kScoreTileBytes;
+    static constexpr int kRowValuesOffset =
+        2 * kKVTileBytes + Stages * kStageBytes + kScoreBuffers * kScoreBufferBytes;
+    static constexpr int kBarrierOffset = kRowValuesOffset + Stages * kRowValuesBytes;
     static constexpr int kSmemBytes =
-        kBarrierOffset + (OverlapSteps ? static_cast<int>(sizeof(Pipeline<Stages>)) : 0) +
+        kBarrierOffset + (OverlapSteps ? Stages * static_cast<int>(sizeof(MBarrier)) : 0) +
         kAlignSlack;
 
     static_assert(Warps % ScoreWarpRows == 0 && Warps % DkvWarpRows == 0 &&
@@ -125,6 +131,19 @@ struct BwdMmaSyncMainloop {
               head_cols(QTile::Slab::chunks_then_rows(lane)),
               score_rows(ScoreTile::rows_then_chunks(lane)),
               score_cols(ScoreTile::chunks_then_rows(lane)) {}
+
+        // From step's P and dS buffer to the next step's (of two). The buffer's offset rides in
+        // the lane addresses, so that ldmatrix keeps the score tiles' compile-time offsets: added
+        // to the tiles' addresses instead, it cost head_dim 128 causal 8 bytes of spills. (XOR
+        // instead of the add spilled 4 bytes with NVRTC 13.5: this kernel is at 255 registers.)
+        __device__ __forceinline__ void next_score_buffer(int step) {
+            if constexpr (Cfg::kScoreBuffers == 2) {
+                const uint32_t move = step % 2 == 0 ? Cfg::kScoreBufferBytes
+                                                    : -static_cast<uint32_t>(Cfg::kScoreBufferBytes);
+                score_rows.row_bytes += move;
+                score_cols.row_bytes += move;
+            }
+        }
     };
 
     template <int kRows>

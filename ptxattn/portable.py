@@ -101,14 +101,14 @@ class BwdTile:
     overlap_steps: bool = False
 
     def smem_bytes(self, head_dim: int) -> int:
-        """BwdMmaSyncConfig::kSmemBytes: K, V, the stages' Q, dO and row values (LSE, D), P, dS,
-        and with overlapping steps (Q and dO by TMA) the ring's full and empty mbarriers, stages
-        padded to 1024 bytes and the base's alignment to 1024 bytes."""
-        align = 1024 if self.overlap_steps else 16
-        stage = -(-(2 * self.block_m * head_dim * 2 + 2 * self.block_m * 4) // align) * align
-        return ((2 * self.block_n * head_dim + 2 * self.block_m * self.block_n) * 2
-                + self.stages * stage + (2 * self.stages * 8 if self.overlap_steps else 0)
-                + (1024 if self.overlap_steps else 0))
+        """BwdMmaSyncConfig::kSmemBytes: K, V, the stages' Q and dO, P and dS (two of each with
+        overlapping steps), the stages' row values (LSE, D), and with overlapping steps (Q and
+        dO by TMA) the stages' mbarriers and the slack for aligning the base to 1024 bytes."""
+        score_buffers = 2 if self.overlap_steps else 1
+        return ((2 * self.block_n * head_dim + self.stages * 2 * self.block_m * head_dim
+                 + score_buffers * 2 * self.block_m * self.block_n) * 2
+                + self.stages * 2 * self.block_m * 4
+                + (self.stages * 8 + 1024 - 16 if self.overlap_steps else 0))
 
     def label(self) -> str:
         return (f"m{self.block_m}_n{self.block_n}_w{self.warps}_g{self.score_rows}"
@@ -132,18 +132,21 @@ _SCALAR_RED_163K = tuple(a for a in _SMEM_163K if a not in _VECTOR_RED)
 # operand c times and its B operand r times, so the grid follows the operands' sizes (head_dim
 # 128: 4 x 2 warps over dK and dV, where 8 x 1 read 72K instead of 48K elements a step each,
 # and FlashAttention-2's 2 x 4 over the scores and dQ, 288K elements a step in all against 4 x 2's
-# 336K, which fits 255 registers since the walk is a cursor: 1.02-1.06x; head_dim 256: 2 x 4,
-# with a second (Q, dO) stage where its 216,096 bytes of shared memory fit, sm_90+: 1.01-1.02x).
+# 336K, which fits 255 registers since the walk is a cursor: 1.02-1.06x; head_dim 256: 4 x 2
+# over the scores, 2 x 4 over dK, dV and dQ, with a second (Q, dO) stage, sm_90+). On sm_90+
+# the (Q, dO) ring has a third stage at head_dim 128 (its TMA then leads by a step and a half:
+# 1.00-1.03x) and P and dS are double-buffered (mainloop_bwd_mma_sync.cuh), which leaves the
+# tiles within 1-2 KB of the 227 KB a block may have.
 # The smaller tiles of sm_80 and the 99 KB archs were timed on the H100 only (its vector adds;
 # docs/hopper-tuning.md). Head dim 256 needs more shared memory than the 99 KB of sm_86/89/120
 # allow for any tile of whole mma fragments.
 BWD_TILES: dict[int, list[tuple[tuple[str, ...], BwdTile]]] = {
     64: [(_VECTOR_RED, BwdTile(128, 128, 8, 2, 4, 4, 2, 1, True)),
          (_SCALAR_RED_163K + _SMEM_99K, BwdTile(64, 128, 8, 2, 4, 2, 2, 1))],
-    128: [(_VECTOR_RED, BwdTile(64, 128, 8, 2, 4, 2, 2, 1, True)),
+    128: [(_VECTOR_RED, BwdTile(64, 128, 8, 2, 4, 2, 3, 1, True)),
           (_SCALAR_RED_163K, BwdTile(64, 64, 8, 4, 2, 2, 2, 1)),
           (_SMEM_99K, BwdTile(64, 64, 8, 4, 2, 2, 1, 1))],
-    256: [(_VECTOR_RED, BwdTile(64, 64, 8, 4, 2, 4, 2, 1, True)),
+    256: [(_VECTOR_RED, BwdTile(64, 64, 8, 4, 2, 2, 2, 1, True)),
           (_SCALAR_RED_163K, BwdTile(64, 64, 8, 4, 2, 4, 1, 1))],
 }
 
