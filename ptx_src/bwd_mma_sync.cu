@@ -39,6 +39,9 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
     constexpr int kStages = Cfg::kStages;
     constexpr bool kOverlapSteps = Cfg::kOverlapSteps;
     constexpr int kScoreTiles = Cfg::kScoreCols / 8;
+    // Named barriers of the deterministic sums with kTurnWarpAlone (0 is __syncthreads'): the
+    // turn has come; every warp has added.
+    constexpr uint32_t kTurnSeen = 1, kTurnAdded = 2;
     extern __shared__ __align__(128) uint8_t smem_raw[];
     uint8_t* const smem = kOverlapSteps ? align_smem<1024>(smem_raw) : smem_raw;
     const int tid = threadIdx.x;
@@ -248,12 +251,23 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
                 // spilled). The block's last thread waits: thread 0 issues the TMA refills of
                 // overlapping steps, and waiting for turns as well cost it 1-4%
                 // (docs/hopper-tuning.md, session 35).
-                if (tid == Cfg::kThreads - 1) {
+                const auto wait_for_turn = [&] {
                     const BwdWalk turns = BwdWalk::make(blockIdx.x, gridDim.x, p.num_m_blocks,
                                                         Cfg::kCausal, true, p.dq_turn_group);
                     wait_turn(turn, turns.turn(m_block, info.n_max(m_block)));
+                };
+                if constexpr (Cfg::kTurnWarpAlone) {
+                    if (warp == Cfg::kWarps - 1) {
+                        if (lane == 31) wait_for_turn();
+                        __syncwarp();  // the warp's own adds wait for the turn too
+                        named_barrier_arrive(kTurnSeen, Cfg::kThreads);
+                    } else {
+                        named_barrier_sync(kTurnSeen, Cfg::kThreads);
+                    }
+                } else {
+                    if (tid == Cfg::kThreads - 1) wait_for_turn();
+                    __syncthreads();
                 }
-                __syncthreads();
             }
 #pragma unroll
             for (int m = 0; m < Cfg::kDqRows / 16; ++m) {
@@ -270,8 +284,18 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
             }
         }
         if (turn != nullptr) {
-            __syncthreads();  // every warp's adds precede the release (it is cumulative)
-            if (tid == Cfg::kThreads - 1) pass_turn(turn);
+            // Every warp's adds precede the release (it is cumulative).
+            if constexpr (Cfg::kTurnWarpAlone) {
+                if (warp == Cfg::kWarps - 1) {
+                    named_barrier_sync(kTurnAdded, Cfg::kThreads);
+                    if (lane == 31) pass_turn(turn);
+                } else {
+                    named_barrier_arrive(kTurnAdded, Cfg::kThreads);
+                }
+            } else {
+                __syncthreads();
+                if (tid == Cfg::kThreads - 1) pass_turn(turn);
+            }
         }
         lanes.next_score_buffer(step);
         if constexpr (Cfg::kScoreBuffers == 2) score_buffer ^= Cfg::kScoreBufferBytes;

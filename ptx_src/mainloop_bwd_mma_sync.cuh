@@ -63,6 +63,11 @@ struct BwdMmaSyncConfig {
     static constexpr int kDqPassMax = 2 * kDkvRows * kDkvCols / 32 >= 128 ? 32 : 64;
     static constexpr int kDqPassCols = kDqCols < kDqPassMax ? kDqCols : kDqPassMax;
     static constexpr int kDqPasses = kDqCols / kDqPassCols;
+    // Deterministic sums: only the warp that takes the turns waits at their two meetings, the
+    // others arrive on named barriers (bar.arrive) and go on: with dQ in several passes and
+    // overlapping steps (sm_90+, head_dim 256), 1.02-1.05x deterministic, level by default;
+    // at head_dims 64 and 128 0.98-1.00x (docs/hopper-tuning.md, session 36).
+    static constexpr bool kTurnWarpAlone = OverlapSteps && kDqPasses > 1;
     static constexpr int kScoreWarpRows = ScoreWarpRows;
     static constexpr int kDkvWarpRows = DkvWarpRows;
     static constexpr int kDqWarpRows = DqWarpRows;

@@ -123,7 +123,7 @@ _SMEM_99K = tuple(a for a in ARCHS if a not in _SMEM_163K)
 _VECTOR_RED = tuple(a for a in _SMEM_163K if archs.get(a).capability >= (9, 0))
 _SCALAR_RED_163K = tuple(a for a in _SMEM_163K if a not in _VECTOR_RED)
 
-# head_dim -> [(archs, tile)], chosen with .diag-style sweeps on the H100 (bf16, batch * seqlen
+# (head_dim, causal) -> [(archs, tile)], chosen with .diag-style sweeps on the H100 (bf16, batch * seqlen
 # = 16k, seqlen 2048 and 8192; docs/hopper-tuning.md has the numbers). dK and dV live in
 # registers: 8 warps over 128 keys x 128 columns is 128 floats a thread, the most that leaves
 # room for S and dP, and 128-key blocks halve the dQ atomics per FLOP against 64-key ones (the
@@ -140,19 +140,28 @@ _SCALAR_RED_163K = tuple(a for a in _SMEM_163K if a not in _VECTOR_RED)
 # The smaller tiles of sm_80 and the 99 KB archs were timed on the H100 only (its vector adds;
 # docs/hopper-tuning.md). Head dim 256 needs more shared memory than the 99 KB of sm_86/89/120
 # allow for any tile of whole mma fragments.
-BWD_TILES: dict[int, list[tuple[tuple[str, ...], BwdTile]]] = {
+# Causal head_dim 256 on sm_90+ keeps dQ over 4 x 2 warps: its 2 x 4 spills with the
+# deterministic sums' named barriers (BwdMmaSyncConfig::kTurnWarpAlone), and measured 0.98-1.00x
+# of it by default, 1.03-1.04x deterministic.
+_BWD_TILES_BOTH_MASKS: dict[int, list[tuple[tuple[str, ...], BwdTile]]] = {
     64: [(_VECTOR_RED, BwdTile(128, 128, 8, 2, 4, 4, 2, 1, True)),
          (_SCALAR_RED_163K + _SMEM_99K, BwdTile(64, 128, 8, 2, 4, 2, 2, 1))],
     128: [(_VECTOR_RED, BwdTile(64, 128, 8, 2, 4, 2, 3, 1, True)),
           (_SCALAR_RED_163K, BwdTile(64, 64, 8, 4, 2, 2, 2, 1)),
           (_SMEM_99K, BwdTile(64, 64, 8, 4, 2, 2, 1, 1))],
-    256: [(_VECTOR_RED, BwdTile(64, 64, 8, 4, 2, 2, 2, 1, True)),
-          (_SCALAR_RED_163K, BwdTile(64, 64, 8, 4, 2, 4, 1, 1))],
+}
+BWD_TILES: dict[tuple[int, bool], list[tuple[tuple[str, ...], BwdTile]]] = {
+    **{(head_dim, causal): tiles for head_dim, tiles in _BWD_TILES_BOTH_MASKS.items()
+       for causal in (False, True)},
+    (256, False): [(_VECTOR_RED, BwdTile(64, 64, 8, 4, 2, 2, 2, 1, True)),
+                   (_SCALAR_RED_163K, BwdTile(64, 64, 8, 4, 2, 4, 1, 1))],
+    (256, True): [(_VECTOR_RED, BwdTile(64, 64, 8, 4, 2, 4, 2, 1, True)),
+                  (_SCALAR_RED_163K, BwdTile(64, 64, 8, 4, 2, 4, 1, 1))],
 }
 
 
-def bwd_tile_for(head_dim: int, arch: str) -> BwdTile:
-    for tile_archs, tile in BWD_TILES[head_dim]:
+def bwd_tile_for(head_dim: int, causal: bool, arch: str) -> BwdTile:
+    for tile_archs, tile in BWD_TILES[(head_dim, causal)]:
         if arch in tile_archs:
             return tile
     raise ValueError(f"the portable backward does not run head_dim {head_dim} on {arch} (its "
@@ -181,8 +190,8 @@ def variants() -> list[runtime.KernelSpec]:
            for dtype in DTYPES for (head_dim, causal), tiles in TILES.items()
            for archs, tile in tiles]
     bwd = [bwd_spec(dtype, head_dim, causal, tile, archs)
-           for dtype in DTYPES for head_dim, tiles in BWD_TILES.items()
-           for archs, tile in tiles for causal in (False, True)]
+           for dtype in DTYPES for (head_dim, causal), tiles in BWD_TILES.items()
+           for archs, tile in tiles]
     return fwd + bwd
 
 
@@ -231,7 +240,7 @@ def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: boo
              tile: BwdTile | None = None):
     """The gradients of forward() into dq, dk, dv; returns the workspace (for its size)."""
     arch = runtime.device_arch()
-    tile = tile or bwd_tile_for(problem.head_dim, arch)
+    tile = tile or bwd_tile_for(problem.head_dim, problem.causal, arch)
     for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout)):
         if x.strides[1] // x.itemsize >= MAX_SEQ_STRIDE:
             raise ValueError(f"{name}'s seqlen stride must be below {MAX_SEQ_STRIDE} elements, "

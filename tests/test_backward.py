@@ -107,8 +107,8 @@ def test_grouped_query_heads(backend, group, head_dim, causal, rng):
 
 def _portable_tiles():
     from ptxattn import portable
-    return [(head_dim, tile) for head_dim, tiles in portable.BWD_TILES.items()
-            for _, tile in tiles]
+    return sorted({(head_dim, tile) for (head_dim, _), tiles in portable.BWD_TILES.items()
+                   for _, tile in tiles}, key=lambda pair: (pair[0], pair[1].label()))
 
 
 @pytest.mark.parametrize("causal", [False, True])
