@@ -88,8 +88,6 @@ struct BwdMmaSyncConfig {
     // P and dS of consecutive steps in alternate buffers with overlapping steps (above).
     static constexpr int kScoreBuffers = OverlapSteps ? 2 : 1;
     static constexpr int kScoreBufferBytes = 2 * kScoreTileBytes;
-    static_assert((kScoreBufferBytes & (kScoreBufferBytes - 1)) == 0,
-                  "the stores' buffer offset toggles by XOR");
     // A step's row values, copied with its Q and dO from the preprocess's padded rows (whole
     // tiles, so no row checks): LSE log2(e) (+inf where no key is seen or past seqlen_q, so P =
     // 0) and D (0 there). (Read from global memory at the step, their latency was the kernel's
@@ -137,14 +135,14 @@ struct BwdMmaSyncMainloop {
               score_rows(ScoreTile::rows_then_chunks(lane)),
               score_cols(ScoreTile::chunks_then_rows(lane)) {}
 
-        // From step's P and dS buffer to the next step's (of two). The buffer's offset rides in
+        // From the step's P and dS buffer to the next step's (of two). The buffer's offset rides in
         // the lane addresses, so that ldmatrix keeps the score tiles' compile-time offsets: added
         // to the tiles' addresses instead, it cost head_dim 128 causal 8 bytes of spills. (XOR
         // instead of the add spilled 4 bytes with NVRTC 13.5: this kernel is at 255 registers.)
         __device__ __forceinline__ void next_score_buffer(int step) {
             if constexpr (Cfg::kScoreBuffers == 2) {
-                const uint32_t move = step % 2 == 0 ? Cfg::kScoreBufferBytes
-                                                    : -static_cast<uint32_t>(Cfg::kScoreBufferBytes);
+                constexpr uint32_t kBytes = Cfg::kScoreBufferBytes;
+                const uint32_t move = step % 2 == 0 ? kBytes : 0u - kBytes;
                 score_rows.row_bytes += move;
                 score_cols.row_bytes += move;
             }

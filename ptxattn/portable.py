@@ -96,8 +96,8 @@ class BwdTile:
     dq_rows: int       # warp rows over dQ (block_m x head_dim)
     stages: int        # depth of the (Q, dO) ring
     min_blocks: int
-    # warps meet once a step instead of twice, the ring then guarded by mbarriers and filled
-    # by TMA (sm_90+)
+    # warps meet once a step instead of twice, the ring then filled by TMA and P and dS
+    # double-buffered (sm_90+)
     overlap_steps: bool = False
 
     def smem_bytes(self, head_dim: int) -> int:
@@ -123,11 +123,11 @@ _SMEM_99K = tuple(a for a in ARCHS if a not in _SMEM_163K)
 _VECTOR_RED = tuple(a for a in _SMEM_163K if archs.get(a).capability >= (9, 0))
 _SCALAR_RED_163K = tuple(a for a in _SMEM_163K if a not in _VECTOR_RED)
 
-# (head_dim, causal) -> [(archs, tile)], chosen with .diag-style sweeps on the H100 (bf16, batch * seqlen
-# = 16k, seqlen 2048 and 8192; docs/hopper-tuning.md has the numbers). dK and dV live in
-# registers: 8 warps over 128 keys x 128 columns is 128 floats a thread, the most that leaves
-# room for S and dP, and 128-key blocks halve the dQ atomics per FLOP against 64-key ones (the
-# kernel is bound by them and by shared-memory wavefronts). The warp grids are the ones that
+# (head_dim, causal) -> [(archs, tile)], chosen with .diag-style sweeps on the H100 (bf16,
+# batch * seqlen = 16k, seqlen 2048 and 8192; docs/hopper-tuning.md has the numbers). dK and dV
+# live in registers: 8 warps over 128 keys x 128 columns is 128 floats a thread, the most that
+# leaves room for S and dP, and 128-key blocks halve the dQ atomics per FLOP against 64-key ones
+# (the kernel is bound by them and by shared-memory wavefronts). The warp grids are the ones that
 # read the least shared memory without spilling: a GEMM spread over r x c warps reads its A
 # operand c times and its B operand r times, so the grid follows the operands' sizes (head_dim
 # 128: 4 x 2 warps over dK and dV, where 8 x 1 read 72K instead of 48K elements a step each,
@@ -135,8 +135,9 @@ _SCALAR_RED_163K = tuple(a for a in _SMEM_163K if a not in _VECTOR_RED)
 # 336K, which fits 255 registers since the walk is a cursor: 1.02-1.06x; head_dim 256: 4 x 2
 # over the scores, 2 x 4 over dK, dV and dQ, with a second (Q, dO) stage, sm_90+). On sm_90+
 # the (Q, dO) ring has a third stage at head_dim 128 (its TMA then leads by a step and a half:
-# 1.00-1.03x) and P and dS are double-buffered (mainloop_bwd_mma_sync.cuh), which leaves the
-# tiles within 1-2 KB of the 227 KB a block may have.
+# 1.00-1.03x) and P and dS are double-buffered (mainloop_bwd_mma_sync.cuh): the tiles then take
+# 232,448 (head_dim 64, all a block may have, so the kernel must keep no static shared memory),
+# 231,944 and 231,424 bytes.
 # The smaller tiles of sm_80 and the 99 KB archs were timed on the H100 only (its vector adds;
 # docs/hopper-tuning.md). Head dim 256 needs more shared memory than the 99 KB of sm_86/89/120
 # allow for any tile of whole mma fragments.

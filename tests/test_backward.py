@@ -117,7 +117,8 @@ def _portable_tiles():
 def test_every_portable_tile_runs_here(head_dim, tile, causal, rng):
     """Each portable backward tile, also those chosen for other GPUs (sm_80's, the 99 KB
     archs'), forced on this one where its shared memory fits: their warp grids are otherwise
-    checked only on GPUs this suite may never see. Tails, GQA and seqlen_q != seqlen_k."""
+    checked only on GPUs this suite may never see. Tails, GQA and seqlen_q != seqlen_k; the
+    deterministic sums too, bit for bit from run to run."""
     import cupy
     import ptxattn
     from ptxattn import archs, portable
@@ -135,9 +136,15 @@ def test_every_portable_tile_runs_here(head_dim, tile, causal, rng):
     dout = _random((2, 257, 4, head_dim), "bfloat16", rng)
     out, lse = ptxattn.attention(q, k, v, causal=causal, return_lse=True)
     problem = AttentionProblem.from_backward(dout, q, k, v, out, lse, causal=causal)
-    grads = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
-    portable.backward(problem, dout, q, k, v, out, lse, *grads, deterministic=False, tile=tile)
-    _assert_close(grads, dout, q, k, v, causal=causal)
+    for deterministic in (False, True):
+        grads = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
+        portable.backward(problem, dout, q, k, v, out, lse, *grads,
+                          deterministic=deterministic, tile=tile)
+        _assert_close(grads, dout, q, k, v, causal=causal)
+    again = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
+    portable.backward(problem, dout, q, k, v, out, lse, *again, deterministic=True, tile=tile)
+    for name, first, second in zip(("dq", "dk", "dv"), grads, again):
+        assert cupy.array_equal(first.view(cupy.uint16), second.view(cupy.uint16)), name
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
