@@ -61,8 +61,11 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
     const uint32_t k_tile = smem_addr(smem);
     const uint32_t v_tile = k_tile + Cfg::kKVTileBytes;
     const uint32_t ring = v_tile + Cfg::kKVTileBytes;
-    const uint32_t score_buffers = ring + kStages * Cfg::kStageBytes;
-    const uint32_t row_values_ring = smem_addr(smem) + Cfg::kRowValuesOffset;
+    // P and dS of the first buffer: the stores add the step's buffer, ldmatrix's lane addresses
+    // carry it (Lanes::next_score_buffer).
+    const uint32_t p_tile = ring + kStages * Cfg::kStageBytes;
+    const uint32_t ds_tile = p_tile + Cfg::kScoreTileBytes;
+    const uint32_t row_values_ring = k_tile + Cfg::kRowValuesOffset;
     MBarrier* const landed = reinterpret_cast<MBarrier*>(smem + Cfg::kBarrierOffset);
     if constexpr (kOverlapSteps) {
         // A stage's copies land with their bytes (the loading thread's expect_tx arrival).
@@ -175,10 +178,6 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
         const int first_row = m_block * kBlockM;
         const uint32_t q_tile = ring + stage * Cfg::kStageBytes;
         const uint32_t do_tile = q_tile + Cfg::kQTileBytes;
-        // P and dS of the first buffer: the stores add the step's buffer, ldmatrix's lane
-        // addresses carry it (Lanes::next_score_buffer).
-        const uint32_t p_tile = score_buffers;
-        const uint32_t ds_tile = p_tile + Cfg::kScoreTileBytes;
 
         // The rows' LSE log2(e) and D, in the stage's row values (a row that sees no key or
         // lies past seqlen_q has +inf and 0, so P = 0), each read once its GEMM is done (shared
