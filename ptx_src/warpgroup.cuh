@@ -12,6 +12,13 @@
 
 namespace ptxattn {
 
+// threadIdx.x / 128, broadcast from lane 0 (shfl.sync.idx) so that ptxas knows it is
+// warp-uniform: wgmma descriptors derived from it then live in uniform registers, instead of in
+// per-thread registers copied over (R2UR) before every wgmma.
+__device__ __forceinline__ int warpgroup_index() {
+    return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+}
+
 template <int N>
 __device__ __forceinline__ void warpgroup_reg_dealloc() {
     static_assert(N % 8 == 0 && N >= 24 && N <= 256, "setmaxnreg count");
