@@ -66,7 +66,7 @@ attn_bwd_sm90(const __grid_constant__ BwdParams p) {
 
     warpgroup_reg_alloc<Cfg::kConsumerRegs>();
     const int thread = threadIdx.x;
-    typename Mainloop::Consumer consumer{smem, bars, warpgroup_index() - 1, (thread % 128) / 32,
+    typename Mainloop::Consumer consumer{smem, bars, thread / 128 - 1, (thread % 128) / 32,
                                          thread % 32};
     consumer.run(p, info, walk, steps, kv_head, batch);
     consumer.store(p, walk.n_block, kv_head, batch);

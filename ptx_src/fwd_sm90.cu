@@ -73,8 +73,8 @@ attn_fwd_sm90(const __grid_constant__ FwdParams p) {
 
     warpgroup_reg_alloc<Cfg::kConsumerRegs>();
     // 16-bit builds take the warpgroup index as warp-uniform (warpgroup_index: Q's descriptors in
-    // uniform registers, +0.4-3% on an H100); FP8 builds ran 2-3% slower with it at head_dim 64
-    // and no faster elsewhere (docs/hopper-tuning.md, session 37).
+    // uniform registers, +0.3-2.8% on an H100); FP8 builds ran 2-3% slower with it at head_dim 64
+    // and no faster elsewhere, and the backward no faster (docs/hopper-tuning.md, session 37).
     const int wg = (Cfg::kFp8 ? static_cast<int>(threadIdx.x / 128) : warpgroup_index()) - 1;
     const int lane = threadIdx.x % 32;
     const int row_in_tile = wg * Cfg::kRowsPerConsumer + ((threadIdx.x % 128) / 32) * 16 + lane / 4;

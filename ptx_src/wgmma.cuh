@@ -35,22 +35,12 @@
 
 namespace ptxattn {
 
-// A descriptor from its two 32-bit words (mov.b64 d, {lo, hi}). Assembled in C++ with 64-bit
-// shifts and ORs, the compiler proved that the address field cannot carry and turned every later
-// wgmma_desc_advance into a 64-bit add (add, add with carry, then OR of the high word's constant:
-// three uniform instructions a wgmma instead of one). Opaque here, the words stay 32-bit; the
-// Hopper backward's step runs 7-8% fewer instructions (docs/hopper-tuning.md, session 37).
-__device__ __forceinline__ uint64_t wgmma_desc_pack(uint32_t lo, uint32_t hi) {
-    uint64_t desc;
-    asm("mov.b64 %0, {%1, %2};" : "=l"(desc) : "r"(lo), "r"(hi));
-    return desc;
-}
-
 // Descriptor of a 128-byte-swizzled operand starting at shared address `addr`.
 __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t addr, uint32_t lbo_bytes,
                                                      uint32_t sbo_bytes) {
-    return wgmma_desc_pack(((addr & 0x3ffff) >> 4) | ((lbo_bytes >> 4) & 0x3fff) << 16,
-                           ((sbo_bytes >> 4) & 0x3fff) | 1u << 30);
+    return static_cast<uint64_t>((addr & 0x3ffff) >> 4) |
+           static_cast<uint64_t>((lbo_bytes >> 4) & 0x3fff) << 16 |
+           static_cast<uint64_t>((sbo_bytes >> 4) & 0x3fff) << 32 | 1ull << 62;
 }
 
 // Descriptor of a K-major operand with kRowBytes-byte rows (64 or 128) swizzled over the whole
@@ -60,9 +50,10 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t addr, uint32_t lbo
 template <int kRowBytes>
 __device__ __forceinline__ uint64_t wgmma_desc_kmajor(uint32_t addr) {
     static_assert(kRowBytes == 64 || kRowBytes == 128, "64- or 128-byte rows");
-    constexpr uint32_t kLayout = kRowBytes == 128 ? 1 : 2;
-    return wgmma_desc_pack(((addr & 0x3ffff) >> 4) | 1u << 16,
-                           (8 * kRowBytes) >> 4 | kLayout << 30);
+    constexpr uint64_t kLayout = kRowBytes == 128 ? 1 : 2;
+    return static_cast<uint64_t>((addr & 0x3ffff) >> 4) |
+           static_cast<uint64_t>(1) << 16 |
+           static_cast<uint64_t>((8 * kRowBytes) >> 4) << 32 | kLayout << 62;
 }
 
 // Moves a descriptor's start address by `bytes` (a multiple of 16 inside the same operand).
