@@ -114,7 +114,7 @@ attn_fwd_sm90(const __grid_constant__ FwdParams p) {
         const int out_batch = Mainloop::q_batch(p, c.batch);
         // The TMA store clips rows at the array's end; packed sequences end before it, so a tile
         // that runs past its sequence's end stores from registers. (Decided per tile, not per
-        // warpgroup: a condition on the warpgroup index, which ptxas cannot prove warp-uniform,
+        // warpgroup: a condition on the warpgroup index, before ptxas could prove it warp-uniform,
         // moved the mainloop's wgmma descriptors out of uniform registers, 7% more instructions.)
         const bool staged = Cfg::kStagedOut && !partial &&
                             (!Cfg::kServing || p.cu_seqlens_q == nullptr ||
