@@ -6,6 +6,14 @@
 // when causal) to the first, all pairs of the section at each step. Handing tiles out in index
 // order therefore starts long causal tiles first and lets short ones fill the tail
 // (longest-processing-time first). section_heads = 1 is plain pair-by-pair order.
+// With alternate_sections (the causal Hopper forward on long sequences) only the last section
+// goes longest-first, for the tail; the ones before it alternate, shortest-first just before
+// it. Each section then starts with tiles as long as those that end the section before: blocks
+// move to the new section's K and V one at a time as their long tiles end, or from short tiles
+// to short ones that read few key blocks. Longest-first throughout, every block leaves the
+// short end of one section for the long end of the next within a few microseconds, and all of
+// them wait on DRAM for the same new K and V (GQA causal 4 x 4096 x 32/8: +2.4%;
+// docs/hopper-tuning.md, session 38).
 //
 // A scheduler gives each thread block a sequence of tiles, ending with one at or past
 // num_tiles(). GridTiles: one block per tile (tile = blockIdx.x), its indices through next(n)
@@ -32,16 +40,21 @@ struct TileOrder {
     int num_pairs;  // batch * heads_q
     int section_heads;
     int heads_q;
+    bool alternate_sections = false;
 
     __device__ __forceinline__ int num_tiles() const { return num_pairs * num_m_blocks; }
 
     __device__ __forceinline__ TileCoord decode(int tile) const {
         const int tiles_per_section = section_heads * num_m_blocks;
-        const int first_pair = (tile / tiles_per_section) * section_heads;
+        const int section = tile / tiles_per_section;
+        const int first_pair = section * section_heads;
         const int in_section = tile % tiles_per_section;
         const int pairs_here = min(section_heads, num_pairs - first_pair);
         const int pair = first_pair + in_section % pairs_here;
-        return {num_m_blocks - 1 - in_section / pairs_here, pair % heads_q, pair / heads_q};
+        const int step = in_section / pairs_here;
+        const int sections_after = (num_pairs - 1) / section_heads - section;
+        const bool shortest_first = alternate_sections && sections_after % 2 == 1;
+        return {shortest_first ? step : num_m_blocks - 1 - step, pair % heads_q, pair / heads_q};
     }
 };
 

@@ -72,8 +72,10 @@ __global__ void bwd_walk_probe(int seqlen_q, int seqlen_k, int causal, int deter
 using namespace ptxattn;
 
 extern "C" __global__ void tile_order_probe(int num_m_blocks, int num_pairs, int section_heads,
-                                            int heads_q, int* __restrict__ coords) {
-    const TileOrder order{num_m_blocks, num_pairs, section_heads, heads_q};
+                                            int heads_q, int alternate_sections,
+                                            int* __restrict__ coords) {
+    const TileOrder order{num_m_blocks, num_pairs, section_heads, heads_q,
+                          alternate_sections != 0};
     const int tile = blockIdx.x * blockDim.x + threadIdx.x;
     if (tile >= order.num_tiles()) return;
     const TileCoord c = order.decode(tile);

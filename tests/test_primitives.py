@@ -294,33 +294,40 @@ ORDER_CASES = [(5, 2, 3, 1), (4, 3, 5, 4), (1, 1, 1, 1), (7, 2, 8, 16), (3, 5, 7
                (2, 4, 6, 8), (6, 2, 4, 2)]
 
 
-def tile_order(num_m_blocks, batch, heads_q, section_heads):
+def tile_order(num_m_blocks, batch, heads_q, section_heads, alternate_sections):
     """The (m_block, head, batch) of every tile index, as tile_scheduler.cuh documents the order:
     sections of section_heads (batch, head) pairs in pair order, within one the query blocks
-    from the last to the first, all pairs of the section at each."""
+    from the last to the first, all pairs of the section at each; with alternate_sections, the
+    sections before the last alternately from the first to the last (the one just before the
+    last, then every other one going back)."""
     pairs = batch * heads_q
+    firsts = list(range(0, pairs, section_heads))
     order = []
-    for first in range(0, pairs, section_heads):
-        for m in reversed(range(num_m_blocks)):
+    for index, first in enumerate(firsts):
+        shortest_first = alternate_sections and (len(firsts) - 1 - index) % 2 == 1
+        blocks = range(num_m_blocks) if shortest_first else reversed(range(num_m_blocks))
+        for m in blocks:
             for pair in range(first, min(first + section_heads, pairs)):
                 order.append((m, pair % heads_q, pair // heads_q))
     return order
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("alternate_sections", [False, True])
 @pytest.mark.parametrize("num_m_blocks,batch,heads_q,section_heads", ORDER_CASES)
-def test_tile_order_decodes_every_tile_once(num_m_blocks, batch, heads_q, section_heads):
+def test_tile_order_decodes_every_tile_once(num_m_blocks, batch, heads_q, section_heads,
+                                            alternate_sections):
     import cupy
     kernel = _load(TILE_ORDER)
     num_tiles = num_m_blocks * batch * heads_q
     coords = cupy.full((num_tiles, 3), -1, cupy.int32)
     runtime.launch(kernel, (math.ceil(num_tiles / 128),), (128,),
                    [np.int32(num_m_blocks), np.int32(batch * heads_q), np.int32(section_heads),
-                    np.int32(heads_q), coords])
+                    np.int32(heads_q), np.int32(alternate_sections), coords])
     got = [tuple(int(x) for x in row) for row in coords.get()]
     every = {(m, h, b) for m in range(num_m_blocks) for h in range(heads_q) for b in range(batch)}
     assert set(got) == every and len(got) == len(every), "decode is not a bijection"
-    assert got == tile_order(num_m_blocks, batch, heads_q, section_heads)
+    assert got == tile_order(num_m_blocks, batch, heads_q, section_heads, alternate_sections)
 
 
 RECEIVING_WARPS = 8  # as the Hopper kernel's two consumer warpgroups
