@@ -46,11 +46,13 @@ attn_fwd_sm90(const __grid_constant__ FwdParams p) {
     const int splits = Mainloop::splits(p);
     // Causal L2 sections in alternating order (tile_scheduler.cuh) where the tiles are long: at
     // 32 query blocks and more, +2.2-2.6%; at 16 (seqlen 2048), head_dim 64 lost 1%
-    // (docs/hopper-tuning.md, session 38).
+    // (docs/hopper-tuning.md, session 38). Not in serving builds, whose tiles' lengths follow
+    // their sequences (and whose head_dim 64 producer then spills).
     constexpr int kAlternateMinBlocks = 32;
     const TileOrder order{p.num_m_blocks, p.batch * p.heads_q * splits, p.section_heads,
                           p.heads_q * splits,
-                          Cfg::kCausal && p.num_m_blocks >= kAlternateMinBlocks};
+                          Cfg::kCausal && !Cfg::kServing &&
+                              p.num_m_blocks >= kAlternateMinBlocks};
 
     if (threadIdx.x == 0) {
         bars.q_full.init(1);
