@@ -10,7 +10,8 @@
 // and dV are sums over the block's own walk (GQA heads included) and stay in registers until the
 // end; dQ crosses key blocks, so each block adds its part into the FP32 accumulator: with
 // red.global.add in any order, or, with dq_semaphore, in key-block order (atomics.cuh) so that
-// the sums are bit-reproducible.
+// the sums are bit-reproducible. A block passes its turn at a tile right after its adds, or in
+// builds with deferred turns (sm_90+ deterministic) at the next step's score barrier.
 // Q, dO and the rows' values reach the ring by cp.async from every thread, or with overlapping
 // steps (sm_90+) by one thread's TMA and bulk copies, issued once every warp is past the step
 // before (P and dS then alternate between two buffers).
@@ -42,6 +43,7 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
     // Named barriers of the deterministic sums with kTurnWarpAlone (0 is __syncthreads'): the
     // turn has come; every warp has added.
     constexpr uint32_t kTurnSeen = 1, kTurnAdded = 2;
+    constexpr bool kDeferredTurns = Cfg::kDeferredTurns;
     extern __shared__ __align__(128) uint8_t smem_raw[];
     uint8_t* const smem = kOverlapSteps ? align_smem<1024>(smem_raw) : smem_raw;
     const int tid = threadIdx.x;
@@ -156,6 +158,7 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
     float dk[Cfg::kDkvRows / 16][Cfg::kDkvCols / 8][4];
     zero_fill(dv);
     zero_fill(dk);
+    int* passing = nullptr;  // deferred turns: the last step's, passed at this step's barrier
 
 #pragma unroll 1
     for (int step = 0; step < steps; ++step) {
@@ -213,6 +216,12 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
             // Every warp is done with step - 1: its stage takes the step kStages - 1 ahead.
             const int refill = step + kStages - 1;
             if (tid == 0 && refill < steps) load_step(loading, refill % kStages);
+        }
+        if constexpr (kDeferredTurns) {
+            // Every warp is past the last step's adds: thread 0 passes its turn. Passed right
+            // after the adds instead, it cost a block barrier, and the release's MEMBAR.GPU held
+            // the waiting thread's warp 0.4-1 us (docs/hopper-tuning.md, sessions 27 and 38).
+            if (tid == 0 && passing != nullptr) pass_turn(passing);
         }
 
         // Phase 2: dV += P^T dO, dK += dS^T Q.
@@ -282,7 +291,9 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
                 }
             }
         }
-        if (turn != nullptr) {
+        if constexpr (kDeferredTurns) {
+            passing = turn;
+        } else if (turn != nullptr) {
             // Every warp's adds precede the release (it is cumulative).
             if constexpr (Cfg::kTurnWarpAlone) {
                 if (warp == Cfg::kWarps - 1) {
@@ -300,6 +311,10 @@ attn_bwd_mma_sync(const __grid_constant__ BwdParams p) {
         if constexpr (Cfg::kScoreBuffers == 2) score_buffer ^= Cfg::kScoreBufferBytes;
     }
     cp_async_wait<0>();
+    if (kDeferredTurns && passing != nullptr) {
+        __syncthreads();  // every warp's adds precede the release (it is cumulative)
+        if (tid == 0) pass_turn(passing);
+    }
 
     // dK = softmax_scale dS^T Q and dV; keys past seqlen_k dropped. From head_dim 128 staged in
     // K's and V's tiles (free once every warp is past its last GEMM) and copied out a whole

@@ -35,11 +35,12 @@ namespace ptxattn {
 // The compile-time shape of a portable backward kernel: head_dim, query rows per tile, keys per
 // block, warps, the warp grid's row count in each phase (its columns are warps / rows), the
 // (Q, dO) ring depth, overlapping steps (above; sm_90+: TMA and mbarriers), bf16 (else
-// fp16), causal, __launch_bounds__ minimum blocks/SM, and the dynamic shared memory the launcher
-// requests (BwdTile.smem_bytes, checked against the layout).
+// fp16), causal, deferred turns (deterministic sums only: each turn passed at the next step's
+// score barrier; bwd_mma_sync.cu), __launch_bounds__ minimum blocks/SM, and the dynamic shared
+// memory the launcher requests (BwdTile.smem_bytes, checked against the layout).
 template <int HeadDim, int BlockM, int BlockN, int Warps, int ScoreWarpRows, int DkvWarpRows,
           int DqWarpRows, int Stages, bool OverlapSteps, bool Bf16, bool Causal,
-          int MinBlocksPerSm, int SmemBytes>
+          bool DeferredTurns, int MinBlocksPerSm, int SmemBytes>
 struct BwdMmaSyncConfig {
     static constexpr int kHeadDim = HeadDim;
     static constexpr int kBlockM = BlockM;
@@ -50,6 +51,7 @@ struct BwdMmaSyncConfig {
     static constexpr bool kOverlapSteps = OverlapSteps;
     static constexpr bool kBf16 = Bf16;
     static constexpr bool kCausal = Causal;
+    static constexpr bool kDeferredTurns = DeferredTurns;
     static constexpr int kMinBlocksPerSm = MinBlocksPerSm;
 
     // Each warp's share of each phase: rows (16-row groups) and columns (8-column tiles).
@@ -68,6 +70,10 @@ struct BwdMmaSyncConfig {
     // overlapping steps (sm_90+, head_dim 256), 1.02-1.05x deterministic, level by default;
     // at head_dims 64 and 128 0.98-1.00x (docs/hopper-tuning.md, session 36).
     static constexpr bool kTurnWarpAlone = OverlapSteps && kDqPasses > 1;
+    // Deferred turns leave the waiting warp arriving on kTurnWarpAlone's barrier and never
+    // waiting on one; compute-sanitizer's racecheck then reports P's stores against phase 2's
+    // reads of P (not analysed; docs/hopper-tuning.md, session 38).
+    static_assert(!(DeferredTurns && kTurnWarpAlone), "deferred turns without kTurnWarpAlone");
     static constexpr int kScoreWarpRows = ScoreWarpRows;
     static constexpr int kDkvWarpRows = DkvWarpRows;
     static constexpr int kDqWarpRows = DqWarpRows;

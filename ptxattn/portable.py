@@ -161,6 +161,15 @@ BWD_TILES: dict[tuple[int, bool], list[tuple[tuple[str, ...], BwdTile]]] = {
 }
 
 
+# Where deterministic sums pass each dQ turn at the next step's barrier (a build of its own,
+# tiles with overlapping steps only): bwd_mma_sync.cu. Against passing it after the adds
+# (docs/hopper-tuning.md, session 38): head_dim 128 1.016-1.036, GQA 1.003-1.035; head_dim 64
+# non-causal 1.015, causal 0.970-0.977 (its turns follow each other within a step or two);
+# head_dim 256 1.004-1.014, but racecheck flags its waiting warp's named barrier then, and
+# without that barrier 0.983-0.998.
+DEFERRED_TURNS = {(128, False), (128, True), (64, False)}
+
+
 def bwd_tile_for(head_dim: int, causal: bool, arch: str) -> BwdTile:
     for tile_archs, tile in BWD_TILES[(head_dim, causal)]:
         if arch in tile_archs:
@@ -171,14 +180,18 @@ def bwd_tile_for(head_dim: int, causal: bool, arch: str) -> BwdTile:
 
 
 def bwd_spec(dtype: str, head_dim: int, causal: bool, tile: BwdTile,
-             archs: tuple[str, ...] = ARCHS) -> runtime.KernelSpec:
+             archs: tuple[str, ...] = ARCHS, deferred_turns: bool = False) -> runtime.KernelSpec:
+    """deferred_turns: the deterministic build that passes each dQ turn at the next step's
+    barrier (DEFERRED_TURNS; elsewhere deterministic sums run in the default build, which passes
+    each turn right after the adds)."""
     config = (f"{head_dim}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.score_rows}, "
               f"{tile.dkv_rows}, {tile.dq_rows}, {tile.stages}, "
               f"{str(tile.overlap_steps).lower()}, "
-              f"{str(bool(DTYPES[dtype])).lower()}, {str(causal).lower()}, {tile.min_blocks}, "
-              f"{tile.smem_bytes(head_dim)}")
+              f"{str(bool(DTYPES[dtype])).lower()}, {str(causal).lower()}, "
+              f"{str(deferred_turns).lower()}, {tile.min_blocks}, {tile.smem_bytes(head_dim)}")
     return runtime.KernelSpec(
-        name=f"bwd_mma_sync_{dtype}_d{head_dim}_{tile.label()}{'_causal' if causal else ''}",
+        name=(f"bwd_mma_sync_{dtype}_d{head_dim}_{tile.label()}{'_causal' if causal else ''}"
+              f"{'_det' if deferred_turns else ''}"),
         source=BWD_SOURCE,
         entry=f"ptxattn::attn_bwd_mma_sync<ptxattn::BwdMmaSyncConfig<{config}>>",
         smem_bytes=tile.smem_bytes(head_dim),
@@ -186,13 +199,19 @@ def bwd_spec(dtype: str, head_dim: int, causal: bool, tile: BwdTile,
     )
 
 
+def _deferred_turns(head_dim: int, causal: bool, tile: BwdTile) -> bool:
+    return tile.overlap_steps and (head_dim, causal) in DEFERRED_TURNS
+
+
 def variants() -> list[runtime.KernelSpec]:
     fwd = [spec(dtype, head_dim, causal, tile, archs)
            for dtype in DTYPES for (head_dim, causal), tiles in TILES.items()
            for archs, tile in tiles]
-    bwd = [bwd_spec(dtype, head_dim, causal, tile, archs)
+    bwd = [bwd_spec(dtype, head_dim, causal, tile, archs, deferred_turns)
            for dtype in DTYPES for (head_dim, causal), tiles in BWD_TILES.items()
-           for archs, tile in tiles]
+           for archs, tile in tiles
+           for deferred_turns in ((False, True) if _deferred_turns(head_dim, causal, tile)
+                                  else (False,))]
     return fwd + bwd
 
 
@@ -261,7 +280,9 @@ def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: boo
         p.q_map = runtime.tensor_map(q, box, swizzle=128)
         p.dout_map = runtime.tensor_map(dout, box, swizzle=128)
     kernel = runtime.load(bwd_spec(problem.format, problem.head_dim, problem.causal, tile,
-                                   (arch,)))
+                                   (arch,),
+                                   deterministic and _deferred_turns(problem.head_dim,
+                                                                     problem.causal, tile)))
     grid = (math.ceil(problem.seqlen_k / tile.block_n), problem.heads_kv, problem.batch)
     shared_backward.preprocess(problem, p)()
     runtime.PreparedLaunch(kernel, grid=grid, block=(32 * tile.warps,), args=[p])()
