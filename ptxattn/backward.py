@@ -1,5 +1,5 @@
 """What every backward kernel family shares: the workspace, the BwdParams of a call, and the two
-short kernels around the main one (``ptx_src/bwd_prepost.cu``).
+short kernels around the main one (``ptx_src/kernels/bwd_prepost.cu``).
 
 A backward call runs three kernels on one stream:
 
@@ -22,7 +22,7 @@ import math
 
 from . import archs, params, runtime
 
-SOURCE = "bwd_prepost.cu"
+SOURCE = "kernels/bwd_prepost.cu"
 HEAD_DIMS = (64, 128, 256)
 DTYPES = {"bfloat16": 1, "float16": 0}
 _THREADS = 256

@@ -2,7 +2,7 @@
 
     out, lse = blockscaled_attention(**quant.quantize_qkv(q, k, v, "nvfp4"), causal=True)
 
-On sm_120a this runs the native build of ptx_src/fwd_blockscaled.cu (block-scaled mma.sync).
+On sm_120a this runs the native build of ptx_src/kernels/fwd_blockscaled.cu (block-scaled mma.sync).
 On Hopper (sm_90a), which has no block-scaled MMA, it runs the same kernel built with the exact
 emulation of each block-scaled MMA (block_scale_mma.cuh): correct, not fast, and it warns.
 
@@ -43,8 +43,7 @@ BLOCK_N = 128
 STAGES = 2
 THREADS = 256
 
-_SOURCE = "fwd_blockscaled.cu"
-_PROBE_SOURCE = "block_scale_mma_probe.cu"
+_SOURCE = "kernels/fwd_blockscaled.cu"
 _NATIVE_ARCHS = ("sm_120a", "sm_121a")  # consumer Blackwell: block-scaled mma.sync
 _EMULATION_ARCH = "sm_90a"
 
@@ -71,21 +70,10 @@ def kernel_spec(fmt: str, head_dim: int, emulate: bool) -> runtime.KernelSpec:
         archs=(_EMULATION_ARCH,) if emulate else _NATIVE_ARCHS)
 
 
-def probe_spec(fmt: str, emulate: bool) -> runtime.KernelSpec:
-    """One block-scaled MMA per warp on given fragments (see block_scale_mma_probe.cu)."""
-    build = "emulated" if emulate else "native"
-    return runtime.KernelSpec(
-        f"block_scale_probe_{fmt}_{build}", _PROBE_SOURCE, f"block_scale_probe_{fmt}",
-        defines={"PTXATTN_EMULATE_BLOCK_SCALE": int(emulate)},
-        archs=(_EMULATION_ARCH,) if emulate else _NATIVE_ARCHS)
-
-
 def variants() -> list[runtime.KernelSpec]:
-    """Native sm_120a builds and their sm_90a emulation builds, kernels and MMA probes."""
-    specs = [kernel_spec(fmt, d, emulate) for emulate in (False, True) for fmt in FORMATS
-             for d in HEAD_DIMS]
-    specs += [probe_spec(fmt, emulate) for emulate in (False, True) for fmt in FORMATS]
-    return specs
+    """Native sm_120a builds and their sm_90a emulation builds."""
+    return [kernel_spec(fmt, d, emulate) for emulate in (False, True) for fmt in FORMATS
+            for d in HEAD_DIMS]
 
 
 def build_for_arch(arch: str) -> str:

@@ -1,7 +1,7 @@
 """Launcher of the serving kernels (portable family, mma.sync, sm_80+):
-``ptx_src/fwd_decode_mma_sync.cu``, attention over a KV cache (contiguous or paged) or a varlen
+``ptx_src/kernels/fwd_decode_mma_sync.cu``, attention over a KV cache (contiguous or paged) or a varlen
 batch with the query heads of a kv head packed in one tile and the keys split over blocks, and
-``ptx_src/combine.cu``, which merges the splits' partial states (and is
+``ptx_src/kernels/combine.cu``, which merges the splits' partial states (and is
 ``ptxattn.merge_attention_states``).
 
 The decode kernel's cost is reading K and V; its warps split each stage's keys, so a tile needs
@@ -21,8 +21,8 @@ from . import archs, params, runtime
 ARCHS = archs.running("portable")
 HEAD_DIMS = (64, 128, 256)
 DTYPES = {"bfloat16": 1, "float16": 0}
-SOURCE = "fwd_decode_mma_sync.cu"
-COMBINE_SOURCE = "combine.cu"
+SOURCE = "kernels/fwd_decode_mma_sync.cu"
+COMBINE_SOURCE = "kernels/combine.cu"
 # combine.cu's format codes
 FORMATS = {"float16": 0, "bfloat16": 1, "float32": 2}
 COMBINE_WARPS = 4  # rows per combine block, one warp each
@@ -31,7 +31,7 @@ MAX_SPLITS = 128
 
 @dataclasses.dataclass(frozen=True)
 class DecodeTile:
-    """Compile-time shape of one decode variant (mainloop_decode_mma_sync.cuh)."""
+    """Compile-time shape of one decode variant (mainloops/decode_mma_sync.cuh)."""
 
     block_n: int       # keys per ring stage; each warp scores block_n / warps of them
     warps: int

@@ -55,7 +55,7 @@ _WARPS_PER_BLOCK = 8
 
 def quantizer_spec(entry: str, dtype: str, head_dim: int) -> runtime.KernelSpec:
     return runtime.KernelSpec(
-        name=f"{entry}_{dtype}_d{head_dim}", source="quantize_fp8.cu", entry=entry,
+        name=f"{entry}_{dtype}_d{head_dim}", source="kernels/quantize_fp8.cu", entry=entry,
         defines={"HEAD_DIM": head_dim, "IS_BF16": INPUT_DTYPES[dtype]}, archs=_QUANTIZER_ARCHS)
 
 

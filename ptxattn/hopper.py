@@ -1,4 +1,4 @@
-"""Launcher of the Hopper (sm_90a) forward kernel, ``ptx_src/fwd_sm90.cu``.
+"""Launcher of the Hopper (sm_90a) forward kernel, ``ptx_src/kernels/fwd_sm90.cu``.
 
 TMA descriptors are built here: 4-d maps over the (batch, seqlen, heads, head_dim) arrays with a
 box of one swizzle span of head_dim columns (128 bytes: 64 16-bit or 128 e4m3 values; FP8
@@ -48,7 +48,7 @@ class Schedule:
     stale_max_first: after the first unmasked key block of a tile, the softmax first tries
       keeping the row maxima (no max pass; softmax.cuh), falling back to Q K^T again and the
       max pass for a block where a max grew by more than 2^8; the results are the same bits.
-      Off for FP8, whose kernel keeps the exact running max (mainloop_sm90.cuh, Consumer::softmax), so
+      Off for FP8, whose kernel keeps the exact running max (mainloops/fwd_sm90.cuh, Consumer::softmax), so
       the fast path would seldom hold.
     q_in_registers: FP8 only: each consumer warpgroup loads its Q tile into registers once per
       tile and Q K^T reads only K from shared memory, whose bandwidth the FP8 kernel keeps about
@@ -154,7 +154,7 @@ def schedule_registers(head_dim: int, schedule: Schedule, fp8: bool) -> tuple[in
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """The template arguments of one ``attn_fwd_sm90<Sm90Config<...>>`` instantiation
-    (ptx_src/mainloop_sm90.cuh documents each)."""
+    (ptx_src/mainloops/fwd_sm90.cuh documents each)."""
     head_dim: int
     block_n: int
     stages: int
@@ -239,7 +239,7 @@ def spec_of(v: Variant, out_dtype: str) -> runtime.KernelSpec:
               f"{f'_p{v.producer_regs}' if v.producer_regs else ''}"
               f"{'' if v.intra_overlap else '_inturn'}"
               f"{'_causal' if v.causal else ''}{'_serving' if v.serving else ''}"),
-        source="fwd_sm90.cu",
+        source="kernels/fwd_sm90.cu",
         entry=f"ptxattn::attn_fwd_sm90<ptxattn::Sm90Config<{v.template_args()}>>",
         smem_bytes=v.smem_bytes,
         archs=ARCHS,
@@ -311,7 +311,7 @@ def _fp8_key_block_scaled_tiles(schedule: Schedule, head_dim: int) -> tuple[int,
 def section_heads(batch: int, heads_q: int, heads_kv: int, seqlen_k: int, head_dim: int,
                   itemsize: int) -> int:
     """How many (batch, head) pairs the kernel schedules together (TileOrder in
-    ptx_src/tile_scheduler.cuh)."""
+    ptx_src/roles/tile_scheduler.cuh)."""
     kv_bytes_per_q_head = 2 * seqlen_k * head_dim * itemsize * heads_kv / heads_q
     return int(max(1, min(batch * heads_q, L2_SECTION_BYTES // max(kv_bytes_per_q_head, 1))))
 

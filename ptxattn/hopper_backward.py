@@ -1,4 +1,4 @@
-"""Launcher of the Hopper (sm_90a) backward kernel, ``ptx_src/bwd_sm90.cu``, between the pre- and
+"""Launcher of the Hopper (sm_90a) backward kernel, ``ptx_src/kernels/bwd_sm90.cu``, between the pre- and
 postprocess every backward family shares (ptxattn/backward.py).
 
 A block owns 128 keys (64 at head_dim 256) of one (batch, kv head) and walks the query tiles (64,
@@ -17,7 +17,7 @@ import math
 from . import archs, params, runtime
 from . import backward as shared_backward
 
-SOURCE = "bwd_sm90.cu"
+SOURCE = "kernels/bwd_sm90.cu"
 ARCHS = archs.running("hopper")
 HEAD_DIMS = (64, 128, 256)
 DTYPES = {"bfloat16": 1, "float16": 0}
@@ -28,7 +28,7 @@ THREADS = 384   # the producer warpgroup and two consumer warpgroups
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """The template arguments of one ``attn_bwd_sm90<BwdSm90Config<...>>``
-    (ptx_src/mainloop_bwd_sm90.cuh documents each)."""
+    (ptx_src/mainloops/bwd_sm90.cuh documents each)."""
     head_dim: int
     bf16: bool
     causal: bool
@@ -36,7 +36,7 @@ class Variant:
     stages: int
     deterministic: bool
 
-    # The layout of BwdSm90Config and BwdSm90Mainloop (mainloop_bwd_sm90.cuh), whose
+    # The layout of BwdSm90Config and BwdSm90Mainloop (mainloops/bwd_sm90.cuh), whose
     # static_assert refuses to compile a kernel whose smem_bytes differs from it: at head_dim 256
     # both consumer warpgroups hold the same 64 keys (kSharedKeys), read only the dS each wrote
     # (kOwnDs; the other head dims double-buffer dS, which both read) and stage dQ in two rounds;

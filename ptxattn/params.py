@@ -1,4 +1,4 @@
-"""The host mirror of ``ptx_src/params.cuh``: ``FwdParams``, the one argument of every attention
+"""The host mirror of ``ptx_src/roles/params.cuh``: ``FwdParams``, the one argument of every attention
 forward kernel, ``BwdParams``, that of every backward kernel, and ``CombineParams``, that of the
 merge of partial attention states.
 
@@ -152,7 +152,7 @@ def layout_check_source(struct: str = "FwdParams") -> str:
     CombineParams) has this module's layout."""
     host, fields = {"FwdParams": (FwdParams, _FIELDS), "BwdParams": (BwdParams, _BWD_FIELDS),
                     "CombineParams": (CombineParams, _COMBINE_FIELDS)}[struct]
-    lines = ['#include "params.cuh"', f"using ptxattn::{struct};",
+    lines = ['#include "roles/params.cuh"', f"using ptxattn::{struct};",
              f"static_assert(sizeof({struct}) == {ctypes.sizeof(host)}, "
              f'"sizeof({struct}) differs from ptxattn/params.py");']
     for name, _ in fields:

@@ -1,5 +1,5 @@
-"""Launcher of the portable kernels (mma.sync, sm_80+): the forward ``ptx_src/fwd_mma_sync.cu``
-and the backward ``ptx_src/bwd_mma_sync.cu`` (between ptxattn/backward.py's pre- and
+"""Launcher of the portable kernels (mma.sync, sm_80+): the forward ``ptx_src/kernels/fwd_mma_sync.cu``
+and the backward ``ptx_src/kernels/bwd_mma_sync.cu`` (between ptxattn/backward.py's pre- and
 postprocess).
 
 The kernel takes raw pointers and element strides, so any (batch, seqlen, heads) strides work
@@ -21,8 +21,8 @@ from . import backward as shared_backward
 ARCHS = archs.running("portable")
 HEAD_DIMS = (64, 128, 256)
 DTYPES = {"bfloat16": 1, "float16": 0}
-SOURCE = "fwd_mma_sync.cu"
-BWD_SOURCE = "bwd_mma_sync.cu"
+SOURCE = "kernels/fwd_mma_sync.cu"
+BWD_SOURCE = "kernels/bwd_mma_sync.cu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +85,7 @@ def spec(dtype: str, head_dim: int, causal: bool, tile: Tile,
 
 @dataclasses.dataclass(frozen=True)
 class BwdTile:
-    """Compile-time shape of one backward variant (mainloop_bwd_mma_sync.cuh): each phase
+    """Compile-time shape of one backward variant (mainloops/bwd_mma_sync.cuh): each phase
     spreads its GEMM's output over all warps as a grid of ``*_rows`` warp rows."""
 
     block_m: int       # query rows per tile
@@ -135,7 +135,7 @@ _SCALAR_RED_163K = tuple(a for a in _SMEM_163K if a not in _VECTOR_RED)
 # 336K, which fits 255 registers since the walk is a cursor: 1.02-1.06x; head_dim 256: 4 x 2
 # over the scores, 2 x 4 over dK, dV and dQ, with a second (Q, dO) stage, sm_90+). On sm_90+
 # the (Q, dO) ring has a third stage at head_dim 128 (its TMA then leads by a step and a half:
-# 1.00-1.03x) and P and dS are double-buffered (mainloop_bwd_mma_sync.cuh): the tiles then take
+# 1.00-1.03x) and P and dS are double-buffered (mainloops/bwd_mma_sync.cuh): the tiles then take
 # 232,448 (head_dim 64, all a block may have, so the kernel must keep no static shared memory),
 # 231,944 and 231,424 bytes.
 # The smaller tiles of sm_80 and the 99 KB archs were timed on the H100 only (its vector adds;

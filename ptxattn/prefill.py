@@ -1,4 +1,4 @@
-"""Launcher of the Hopper kernel's serving build (``ptx_src/fwd_sm90.cu`` with
+"""Launcher of the Hopper kernel's serving build (``ptx_src/kernels/fwd_sm90.cu`` with
 ``Sm90Config::kServing``) for prefill: packed varlen batches and KV caches (new query tokens over
 a contiguous cache's filled rows), with a local window, at the fixed-length kernel's tiles.
 

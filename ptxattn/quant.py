@@ -37,7 +37,7 @@ SEQ_PAD = 128  # V's sequence is padded to whole kernel tiles
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 
-_SOURCE = "quantize.cu"
+_SOURCE = "kernels/quantize.cu"
 _ARCHS = ("sm_90a", "sm_120a")  # cvt to/from e4m3 needs sm_89+
 _THREADS = 256
 

@@ -78,7 +78,9 @@ class CacheWarning(UserWarning):
 class KernelSpec:
     """One compile-time variant of a kernel: everything that determines its binary.
 
-    ``entry`` is the kernel's name, or a name expression instantiating a ``__global__``
+    ``source`` is a file under SOURCE_DIR (``kernels/fwd_sm90.cu``), or the absolute path of one
+    elsewhere (a test's probe kernel), whose own folder is then searched for its includes before
+    SOURCE_DIR. ``entry`` is the kernel's name, or a name expression instantiating a ``__global__``
     function template (``ns::kernel<Config<128, 2>>``): NVRTC instantiates it and reports the
     lowered (mangled) symbol, which is what is loaded."""
 
@@ -186,17 +188,26 @@ def _check_nvrtc(err, what: str) -> None:
 _INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 
 
+def _include_roots(source: str) -> list[Path]:
+    """Where the includes of ``source`` are found: SOURCE_DIR, and for a source outside it (given
+    by its absolute path: a test's probe kernel) that source's own folder first."""
+    path = Path(source)
+    return [path.parent, SOURCE_DIR] if path.is_absolute() else [SOURCE_DIR]
+
+
 def _include_tree(source: str) -> list[tuple[str, str]]:
     """The source file and every header it includes (transitively), as (name, text) pairs."""
+    roots = _include_roots(source)
     seen: dict[str, str] = {}
     pending = [source]
     while pending:
         name = pending.pop()
         if name in seen:
             continue
-        path = SOURCE_DIR / name
-        if not path.is_file():
-            raise PtxattnError(f"kernel source {name!r} not found in {SOURCE_DIR}")
+        path = next((root / name for root in roots if (root / name).is_file()), None)
+        if path is None:
+            raise PtxattnError(f"kernel source {name!r} not found in "
+                               f"{', '.join(map(str, roots))}")
         text = path.read_text()
         seen[name] = text
         pending.extend(_INCLUDE.findall(text))
@@ -221,6 +232,7 @@ def cache_key(spec: KernelSpec, arch: str) -> str:
     different paths share entries."""
     digest = hashlib.sha256()
     for name, text in _include_tree(spec.source):
+        name = Path(name).name if Path(name).is_absolute() else name
         digest.update(name.encode() + b"\0" + text.encode() + b"\0")
     digest.update(spec.entry.encode() + b"\0")
     digest.update("\0".join(spec.options(arch)).encode())
@@ -268,10 +280,10 @@ def _write_cache_entry(path: Path, cubin: bytes, log: str, symbol: str) -> None:
         raise
 
 
-def _include_options() -> list[str]:
-    # Headers come from SOURCE_DIR only: by default NVRTC looks in the current directory first,
-    # where a file named like one of ours would be compiled in unseen by the cache key.
-    return [f"-I{SOURCE_DIR}", "--no-source-include"]
+def _include_options(source: str = "") -> list[str]:
+    # Headers come from _include_roots only: by default NVRTC looks in the current directory
+    # first, where a file named like one of ours would be compiled in unseen by the cache key.
+    return [f"-I{root}" for root in _include_roots(source)] + ["--no-source-include"]
 
 
 def _nvrtc_compile(spec: KernelSpec, arch: str) -> tuple[bytes, str, str]:
@@ -283,7 +295,7 @@ def _nvrtc_compile(spec: KernelSpec, arch: str) -> tuple[bytes, str, str]:
         if spec.is_template:
             (err,) = nvrtc.nvrtcAddNameExpression(prog, spec.entry.encode())
             _check_nvrtc(err, f"nvrtcAddNameExpression({spec.entry})")
-        opts = [o.encode() for o in spec.options(arch) + _include_options()]
+        opts = [o.encode() for o in spec.options(arch) + _include_options(spec.source)]
         (result,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         err, size = nvrtc.nvrtcGetProgramLogSize(prog)
         _check_nvrtc(err, "nvrtcGetProgramLogSize")

@@ -14,7 +14,7 @@ table's schedules for the key are always tried too. A run writes its keys into t
 keeps the others.
 
 1. Pruned on the CPU, with the accounting of ../shared seed 002 as the kernel does it
-   (``Sm90Config`` in ptx_src/mainloop_sm90.cuh): shared memory
+   (``Sm90Config`` in ptx_src/mainloops/fwd_sm90.cuh): shared memory
    (``hopper.schedule_smem_bytes`` against ``hopper.SMEM_LIMIT``), then a register estimate
    per consumer thread (the S, P, O and Q fragments against what setmaxnreg gives a consumer
    thread, less seed 002's allowance for everything else). A schedule over the estimate

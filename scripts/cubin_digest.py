@@ -10,6 +10,12 @@ sm_120a) with NVRTC, in a fresh compile cache so that nothing is read back from 
 and prints one line per variant: arch, variant name, the SHA-256 of its CUBIN, and a last line
 per arch digesting all of them. Needs no GPU. A change meant to leave every kernel alone (a
 header moved, a comment corrected, host code reorganised) is proven by an empty diff.
+
+The digest is of the CUBIN's ELF sections with the names of internal-linkage symbols
+normalised: NVRTC names those after the source file plus a random suffix that differs from one
+compile to the next (``_INTERNAL_00000000_18_fwd_blockscaled_cu_0de14adf_36787``), so the
+bytes of the file differ between two compiles of the same source; the code, data and every
+other symbol are digested as they are.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import re
+import struct
 import sys
 import tempfile
 from pathlib import Path
@@ -26,13 +34,53 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 DEFAULT_ARCHS = ("sm_80", "sm_90a", "sm_120a")
 
 
+# An internal-linkage name with its length prefix (Itanium mangling), as NVRTC makes it.
+_INTERNAL_NAME = re.compile(rb"\d*_INTERNAL_[0-9a-f]{8}_\d+_\w+?_cu_[0-9a-f]{8}_\d+")
+_SHT_SYMTAB, _SHT_STRTAB, _SHT_NOBITS = 2, 3, 8
+
+
+def _string(table: bytes, offset: int) -> bytes:
+    return _INTERNAL_NAME.sub(b"_INTERNAL_", table[offset:table.index(b"\0", offset)])
+
+
+def elf_digest(cubin: bytes) -> str:
+    """SHA-256 of a 64-bit little-endian ELF: its identification, type, machine and flags, and
+    every section's header fields and contents, string tables through the names that use them
+    (internal-linkage names normalised). File offsets are left out: they follow the sizes of
+    the string tables."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize)
+                for i in range(shnum)]
+
+    def contents(index: int) -> bytes:
+        offset, size = sections[index][4], sections[index][5]
+        return cubin[offset:offset + size]
+
+    section_names = contents(shstrndx)
+    digest = hashlib.sha256(cubin[:0x18] + cubin[0x30:0x34])  # ident, type, machine, flags
+    for index, (name, kind, flags, _, _, size, link, info, align, entsize) in enumerate(sections):
+        digest.update(_string(section_names, name) + b"\0")
+        # a string table's size follows the names in it, which the symbols digest
+        digest.update(repr((kind, flags, 0 if kind == _SHT_STRTAB else size, link, info, align,
+                            entsize)).encode())
+        if kind == _SHT_SYMTAB:
+            strings, table = contents(link), contents(index)
+            for offset in range(0, len(table), 24):
+                st_name, *fields = struct.unpack_from("<IBBHQQ", table, offset)
+                digest.update(_string(strings, st_name) + repr(fields).encode())
+        elif kind not in (_SHT_STRTAB, _SHT_NOBITS):
+            digest.update(contents(index))
+    return digest.hexdigest()
+
+
 def _digest_one(spec, arch: str) -> dict:
     from ptxattn import runtime
     try:
         compiled = runtime.compile(spec, arch)
     except runtime.CompileError as err:
         return {"name": spec.name, "error": err.log}
-    return {"name": spec.name, "sha256": hashlib.sha256(compiled.cubin).hexdigest()}
+    return {"name": spec.name, "sha256": elf_digest(compiled.cubin)}
 
 
 def main(argv: list[str] | None = None) -> int:

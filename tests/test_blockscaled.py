@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from probe_kernels import probe_spec
 from ptxattn import blockscaled, quant, runtime
 from ptxattn.problem import AttentionProblem
 
@@ -26,13 +27,30 @@ from ptxattn.problem import AttentionProblem
 
 
 def test_variants_cover_native_and_emulated_builds():
-    kernels = [s for s in blockscaled.variants() if s.source == "fwd_blockscaled.cu"]
+    kernels = [s for s in blockscaled.variants() if s.source == "kernels/fwd_blockscaled.cu"]
     assert {(s.entry, s.archs) for s in kernels} == {
         (f"ptxattn::attn_fwd_blockscaled<{d}, {nvfp4}>", a) for nvfp4 in ("false", "true")
         for d in (64, 128) for a in (("sm_120a", "sm_121a"), ("sm_90a",))}
     for s in kernels:
         assert s.defines["PTXATTN_EMULATE_BLOCK_SCALE"] == (s.archs == ("sm_90a",))
         assert s.smem_bytes <= 99 * 1024
+
+
+def block_scale_probe(fmt, emulate):
+    """One block-scaled MMA per warp on given fragments (tests/probes/block_scale_mma_probe.cu):
+    natively on sm_120a/sm_121a, or through the emulation on sm_90a."""
+    return probe_spec(f"block_scale_probe_{fmt}_{'emulated' if emulate else 'native'}",
+                      "block_scale_mma_probe.cu", f"block_scale_probe_{fmt}",
+                      ("sm_90a",) if emulate else ("sm_120a", "sm_121a"),
+                      defines={"PTXATTN_EMULATE_BLOCK_SCALE": int(emulate)})
+
+
+@pytest.mark.parametrize("emulate", [False, True], ids=["native", "emulated"])
+@pytest.mark.parametrize("fmt", blockscaled.FORMATS)
+def test_block_scale_probe_compiles(fmt, emulate):
+    spec = block_scale_probe(fmt, emulate)
+    compiled = runtime.compile(spec, spec.archs[0])
+    assert compiled.spill_bytes == 0
 
 
 def test_build_for_arch():
@@ -254,7 +272,7 @@ def _device_build():
 def _run_probe(fmt, cases):
     import cupy
 
-    spec = blockscaled.probe_spec(fmt, _device_build() == "emulated")
+    spec = block_scale_probe(fmt, _device_build() == "emulated")
     a, b, c, sfa, sfb, sel = (cupy.asarray(np.stack(x)) for x in zip(*cases))
     d = cupy.empty((len(cases), 32, 4), cupy.float32)
     runtime.launch(runtime.load(spec), (len(cases),), (32,),

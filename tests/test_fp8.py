@@ -24,6 +24,7 @@ import pytest
 
 import meta_array
 from inputs import grouped_qkv
+from probe_kernels import probe_spec
 from ptxattn import fp8, runtime
 from ptxattn.problem import AttentionProblem
 
@@ -253,14 +254,13 @@ def test_rotating_quantizer_matches_host_rotation(head_dim, rng):
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU: the FP8 wgmma building blocks (ptx_src/fp8_wgmma_probe.cu)
+# GPU: the FP8 wgmma building blocks (tests/probes/fp8_wgmma_probe.cu)
 
 
 def _probe_spec(head_dim):
-    return runtime.KernelSpec(f"fp8_wgmma_probe_d{head_dim}", "fp8_wgmma_probe.cu",
-                              "fp8_wgmma_probe", defines={"HEAD_DIM": head_dim},
-                              smem_bytes=64 * head_dim + 3 * 128 * head_dim + 1024,
-                              archs=("sm_90a",))
+    return probe_spec(f"fp8_wgmma_probe_d{head_dim}", "fp8_wgmma_probe.cu", "fp8_wgmma_probe",
+                      ("sm_90a",), defines={"HEAD_DIM": head_dim},
+                      smem_bytes=64 * head_dim + 3 * 128 * head_dim + 1024)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from probe_kernels import probe_spec
 from ptxattn import archs, kernels, runtime
 
 
@@ -43,7 +44,7 @@ def _cli_on_one_variant(monkeypatch, spec, report, log="", arch="sm_90a") -> int
 
 
 def test_cli_fails_on_a_spilling_variant(monkeypatch, capsys):
-    spec = runtime.KernelSpec("spills", "tma_copy_probe.cu", "tma_copy_probe", archs=("sm_90a",))
+    spec = probe_spec("spills", "tma_copy_probe.cu", "tma_copy_probe", archs=("sm_90a",))
     assert _cli_on_one_variant(monkeypatch, spec, runtime.PtxasReport(255, 64, 64, 0, 64)) == 1
     assert "FAIL spills (sm_90a): spills 128 bytes" in capsys.readouterr().err
 
@@ -52,14 +53,14 @@ def test_cli_fails_on_serialized_wgmmas(monkeypatch, capsys):
     log = ("ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are "
            "serialized due to non wgmma instructions defining accumulator registers of a wgmma "
            "between start and end of the pipeline stage in the function 'k'")
-    spec = runtime.KernelSpec("serial", "tma_copy_probe.cu", "tma_copy_probe", archs=("sm_90a",))
+    spec = probe_spec("serial", "tma_copy_probe.cu", "tma_copy_probe", archs=("sm_90a",))
     assert _cli_on_one_variant(monkeypatch, spec, runtime.PtxasReport(168, 0, 0, 0, 0), log) == 1
     assert "FAIL serial (sm_90a): ptxas serialized its wgmmas" in capsys.readouterr().err
 
 
 def test_cli_fails_over_the_shared_memory_limit(monkeypatch, capsys):
-    spec = runtime.KernelSpec("huge", "tma_copy_probe.cu", "tma_copy_probe",
-                              smem_bytes=100 * 1024, archs=("sm_120a",))
+    spec = probe_spec("huge", "tma_copy_probe.cu", "tma_copy_probe",
+                      smem_bytes=100 * 1024, archs=("sm_120a",))
     assert _cli_on_one_variant(monkeypatch, spec, runtime.PtxasReport(64, 0, 0, 0, 0),
                                arch="sm_120a") == 1
     assert "over 101376" in capsys.readouterr().err

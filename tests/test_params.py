@@ -1,4 +1,4 @@
-"""ptxattn/params.py mirrors ptx_src/params.cuh: NVRTC checks every field's offset and the size
+"""ptxattn/params.py mirrors ptx_src/roles/params.cuh: NVRTC checks every field's offset and the size
 (no GPU needed), so a field added, moved or retyped on one side alone fails here."""
 
 import ctypes

@@ -1,5 +1,5 @@
 """The device-side building blocks the attention kernels compose, each through a small probe
-kernel (ptx_src/*_probe.cu) held against a NumPy model of what its header promises:
+kernel (tests/probes/*_probe.cu) held against a NumPy model of what its header promises:
 
   block_info_probe.cu      block_info.cuh, mask.cuh: which key blocks a tile visits, which of
                            them need the mask, and the mask itself (apply_mask on accumulator
@@ -23,11 +23,13 @@ bit) and whose dQ is held to the bound of FP32 accumulation.
 """
 
 import math
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
 
+from probe_kernels import PROBE_DIR, probe_spec
 from ptxattn import runtime
 
 SM80_UP = ("sm_80", "sm_90a")  # probes of sm_80+ instructions; run on an H100 as sm_90a
@@ -35,7 +37,7 @@ SM90 = ("sm_90a",)
 
 
 def _probe(name, source, entry, archs, smem_bytes=0):
-    return runtime.KernelSpec(name, source, entry, smem_bytes=smem_bytes, archs=archs)
+    return probe_spec(name, source, entry, archs, smem_bytes=smem_bytes)
 
 
 BLOCK_SHAPES = [(128, 128), (192, 64), (64, 32)]  # (kBlockM, kBlockN)
@@ -141,8 +143,8 @@ def test_probe_list_is_complete():
     otherwise escape the CPU check)."""
     mine = {"block_info_probe.cu", "tile_scheduler_probe.cu", "pipeline_probe.cu",
             "swizzle_probe.cu", "mma_probe.cu", "wgmma_probe.cu"}
-    assert {spec.source for spec in ALL_PROBES} == mine
-    assert all((runtime.SOURCE_DIR / name).is_file() for name in mine)
+    assert {Path(spec.source).name for spec in ALL_PROBES} == mine
+    assert all((PROBE_DIR / name).is_file() for name in mine)
 
 
 # ---------------------------------------------------------------------------------------------

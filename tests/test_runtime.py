@@ -6,10 +6,11 @@ import ctypes
 import numpy as np
 import pytest
 
+from probe_kernels import probe_spec
 from ptxattn import runtime
 
-PROBE = runtime.KernelSpec("tma_copy_probe", "tma_copy_probe.cu", "tma_copy_probe",
-                           smem_bytes=64 * 1024, archs=("sm_90a", "sm_120a"))
+PROBE = probe_spec("tma_copy_probe", "tma_copy_probe.cu", "tma_copy_probe",
+                   smem_bytes=64 * 1024, archs=("sm_90a", "sm_120a"))
 
 
 @pytest.fixture

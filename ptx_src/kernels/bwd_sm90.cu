@@ -1,0 +1,75 @@
+// Attention backward for Hopper (sm_90a): TMA + mbarrier ring, wgmma, warp specialisation.
+//
+// Runs between bwd_preprocess (dpsum = rowsum(dO * O), dq_accum zeroed) and bwd_postprocess
+// (dq = softmax_scale * dq_accum in the input dtype), both in bwd_prepost.cu, as the portable
+// backward (bwd_mma_sync.cu) does.
+//
+// Grid (key blocks, kv heads, batch), 384 threads: block (n, kv head, b) owns keys
+// [128 n, 128 n + 128) and walks the query tiles that see them for every q head sharing the kv
+// head (BwdSteps), in BwdWalk's order:
+//   warpgroup 0   the producer: gives most of its registers away (setmaxnreg); one thread loads
+//                 K and V once and every step's Q and dO through TMA (mainloops/bwd_sm90.cuh);
+//                 writer warps add each step's dQ at head_dims 64 and 128 and with
+//                 deterministic sums: warp 1 alone, or with deterministic sums warps 1 and 2,
+//                 one a consumer warpgroup (64, 128) or a dQ round (256), each in its own turns;
+//   warpgroups 1-2 the consumers: 64 keys each, the step's five GEMMs, dQ added into the FP32
+//                 accumulator, and at the end dK and dV staged in shared memory and written by
+//                 TMA stores (mainloops/bwd_sm90.cuh).
+// The launcher (ptxattn/hopper_backward.py) instantiates attn_bwd_sm90<BwdSm90Config<...>> by
+// name; every runtime argument is in BwdParams (params.cuh), whose q/k/v/dout maps are 4-d with
+// coordinates (d, head, row, batch) and boxes of 64 columns x kBlockM (q, dout) or 128 (k, v)
+// rows; rows past the end load as zeros.
+#include "mainloops/bwd_sm90.cuh"
+#include "roles/params.cuh"
+#include "roles/tile_scheduler.cuh"
+#include "ptx/warpgroup.cuh"
+
+namespace ptxattn {
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+attn_bwd_sm90(const __grid_constant__ BwdParams p) {
+    using Mainloop = BwdSm90Mainloop<Cfg>;
+    using Barriers = typename Mainloop::Barriers;
+
+    extern __shared__ uint8_t smem_raw[];
+    uint8_t* smem = align_smem<Cfg::kSwizzleAtomBytes>(smem_raw);
+    Barriers& bars = *reinterpret_cast<Barriers*>(smem + Mainloop::kBarrierOffset);
+    const int kv_head = blockIdx.y;
+    const int batch = blockIdx.z;
+    const typename Mainloop::Info info(p.seqlen_q, p.seqlen_k, Cfg::kCausal);
+    const BwdWalk walk = BwdWalk::make(blockIdx.x, gridDim.x, p.num_m_blocks, Cfg::kCausal,
+                                       Cfg::kDeterministic, p.dq_turn_group,
+                                       Cfg::kStaggeredWalk);
+    const BwdSteps steps = BwdSteps::make(info, walk, p.q_per_kv);
+
+    if (threadIdx.x == 0) {
+        bars.kv_full.init(1);
+        bars.q_do.init(1, Cfg::kConsumerWarps);
+        fence_barrier_init();
+    }
+    __syncthreads();
+
+    if (threadIdx.x < 128) {
+        warpgroup_reg_dealloc<Cfg::kProducerRegs>();
+        if (threadIdx.x == 0) {
+            Mainloop::load(p, smem, bars, steps, walk.n_block, kv_head, batch);
+        } else if (Cfg::kDqWriter && threadIdx.x / 32 == 1) {
+            Mainloop::template write_dq<0>(p, smem, info, walk, steps, kv_head, batch);
+        } else if (threadIdx.x / 32 == 2) {
+            if constexpr (Cfg::kDqWriter && Mainloop::kWriterWarps > 1) {
+                Mainloop::template write_dq<1>(p, smem, info, walk, steps, kv_head, batch);
+            }
+        }
+        return;
+    }
+
+    warpgroup_reg_alloc<Cfg::kConsumerRegs>();
+    const int thread = threadIdx.x;
+    typename Mainloop::Consumer consumer{smem, bars, thread / 128 - 1, (thread % 128) / 32,
+                                         thread % 32};
+    consumer.run(p, info, walk, steps, kv_head, batch);
+    consumer.store(p, walk.n_block, kv_head, batch);
+}
+
+}  // namespace ptxattn

@@ -1,0 +1,180 @@
+// Attention over a KV cache on mma.sync tensor cores (sm_80+): decoding, speculative decoding
+// and chunked prefill, with split-KV.
+//
+// A block is (a tile of GQA-packed query rows, kv head, sequence) and one split of the key
+// blocks those rows see: the query heads of a kv head share the tile (kv_cache.cuh), so K and V
+// are read once for all of them, and when (tiles x kv heads x sequences) cannot fill the GPU the
+// keys are split over num_splits blocks (the launcher, ptxattn/decode.py, picks the count). The
+// keys come from a contiguous or paged cache, up to the sequence's filled length (seqused_k),
+// masked bottom-right causal and by a window (mask.cuh), after an optional softcap. The warps
+// split each stage's keys and merge their softmax states at the end (mainloops/decode_mma_sync.cuh).
+// With one split the block writes the normalised output (and LSE, sinks folded in); with
+// several it writes its partial state in float32 for combine.cu.
+//
+// Every runtime argument is in FwdParams (params.cuh): q (batch, seqlen_q, heads_q, D), or
+// (total_q, heads_q, D) with cu_seqlens_q; k and v caches per kv_cache.cuh; out like q.
+#include "roles/block_info.cuh"
+#include "roles/epilogue.cuh"
+#include "roles/kv_cache.cuh"
+#include "mainloops/decode_mma_sync.cuh"
+#include "roles/mask.cuh"
+#include "roles/params.cuh"
+#include "roles/softmax.cuh"
+
+namespace ptxattn {
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
+attn_fwd_decode(const __grid_constant__ FwdParams p) {
+    using Mainloop = MmaSyncMainloop<Cfg>;
+    using Loader = DecodeMainloop<Cfg>;
+    constexpr int kBlockN = Cfg::kBlockN;
+    constexpr int kStages = Cfg::kStages;
+    constexpr int kRows = Cfg::kRows;
+    constexpr int kHeadDim = Cfg::kHeadDim;
+    extern __shared__ __align__(128) uint8_t smem[];
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int split = blockIdx.x % p.num_splits;
+    const int m_block = blockIdx.x / p.num_splits;
+    const int kv_head = blockIdx.y;
+    const int batch = blockIdx.z;
+
+    const SeqLens lens = SeqLens::of(p, batch);
+    const int seqlen_k = lens.seqlen_k;
+    const PackedRows packed{p.q_per_kv, kv_head * p.q_per_kv};
+    const int first_row = m_block * kRows;
+    const int tile_rows = min(kRows, lens.seqlen_q * p.q_per_kv - first_row);
+    if (tile_rows <= 0) return;
+
+    // The key blocks the tile's tokens see, this split's share of them, and which need a mask.
+    const SeqMask mask =
+        SeqMask::make(lens.seqlen_q, seqlen_k, p.causal, p.window_left, p.window_right);
+    const int first_token = packed.token(first_row);
+    const int last_token = packed.token(first_row + tile_rows - 1);
+    const int key_end = mask.key_end(last_token);
+    const int n_lo = mask.key_begin(first_token) / kBlockN;
+    const int n_hi = key_end <= 0 ? 0 : ceil_div(key_end, kBlockN);
+    const int per_split = ceil_div(max(n_hi - n_lo, 0), p.num_splits);
+    const int n_begin = n_lo + split * per_split;
+    const int n_blocks = max(min(n_hi, n_begin + per_split) - n_begin, 0);
+    const int n_right_masked = max(mask.key_end(first_token), 0) / kBlockN;
+    const int n_left_unmasked =
+        mask.window_left < 0 ? 0 : ceil_div(mask.key_begin(last_token), kBlockN);
+
+    const uint16_t* q_seq = static_cast<const uint16_t*>(p.q) + batch * p.q_stride_b +
+                            lens.offset_q * p.q_stride_s;
+    const uint16_t* k_head = static_cast<const uint16_t*>(p.k) + kv_head * p.k_stride_h;
+    const uint16_t* v_head = static_cast<const uint16_t*>(p.v) + kv_head * p.v_stride_h;
+    const KvRows kv = KvRows::of(p, batch, lens.offset_k);
+
+    const uint32_t q_tile = smem_addr(smem);
+    const uint32_t ring = q_tile + Cfg::kQTileBytes;
+    const typename Cfg::Pages pages{reinterpret_cast<int*>(smem + Cfg::kPagesOffset)};
+    // Ring stage `iter`'s K and V (all of its pages staged) and the pages of stage
+    // iter + kStages - 1, in one commit group.
+    const auto load_stage = [&](int iter) {
+        const int key0 = (n_begin + iter) * kBlockN;
+        if (iter < n_blocks) {
+            Loader::load_kv(ring + (iter % kStages) * Cfg::kStageBytes, p, kv, pages.slot(iter),
+                            k_head, v_head, key0, seqlen_k, tid);
+        }
+        if (iter + kStages - 1 < n_blocks) {
+            pages.prefetch(kv, iter + kStages - 1, key0 + (kStages - 1) * kBlockN, seqlen_k, tid);
+        }
+        cp_async_commit();
+    };
+    Loader::load_q(q_tile, tile_rows, [&](int r) {
+        const int row = first_row + r;
+        return q_seq + packed.token(row) * p.q_stride_s + packed.head(row) * p.q_stride_h;
+    }, tid);
+    if (kv.pages != nullptr) {  // the pages of the prologue's stages, before their copies
+#pragma unroll
+        for (int iter = 0; iter < kStages - 1 && iter < n_blocks; ++iter) {
+            pages.prefetch(kv, iter, (n_begin + iter) * kBlockN, seqlen_k, tid);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+    }
+#pragma unroll
+    for (int iter = 0; iter < kStages - 1; ++iter) load_stage(iter);
+
+    const auto q_lane = Mainloop::a_frag_lane(lane);
+    const auto k_lane = Mainloop::k_frag_lane(lane);
+    const auto v_lane = Mainloop::a_frag_lane(lane);
+    const int warp_key0 = warp * Cfg::kWarpKeys;
+
+    float o[Cfg::kMTiles][Cfg::kOTiles][4];
+    zero_fill(o);
+    OnlineSoftmax<Cfg::kMTiles> softmax;
+    softmax.init();
+
+#pragma unroll 1
+    for (int iter = 0; iter < n_blocks; ++iter) {
+        cp_async_wait<kStages - 2>();
+        __syncthreads();  // the stage has landed and every warp is done with iter - 1
+        load_stage(iter + kStages - 1);
+
+        // this warp's keys of the stage
+        const uint32_t k_tile =
+            ring + (iter % kStages) * Cfg::kStageBytes + warp_key0 * Cfg::kRowBytes;
+        const int n_block = n_begin + iter;
+        float s[Cfg::kMTiles][Cfg::kSTiles][4];
+        Mainloop::gemm_qk(s, q_tile, k_tile, 0, q_lane, k_lane);
+        if (p.softcap_scale != 0.0f) apply_softcap(s, p.softcap_scale);
+        if (n_block >= n_right_masked || n_block < n_left_unmasked) {
+            apply_mask<16>(s, mask, first_row + (lane >> 2),
+                           n_block * kBlockN + warp_key0 + 2 * (lane & 3), AccumulatorColumns{},
+                           p.q_per_kv);
+        }
+        float rescale[Cfg::kMTiles][2];
+        if (softmax.update(s, p.scale_log2, rescale)) scale_rows(o, rescale);
+        uint32_t pa[Cfg::kMTiles][Cfg::kPSteps][4];
+        Mainloop::pack_probabilities(pa, s);
+        Mainloop::gemm_pv(o, pa, k_tile + Cfg::kKVTileBytes, v_lane);
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the ring and Q are free for the merge
+
+    float* row_lse = reinterpret_cast<float*>(smem);
+    const float* merged = merge_warps<Cfg>(o, softmax, smem + Cfg::kQTileBytes, row_lse, warp, lane);
+
+    // Rows out: 8 columns a thread at a time.
+    const bool partial = p.num_splits > 1;
+    const int global_token0 = (p.cu_seqlens_q != nullptr ? 0 : batch * p.seqlen_q) + lens.offset_q;
+    constexpr int kChunks = kHeadDim / 8;
+    for (int i = tid; i < tile_rows * kChunks; i += Cfg::kThreads) {
+        const int r = i / kChunks;
+        const int col = 8 * (i % kChunks);
+        const int row = first_row + r;
+        const int token = packed.token(row);
+        const int head = packed.head(row);
+        const float4 lo = *reinterpret_cast<const float4*>(merged + r * kHeadDim + col);
+        const float4 hi = *reinterpret_cast<const float4*>(merged + r * kHeadDim + col + 4);
+        float lse = row_lse[r];
+        if (partial) {
+            float* dst = partial_out_row(p, split, global_token0 + token, head, kHeadDim) + col;
+            *reinterpret_cast<float4*>(dst) = lo;
+            *reinterpret_cast<float4*>(dst + 4) = hi;
+            if (col == 0) partial_lse(p, split, global_token0 + token, head) = lse;
+            continue;
+        }
+        float factor = 1.0f;
+        fold_sink(lse, factor, p.sinks != nullptr ? p.sinks[head] : -__int_as_float(0x7f800000));
+        uint4 packed_out;
+        packed_out.x = pack_f32x2<Cfg::kBf16>(lo.x * factor, lo.y * factor);
+        packed_out.y = pack_f32x2<Cfg::kBf16>(lo.z * factor, lo.w * factor);
+        packed_out.z = pack_f32x2<Cfg::kBf16>(hi.x * factor, hi.y * factor);
+        packed_out.w = pack_f32x2<Cfg::kBf16>(hi.z * factor, hi.w * factor);
+        uint16_t* dst = static_cast<uint16_t*>(p.out) + batch * p.out_stride_b +
+                        (lens.offset_q + token) * p.out_stride_s + head * p.out_stride_h + col;
+        *reinterpret_cast<uint4*>(dst) = packed_out;
+        if (col == 0) {
+            p.lse[batch * p.lse_stride_b + head * p.lse_stride_h + lens.offset_q + token] = lse;
+        }
+    }
+}
+
+}  // namespace ptxattn

@@ -1,0 +1,207 @@
+// Mainloop of the split-KV decode kernel (fwd_decode_mma_sync.cu; mma.sync, sm_80+).
+//
+// Decoding has few query rows per kv head (one token times the GQA group) and many keys, so the
+// warps split the keys instead of the rows: every warp holds all kRows (GQA-packed) query rows
+// and scores its own kWarpKeys of each kBlockN-key stage, with a softmax state of its own. The
+// GEMMs are the forward's (mainloops/fwd_mma_sync.cuh), run on the warp's slice of the stage; at the
+// end the warps' states are merged through shared memory (merge_warps). The kernel is bound by
+// reading K and V, so the ring is deep and a thread steps through its rows of a stage, from the
+// stage's staged page-table entries for a paged cache (kv_cache.cuh).
+//
+// Shared memory: [Q: kRows rows][stage 0: K, V: kBlockN rows each][stage 1]...[paged caches'
+// staged table entries], the same swizzled row tiles as the forward (smem_tile.cuh). After the
+// loop the ring holds the merge's per-warp row statistics and output slabs.
+#pragma once
+#include "ptx/common.cuh"
+#include "ptx/cp_async.cuh"
+#include "roles/kv_cache.cuh"
+#include "mainloops/fwd_mma_sync.cuh"
+#include "roles/params.cuh"
+#include "roles/smem_tile.cuh"
+#include "roles/softmax.cuh"
+
+namespace ptxattn {
+
+// head_dim, 16-row query groups per tile, keys per ring stage, warps (each scores
+// kBlockN / kWarps keys of a stage), ring depth, bf16 (else fp16), __launch_bounds__ minimum.
+// The names MmaSyncMainloop reads (kMTiles, kSTiles, ...) describe one warp's share.
+template <int HeadDim, int MTiles, int BlockN, int Warps, int Stages, bool Bf16, int MinBlocksPerSm>
+struct DecodeConfig {
+    static constexpr int kHeadDim = HeadDim;
+    static constexpr int kMTiles = MTiles;
+    static constexpr int kRows = 16 * MTiles;
+    static constexpr int kBlockN = BlockN;
+    static constexpr int kWarps = Warps;
+    static constexpr int kThreads = 32 * Warps;
+    static constexpr int kStages = Stages;
+    static constexpr bool kBf16 = Bf16;
+    static constexpr int kMinBlocksPerSm = MinBlocksPerSm;
+
+    static constexpr int kWarpKeys = kBlockN / kWarps;
+    static constexpr int kKSteps = kHeadDim / 16;
+    static constexpr int kSTiles = kWarpKeys / 8;
+    static constexpr int kPSteps = kWarpKeys / 16;
+    static constexpr int kOTiles = kHeadDim / 8;
+    static constexpr int kRowBytes = kHeadDim * 2;
+    static constexpr int kChunksPerRow = kHeadDim / 8;
+    static constexpr int kQTileBytes = kRows * kRowBytes;
+    static constexpr int kKVTileBytes = kBlockN * kRowBytes;
+    static constexpr int kStageBytes = 2 * kKVTileBytes;
+    static constexpr int kRingBytes = kStages * kStageBytes;
+    // merge_warps: each warp's row max and sum, then its scaled output rows in float32
+    static constexpr int kStatBytes = 2 * kWarps * kRows * 4;
+    static constexpr int kMergeBytes = kStatBytes + kWarps * kRows * kHeadDim * 4;
+    using Pages = StagedPages<kBlockN, kStages>;
+    static constexpr int kPagesOffset =
+        kQTileBytes + (kRingBytes > kMergeBytes ? kRingBytes : kMergeBytes);
+    static constexpr int kSmemBytes = kPagesOffset + Pages::kBytes;
+
+    static_assert(kWarpKeys % 16 == 0, "a warp's keys are whole P V k steps");
+    static_assert(kHeadDim % 64 == 0, "the swizzle permutes 8 chunks of 16 bytes: head_dim >= 64");
+    static_assert(kThreads % kChunksPerRow == 0 && kBlockN % (kThreads / kChunksPerRow) == 0,
+                  "stage loads give every thread the same number of whole chunks");
+    static_assert(kStages >= 2, "the ring needs a stage in flight while one is computed");
+};
+
+template <class Cfg>
+struct DecodeMainloop {
+    static constexpr int kThreads = Cfg::kThreads;
+    static constexpr int kChunksPerRow = Cfg::kChunksPerRow;
+    static constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+    static_assert(kRowsPerPass <= 16, "a thread's rows step at most one page (16 rows or more)");
+    using Tile = SwizzledTile<Cfg::kRowBytes>;
+
+    // The packed Q tile: row r (< rows) from q_row(r), a pointer to its first element; rows past
+    // `rows` zero-filled.
+    template <class QRow>
+    static __device__ __forceinline__ void load_q(uint32_t tile, int rows, QRow q_row, int tid) {
+        const int chunk = tid % kChunksPerRow;
+#pragma unroll
+        for (int row = tid / kChunksPerRow; row < Cfg::kRows; row += kRowsPerPass) {
+            const bool valid = row < rows;
+            const uint16_t* src = valid ? q_row(row) + chunk * 8 : nullptr;
+            cp_async_16(tile + Tile::offset(row, chunk), src, valid);
+        }
+    }
+
+    // One ring stage: the K and V rows of keys key0 .. key0 + kBlockN of the sequence (located
+    // by `kv` from the stage's staged pages; k_head and v_head point at the kv head's column of
+    // slot 0, row 0), zero-filled from `keys` on.
+    static __device__ __forceinline__ void load_kv(uint32_t stage, const FwdParams& p,
+                                                   const KvRows& kv, const int* staged,
+                                                   const uint16_t* k_head,
+                                                   const uint16_t* v_head, int key0, int keys,
+                                                   int tid) {
+        const int chunk = tid % kChunksPerRow;
+        KvRows::StageRows rows = kv.stage_rows(key0, tid / kChunksPerRow, staged);
+#pragma unroll
+        for (int pass = 0; pass < Cfg::kBlockN / kRowsPerPass; ++pass) {
+            const int row = tid / kChunksPerRow + pass * kRowsPerPass;
+            const bool valid = key0 + row < keys;
+            const uint16_t* k_src = k_head;
+            const uint16_t* v_src = v_head;
+            if (valid) {
+                const int2 at = rows.at();
+                k_src += at.x * p.k_stride_b + at.y * p.k_stride_s + chunk * 8;
+                v_src += at.x * p.v_stride_b + at.y * p.v_stride_s + chunk * 8;
+            }
+            cp_async_16(stage + Tile::offset(row, chunk), k_src, valid);
+            cp_async_16(stage + Cfg::kKVTileBytes + Tile::offset(row, chunk), v_src, valid);
+            rows.advance(kRowsPerPass);
+        }
+    }
+};
+
+// scores <- tanh(softcap_scale * scores): the logit softcap (params.cuh), tanh.approx.f32.
+template <int kRowGroups, int kTiles>
+__device__ __forceinline__ void apply_softcap(float (&s)[kRowGroups][kTiles][4], float scale) {
+#pragma unroll
+    for (int m = 0; m < kRowGroups; ++m) {
+#pragma unroll
+        for (int j = 0; j < kTiles; ++j) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                float t;
+                asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(s[m][j][c] * scale));
+                s[m][j][c] = t;
+            }
+        }
+    }
+}
+
+// The merge of the warps' softmax states (every warp saw other keys of the same rows): with
+// m_w a warp's reference max and l_w its row sum, M = max_w m_w and L = sum_w l_w 2^(m_w - M);
+// the output is sum_w o_w 2^(m_w - M) / L, summed in warp order so that it is deterministic,
+// and the row's LSE is (M + log2 L) ln 2 (-inf, with zeros out, when no warp saw a key). Returns
+// the normalised rows (shared memory, kRows x kHeadDim float32, inside `scratch`) and leaves
+// their LSEs in `row_lse` (kRows floats, outside it). Call after the ring is drained; uses
+// `scratch` (kMergeBytes).
+template <class Cfg, class Softmax>
+__device__ __forceinline__ const float* merge_warps(float (&o)[Cfg::kMTiles][Cfg::kOTiles][4],
+                                            const Softmax& softmax, uint8_t* scratch,
+                                            float* row_lse, int warp, int lane) {
+    constexpr int kRows = Cfg::kRows;
+    constexpr float kLn2 = 0.693147180559945309f;
+    const float neg_inf = -__int_as_float(0x7f800000);
+    float* warp_max = reinterpret_cast<float*>(scratch);  // [warp][row]
+    float* warp_sum = warp_max + Cfg::kWarps * kRows;
+    float* slabs = warp_sum + Cfg::kWarps * kRows;        // [warp][row][column]
+#pragma unroll
+    for (int m = 0; m < Cfg::kMTiles; ++m) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float sum = quad_sum(softmax.row_sum[m][h]);
+            const int row = 16 * m + (lane >> 2) + 8 * h;
+            if ((lane & 3) == 0) {
+                warp_max[warp * kRows + row] = softmax.row_max[m][h];
+                warp_sum[warp * kRows + row] = sum;
+            }
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int m = 0; m < Cfg::kMTiles; ++m) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = 16 * m + (lane >> 2) + 8 * h;
+            float row_max = neg_inf;
+#pragma unroll
+            for (int w = 0; w < Cfg::kWarps; ++w) row_max = fmaxf(row_max, warp_max[w * kRows + row]);
+            const float bias = row_max == neg_inf ? 0.0f : row_max;
+            float total = 0.0f;
+#pragma unroll
+            for (int w = 0; w < Cfg::kWarps; ++w) {
+                total += warp_sum[w * kRows + row] * exp2f(warp_max[w * kRows + row] - bias);
+            }
+            const float factor =
+                total > 0.0f ? exp2f(softmax.row_max[m][h] - bias) / total : 0.0f;
+            if (warp == 0 && (lane & 3) == 0) {
+                row_lse[row] = total > 0.0f ? (row_max + log2f(total)) * kLn2 : neg_inf;
+            }
+            float* slab_row = slabs + (warp * kRows + row) * Cfg::kHeadDim + 2 * (lane & 3);
+#pragma unroll
+            for (int j = 0; j < Cfg::kOTiles; ++j) {
+                *reinterpret_cast<float2*>(slab_row + 8 * j) =
+                    make_float2(o[m][j][2 * h] * factor, o[m][j][2 * h + 1] * factor);
+            }
+        }
+    }
+    __syncthreads();
+    // slab 0 <- the sum over warps, four columns a thread at a time
+    for (int i = 4 * static_cast<int>(threadIdx.x); i < kRows * Cfg::kHeadDim; i += 4 * Cfg::kThreads) {
+        float4 acc = *reinterpret_cast<const float4*>(slabs + i);
+#pragma unroll
+        for (int w = 1; w < Cfg::kWarps; ++w) {
+            const float4 x = *reinterpret_cast<const float4*>(slabs + w * kRows * Cfg::kHeadDim + i);
+            acc.x += x.x;
+            acc.y += x.y;
+            acc.z += x.z;
+            acc.w += x.w;
+        }
+        *reinterpret_cast<float4*>(slabs + i) = acc;
+    }
+    __syncthreads();
+    return slabs;
+}
+
+}  // namespace ptxattn

@@ -1,0 +1,112 @@
+// Block info: which key blocks a tile of query rows visits, and which of them need a mask.
+//
+// A tile holds query rows [m0, m0 + kBlockM) of one sequence; key blocks hold kBlockN keys.
+// The tile visits key blocks [n_min, n_max): the blocks outside hold no key any of its rows
+// sees (mask.cuh), so they are skipped, never loaded. Inside, a block needs the mask when some
+// row of the tile may not see some key of it:
+//   right side: blocks from n_right_masked up (the seqlen_k tail, the causal diagonal or the
+//               window's right edge; the block's last key past the first row's last);
+//   left side:  blocks below n_left_unmasked (the window's left edge).
+// Kernels visit key blocks from the last to the first, so the right-masked blocks come first,
+// then the unmasked ones, then (only with a left window) the left-masked ones.
+//
+// The backward walks the other way: a block of kBlockN keys visits the query tiles
+// [m_min(n_block), m_max()) that hold a row seeing one of its keys, and the same n_right_masked
+// test says which (tile, block) pairs need the mask. (Left windows are not handled there yet: no
+// backward kernel takes a window.)
+//
+// Per-sequence lengths: a BlockInfo holds one sequence's lengths (fixed-length kernels make one
+// per block), so a varlen or KV-cache kernel makes one per tile from that sequence's (seqlen_q,
+// seqlen_k), which SeqLens::of reads from cumulative offsets and filled lengths when the call has
+// them.
+#pragma once
+#include "ptx/common.cuh"
+#include "roles/mask.cuh"
+#include "roles/params.cuh"
+
+namespace ptxattn {
+
+__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// The lengths of sequence `batch` and where its rows start: fixed for every sequence, or from
+// cumulative offsets (int32, batch + 1 entries) when given.
+struct SeqLens {
+    int seqlen_q;
+    int seqlen_k;
+    int offset_q;  // first row of the sequence in the packed q / out (0 without offsets)
+    int offset_k;
+
+    __device__ __forceinline__ static SeqLens of(int batch, int seqlen_q, int seqlen_k,
+                                                 const int* cu_seqlens_q,
+                                                 const int* cu_seqlens_k) {
+        SeqLens lens{seqlen_q, seqlen_k, 0, 0};
+        if (cu_seqlens_q != nullptr) {
+            lens.offset_q = cu_seqlens_q[batch];
+            lens.seqlen_q = cu_seqlens_q[batch + 1] - lens.offset_q;
+        }
+        if (cu_seqlens_k != nullptr) {
+            lens.offset_k = cu_seqlens_k[batch];
+            lens.seqlen_k = cu_seqlens_k[batch + 1] - lens.offset_k;
+        }
+        return lens;
+    }
+
+    // Sequence `batch` of a serving call: its keys end at seqused_k[batch] (a KV cache's filled
+    // length) when that is given.
+    __device__ __forceinline__ static SeqLens of(const FwdParams& p, int batch) {
+        SeqLens lens = of(batch, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k);
+        if (p.seqused_k != nullptr) lens.seqlen_k = p.seqused_k[batch];
+        return lens;
+    }
+};
+
+template <int kBlockM, int kBlockN>
+struct BlockInfo {
+    SeqMask mask;
+    int seqlen_q;
+
+    __device__ __forceinline__ BlockInfo(int seqlen_q_, int seqlen_k, bool causal,
+                                         int window_left = -1, int window_right = -1)
+        : mask(SeqMask::make(seqlen_q_, seqlen_k, causal, window_left, window_right)),
+          seqlen_q(seqlen_q_) {}
+
+    // The tile's last real row (rows past seqlen_q are padding whose results are dropped).
+    __device__ __forceinline__ int last_row(int m_block) const {
+        return min((m_block + 1) * kBlockM, seqlen_q) - 1;
+    }
+
+    // One past the last key block the tile visits (0: it visits none).
+    __device__ __forceinline__ int n_max(int m_block) const {
+        const int keys = mask.key_end(last_row(m_block));
+        return keys <= 0 ? 0 : ceil_div(keys, kBlockN);
+    }
+
+    // The first key block the tile visits.
+    __device__ __forceinline__ int n_min(int m_block) const {
+        return mask.window_left < 0 ? 0 : mask.key_begin(m_block * kBlockM) / kBlockN;
+    }
+
+    // Blocks from this one up need the right-side mask.
+    __device__ __forceinline__ int n_right_masked(int m_block) const {
+        const int keys = mask.key_end(m_block * kBlockM);
+        return keys <= 0 ? 0 : min(mask.seqlen_k / kBlockN, keys / kBlockN);
+    }
+
+    // The first query tile with a row that sees a key of block n_block (backward): the row
+    // key - diag - window_right sees key `key` first.
+    __device__ __forceinline__ int m_min(int n_block) const {
+        return mask.window_right < 0
+                   ? 0
+                   : max(0, n_block * kBlockN - mask.diag - mask.window_right) / kBlockM;
+    }
+
+    // One past the last query tile (backward).
+    __device__ __forceinline__ int m_max() const { return ceil_div(seqlen_q, kBlockM); }
+
+    // Blocks below this one need the left-side mask (none without a left window).
+    __device__ __forceinline__ int n_left_unmasked(int m_block) const {
+        return mask.window_left < 0 ? 0 : ceil_div(mask.key_begin(last_row(m_block)), kBlockN);
+    }
+};
+
+}  // namespace ptxattn
