@@ -1,4 +1,12 @@
-"""ptxattn: FlashAttention forward kernels in handwritten CUDA + inline PTX, compiled by NVRTC."""
+"""ptxattn: FlashAttention kernels for NVIDIA GPUs (forward, backward and serving), written in
+CUDA with inline PTX and compiled at run time by NVRTC.
+
+Entry points: :func:`attention` and :func:`attention_backward` (16-bit, fixed length),
+:func:`attention_varlen`, :func:`attention_with_kvcache` and :func:`merge_attention_states`
+(serving), :func:`fp8_attention` (e4m3, Hopper) and :func:`blockscaled_attention` (MXFP8 /
+NVFP4). The modules ``ptxattn.fp8``, ``ptxattn.blockscaled``, ``ptxattn.distributed``,
+``ptxattn.torch`` and ``ptxattn.jax`` hold the rest of the public API.
+"""
 
 import ml_dtypes  # noqa: F401  registers the bfloat16 (and FP8) dtypes with NumPy, hence CuPy
 
@@ -6,27 +14,28 @@ from .runtime import CompileError, CudaError, PtxattnError
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_backward", "attention_varlen", "attention_with_kvcache",
-           "merge_attention_states", "fp8_attention", "blockscaled_attention", "CompileError",
-           "CudaError", "PtxattnError", "__version__"]
-_SERVING = ("attention_varlen", "attention_with_kvcache", "merge_attention_states")
+# Each entry point's module: the entry points import CuPy, so they load on first use, and
+# `import ptxattn` (and `python -m ptxattn kernels`) stays light.
+_ENTRY_POINTS = {
+    "attention": ("api", "attention"),
+    "attention_backward": ("api", "attention_backward"),
+    "attention_varlen": ("serving", "attention_varlen"),
+    "attention_with_kvcache": ("serving", "attention_with_kvcache"),
+    "merge_attention_states": ("serving", "merge_attention_states"),
+    "fp8_attention": ("fp8", "attention"),
+    "blockscaled_attention": ("blockscaled", "blockscaled_attention"),
+}
+
+__all__ = [*_ENTRY_POINTS, "CompileError", "CudaError", "PtxattnError", "__version__"]
 
 
 def __getattr__(name):
-    # The API imports CuPy; keep `import ptxattn` (and `python -m ptxattn.kernels`) light.
-    if name == "attention":
-        from .api import attention
-        return attention
-    if name == "attention_backward":
-        from .api import attention_backward
-        return attention_backward
-    if name in _SERVING:
-        from . import serving
-        return getattr(serving, name)
-    if name == "fp8_attention":
-        from .fp8 import attention as fp8_attention
-        return fp8_attention
-    if name == "blockscaled_attention":
-        from .blockscaled import blockscaled_attention
-        return blockscaled_attention
+    if name in _ENTRY_POINTS:
+        import importlib
+        module, attribute = _ENTRY_POINTS[name]
+        return getattr(importlib.import_module(f"{__name__}.{module}"), attribute)
     raise AttributeError(f"module 'ptxattn' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(__all__)

@@ -1,11 +1,12 @@
-"""The public entry point for 16-bit inputs: check the call (problem.py), pick a kernel family
-(dispatch.py), launch it."""
+"""The entry points for 16-bit inputs: check the call once (ptxattn.problem), pick a route
+(ptxattn.dispatch), launch it (ptxattn.launchers)."""
 
 from __future__ import annotations
 
-from .dispatch import BACKENDS, backend_module  # noqa: F401  the 16-bit backends, by name
 from .interop import framework_arrays
 from .problem import AttentionProblem
+
+__all__ = ["attention", "attention_backward"]
 
 
 @framework_arrays
@@ -32,26 +33,18 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
 
     from . import dispatch, runtime
 
-    if tuple(window) != (-1, -1) or softcap or sinks is not None:
-        from .serving import attention_with_kvcache
-        if lse is not None:
-            raise ValueError("lse= is not taken with window, softcap or sinks; use return_lse")
-        return attention_with_kvcache(q, k, v, cache_seqlens=k.shape[1], causal=causal,
-                                      window=window, softcap=softcap, sinks=sinks,
-                                      softmax_scale=softmax_scale, return_lse=return_lse,
-                                      out=out, check_contents=False, backend=backend)
-
     problem = AttentionProblem.from_16bit(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                          out=out, lse=lse)
-    route = dispatch.select(runtime.device_arch(problem.device), problem.format,
-                            problem.head_dim, features=problem.features, backend=backend)
+                                          out=out, lse=lse, window=window, softcap=softcap,
+                                          sinks=sinks)
+    arch = runtime.device_arch(problem.device)
+    dispatch.select(arch, problem.format, problem.head_dim, features=problem.features,
+                    backend=backend)  # refuses the call before anything is allocated
     with cupy.cuda.Device(problem.device):
         if out is None:
             out = cupy.empty(problem.out_shape, dtype=problem.out_dtype)
         if lse is None:
             lse = cupy.empty(problem.lse_shape, dtype=cupy.float32)
-        route.module().forward(q, k, v, out, lse, causal=problem.causal,
-                               softmax_scale=problem.softmax_scale)
+        dispatch.forward(arch, problem, q, k, v, out, lse, backend=backend, sinks=sinks)
     return (out, lse) if return_lse else out
 
 
@@ -85,6 +78,6 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False,
         dq = cupy.empty(q.shape, dtype=q.dtype) if dq is None else dq
         dk = cupy.empty(k.shape, dtype=k.dtype) if dk is None else dk
         dv = cupy.empty(v.shape, dtype=v.dtype) if dv is None else dv
-        route.module().backward(problem, dout, q, k, v, out, lse, dq, dk, dv,
+        route.launcher.backward(problem, dout, q, k, v, out, lse, dq, dk, dv,
                                 deterministic=deterministic)
     return dq, dk, dv

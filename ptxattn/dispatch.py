@@ -1,10 +1,14 @@
 """Which kernel family runs an attention call: one table over (arch, input format, head_dim,
 features), read by every entry point.
 
-A :class:`Route` says that inputs of some formats and head dims run through one kernel family's
-launcher module on the architectures archs.py lists for that family. :func:`select` takes the
-first route of TABLE that fits a call, so the order of TABLE is the order of preference: on
-sm_90a 16-bit inputs go to the Hopper kernel unless the portable one is asked for by name.
+A :class:`Route` says that inputs of some formats and head dims run through one launcher
+(ptxattn/launchers/) on the architectures archs.py lists for its family, and which of the
+launcher's calls (:class:`ptxattn.launchers.Launcher`) it makes. :func:`select` takes the first
+route of TABLE that fits a call, so the order of TABLE is the order of preference: on sm_90a
+16-bit inputs go to the Hopper kernel unless the portable one is asked for by name.
+
+Fixed-length calls with a window, a softcap or sinks run on a serving build (the fixed-length
+kernels take none of them): :func:`forward` sends them there, over the whole of k and v.
 
 Needs no GPU: the caller passes the arch (``runtime.device_arch(device_id)``).
 """
@@ -13,9 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 
 from . import archs
+from .launchers import (Launcher, blockscaled, hopper_backward, hopper_forward,
+                        portable_backward, portable_decode, portable_forward)
 
 # What an attention call may need beyond plain attention over whole sequences: "causal"
 # masking, "gqa" (fewer k/v heads than q heads), "backward" (the gradients), and the serving
@@ -28,75 +33,56 @@ FORWARD = frozenset({"causal", "gqa"})
 SERVING = FORWARD | {"window", "softcap", "sinks", "varlen", "kvcache", "paged", "decode"}
 PREFILL = FORWARD | {"window", "sinks", "varlen", "kvcache"}
 FEATURES = FORWARD | SERVING | {"backward"}
+# What only the serving builds take of a fixed-length call.
+SERVING_OPTIONS = frozenset({"window", "softcap", "sinks"})
 SIXTEEN_BIT = ("bfloat16", "float16")
 BLOCK_SCALED = ("mxfp8", "nvfp4")
+CALLS = ("forward", "backward", "serve")
 
 
 @dataclasses.dataclass(frozen=True)
 class Route:
     backend: str                  # the name a caller picks it by, attention(backend=...)
-    family: str                   # the kernel family: archs.py's name, ptxattn.<family> launches
+    family: str                   # the kernel family: archs.py's name
     formats: tuple[str, ...]      # input formats: float16, bfloat16, e4m3, mxfp8, nvfp4
     head_dims: tuple[int, ...]
+    launcher: Launcher            # the launcher module (ptxattn/launchers/)
+    call: str = "forward"         # which of the launcher's CALLS the route makes
     emulated: bool = False        # the family's emulation build (archs.Arch.emulated_families)
     features: frozenset[str] = FORWARD
-    launcher: str | None = None   # the launcher module, ptxattn.<launcher>, if not the family's
-
-    @property
-    def module_name(self) -> str:
-        # the package's own name: a second checkout imported under another one (the A/B scripts)
-        # must reach its own launchers
-        return f"{__package__}.{self.launcher or self.family}"
 
     @property
     def archs(self) -> tuple[str, ...]:
         return archs.running(self.family, emulated=self.emulated)
 
-    def module(self):
-        """The launcher module (imported on first use: the launchers need NVRTC bindings)."""
-        return importlib.import_module(self.module_name)
-
     def describe(self) -> str:
         build = ", emulated" if self.emulated else ""
-        return (f"backend {self.backend!r} ({self.module_name}{build}) on "
+        return (f"backend {self.backend!r} ({self.launcher.__name__}.{self.call}{build}) on "
                 f"{', '.join(self.archs)} with head_dim {', '.join(map(str, self.head_dims))}")
 
 
 TABLE: tuple[Route, ...] = (
-    Route("hopper", "hopper", SIXTEEN_BIT, (64, 128, 256)),
-    Route("hopper", "hopper", SIXTEEN_BIT, (64, 128, 256), features=PREFILL, launcher="prefill"),
-    Route("hopper", "hopper", SIXTEEN_BIT, (64, 128, 256), features=FORWARD | {"backward"},
-          launcher="hopper_backward"),
-    Route("portable", "portable", SIXTEEN_BIT, (64, 128, 256),
+    Route("hopper", "hopper", SIXTEEN_BIT, (64, 128, 256), hopper_forward),
+    Route("hopper", "hopper", SIXTEEN_BIT, (64, 128, 256), hopper_forward, call="serve",
+          features=PREFILL),
+    Route("hopper", "hopper", SIXTEEN_BIT, (64, 128, 256), hopper_backward, call="backward",
           features=FORWARD | {"backward"}),
-    Route("portable", "portable", SIXTEEN_BIT, (64, 128, 256), features=SERVING,
-          launcher="decode"),
-    Route("hopper", "hopper", ("e4m3",), (64, 128, 256)),
-    Route("blockscaled", "blockscaled", BLOCK_SCALED, (64, 128)),
-    Route("blockscaled-emulated", "blockscaled", BLOCK_SCALED, (64, 128), emulated=True),
+    Route("portable", "portable", SIXTEEN_BIT, (64, 128, 256), portable_forward),
+    Route("portable", "portable", SIXTEEN_BIT, (64, 128, 256), portable_backward,
+          call="backward", features=FORWARD | {"backward"}),
+    Route("portable", "portable", SIXTEEN_BIT, (64, 128, 256), portable_decode, call="serve",
+          features=SERVING),
+    Route("hopper", "hopper", ("e4m3",), (64, 128, 256), hopper_forward),
+    Route("blockscaled", "blockscaled", BLOCK_SCALED, (64, 128), blockscaled),
+    Route("blockscaled-emulated", "blockscaled", BLOCK_SCALED, (64, 128), blockscaled,
+          emulated=True),
 )
 
 FORMATS = tuple(dict.fromkeys(fmt for route in TABLE for fmt in route.formats))
-
-# The backends ptxattn.attention (16-bit inputs) can be asked for by name: their launcher modules.
-def _sixteen_bit_backends() -> dict[str, str]:
-    """Backend name -> the launcher of its first route (serving calls find theirs through
-    select())."""
-    backends: dict[str, str] = {}
-    for route in TABLE:
-        if "bfloat16" in route.formats:
-            backends.setdefault(route.backend, route.module_name)
-    return backends
-
-
-BACKENDS = _sixteen_bit_backends()
-
-
-def backend_module(name: str):
-    """The launcher module of a 16-bit backend named in BACKENDS."""
-    if name not in BACKENDS:
-        raise ValueError(f"backend must be one of {sorted(BACKENDS)} or None, got {name!r}")
-    return importlib.import_module(BACKENDS[name])
+# The backends ptxattn.attention (16-bit inputs) can be asked for by name.
+BACKENDS = tuple(dict.fromkeys(route.backend for route in TABLE if "bfloat16" in route.formats))
+# Every launcher of the table, each once: `python -m ptxattn kernels` compiles their variants.
+LAUNCHERS = tuple(dict.fromkeys(route.launcher for route in TABLE))
 
 
 def routes_for(input_format: str, table: tuple[Route, ...] | None = None) -> list[Route]:
@@ -159,3 +145,21 @@ def _select(table: tuple[Route, ...], arch: str, input_format: str, head_dim: in
                      + "; ".join(f"{route.describe()} handles "
                                  f"{', '.join(sorted(route.features)) or 'none of them'}"
                                  for route in fitting))
+
+
+def forward(arch: str, problem, q, k, v, out, lse, *, backend: str | None = None,
+            sinks=None, **operands) -> Route:
+    """Runs the forward of a fixed-length ``problem`` (AttentionProblem.from_16bit, from_fp8 or
+    from_blockscaled) on the route select() picks for it, into ``out`` and ``lse``; returns
+    the route. ``operands`` are what the input format adds (FP8's descales, the block scales).
+    A call with a window, a softcap or sinks runs on a serving route, its keys all of k and v:
+    the fixed-length kernels take none of the three."""
+    route = select(arch, problem.format, problem.head_dim, features=problem.features,
+                   backend=backend)
+    if route.call == "serve":
+        import cupy
+        seqused_k = cupy.full(problem.batch, problem.seqlen_k, dtype=cupy.int32)
+        route.launcher.serve(problem, q, k, v, out, lse, seqused_k=seqused_k, sinks=sinks)
+    else:
+        route.launcher.forward(problem, q, k, v, out, lse, **operands)
+    return route

@@ -109,6 +109,23 @@ class KernelSpec:
         return opts
 
 
+def template_arguments(config) -> str:
+    """A dataclass's fields in declared order as C++ template arguments (``128, 64, true``):
+    how every launcher writes the name expression of a kernel whose configuration it mirrors.
+    Fields hold ints and bools."""
+    values = []
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if isinstance(value, bool):
+            values.append("true" if value else "false")
+        elif isinstance(value, int):
+            values.append(str(value))
+        else:
+            raise TypeError(f"{type(config).__name__}.{field.name} must be an int or a bool to "
+                            f"be a template argument, got {value!r}")
+    return ", ".join(values)
+
+
 @dataclasses.dataclass(frozen=True)
 class PtxasReport:
     """What ptxas said about the entry function: the numbers budgets are checked against."""

@@ -1,6 +1,7 @@
 """The serving entry points: attention over variable-length batches and over KV caches
 (contiguous or paged, with new keys appended in place), and the merge of partial attention
-states. Each checks its call once (problem.py), picks a route (dispatch.py) and launches."""
+states. Each checks its call once (ptxattn.problem), picks a route (ptxattn.dispatch) and
+launches (ptxattn.launchers)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import numpy as np
 from .interop import framework_arrays
 from .problem import (AttentionProblem, check_kvcache_contents, check_positive_strides,
                       check_varlen_contents, dtype_of)
+
+__all__ = ["attention_with_kvcache", "attention_varlen", "merge_attention_states"]
 
 
 @framework_arrays
@@ -62,8 +65,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
         if out is None:
             out = cupy.empty(problem.out_shape, dtype=problem.out_dtype)
         lse = cupy.empty(problem.lse_shape, dtype=cupy.float32)
-        route.module().forward(problem, q, k_cache, v_cache, out, lse, seqused_k=lengths,
-                               block_table=block_table, sinks=sinks)
+        route.launcher.serve(problem, q, k_cache, v_cache, out, lse, seqused_k=lengths,
+                             block_table=block_table, sinks=sinks)
     return (out, lse) if return_lse else out
 
 
@@ -115,8 +118,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
         if out is None:
             out = cupy.empty(q.shape, dtype=problem.out_dtype)
         lse = cupy.empty((problem.heads_q, problem.total_q), dtype=cupy.float32)
-        route.module().forward(problem, q[None], k[None], v[None], out[None], lse[None],
-                               cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, sinks=sinks)
+        route.launcher.serve(problem, q[None], k[None], v[None], out[None], lse[None],
+                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, sinks=sinks)
     return (out, lse) if return_lse else out
 
 
@@ -139,7 +142,7 @@ def merge_attention_states(out_parts, lse_parts, *, sinks=None):
     """
     import cupy
 
-    from . import decode
+    from .launchers import split_kv
 
     for name, parts in (("out_parts", out_parts), ("lse_parts", lse_parts)):
         if isinstance(parts, (list, tuple)):
@@ -191,5 +194,5 @@ def merge_attention_states(out_parts, lse_parts, *, sinks=None):
     with cupy.cuda.Device(device):
         out = cupy.empty((batch, seqlen, heads, head_dim), dtype=out_parts.dtype)
         lse = cupy.empty((batch, heads, seqlen), dtype=cupy.float32)
-        decode.combine(out_parts, lse_parts, out, lse, sinks)
+        split_kv.combine(out_parts, lse_parts, out, lse, sinks)
     return out, lse

@@ -5,10 +5,10 @@
 
 DIR is another checkout of ptxattn (for example ``git worktree add DIR <commit>``); its package
 is imported as ``ptxattn_before``, so both versions run in the same process on the same inputs,
-timed in alternating rounds (ptxattn.timing.time_ms_interleaved): the way to show that a
+timed in alternating rounds (ptxattn.tools.timing.time_ms_interleaved): the way to show that a
 restructure costs no speed. Both run the built-in tile schedules (PTXATTN_TUNE_TABLE=builtin),
 so that a tuning table on this machine does not make the comparison one of schedules; --tuned
-lets the current checkout read its tables. Rows are scripts/profile.py's; each family (Hopper
+lets the current checkout read its tables. Rows are the profiler's (ptxattn/tools/profile.py); each family (Hopper
 bf16, Hopper FP8 with head scales, portable) is called through its launcher module in both
 versions. Prints TFLOP/s of both and the ratio after / before.
 """
@@ -28,14 +28,9 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 sys.path.insert(0, _HERE + "/..")
 
 import ptxattn  # noqa: E402
-from ptxattn.timing import time_ms_interleaved  # noqa: E402
+from ptxattn.tools.timing import time_ms_interleaved  # noqa: E402
 
-# scripts/profile.py's rows and FLOP count (loaded by path: its name shadows the standard
-# library's profile module).
-_spec = importlib.util.spec_from_file_location("ptxattn_profile_script", _HERE + "/profile.py")
-_profile = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_profile)
-configs, flops = _profile.configs, _profile.flops
+from ptxattn.tools.profile import configs, flops  # noqa: E402  the profiler's rows, FLOP count
 
 
 def import_checkout(root: str, name: str):
@@ -50,11 +45,10 @@ def import_checkout(root: str, name: str):
 
 
 def runners(pkg, name: str, arch: str) -> dict:
-    """family -> callable(q, k, v, causal) of one version, through its launcher modules."""
+    """family -> callable(q, k, v, causal) of one version, through its entry points (into
+    buffers kept per shape, so that both versions do the same host work)."""
     import cupy
 
-    hopper = importlib.import_module(f"{name}.hopper")
-    portable = importlib.import_module(f"{name}.portable")
     fp8 = importlib.import_module(f"{name}.fp8")
     buffers = {}
 
@@ -65,10 +59,10 @@ def runners(pkg, name: str, arch: str) -> dict:
                             cupy.empty((q.shape[0], q.shape[2], q.shape[1]), cupy.float32))
         return buffers[key]
 
-    def family(module):
+    def family(backend):
         def run(q, k, v, causal):
             out, lse = outputs(q)
-            module.forward(q, k, v, out, lse, causal=causal, softmax_scale=q.shape[3] ** -0.5)
+            pkg.attention(q, k, v, causal=causal, out=out, lse=lse, backend=backend)
         return run
 
     quantized = {}
@@ -81,9 +75,9 @@ def runners(pkg, name: str, arch: str) -> dict:
         q8, k8, v8, descales = quantized[key]
         fp8.attention(q8, k8, v8, **descales, causal=causal)
 
-    found = {"portable": family(portable)}
-    if arch in hopper.ARCHS:
-        found["hopper"] = family(hopper)
+    found = {"portable": family("portable")}
+    if arch == "sm_90a":
+        found["hopper"] = family("hopper")
         found["fp8-head"] = fp8_head
     return found
 

@@ -10,7 +10,7 @@
    normal and outlier inputs).
 4. Throughput: FP8 attention (inputs quantized once, outside the timing, with per-(batch, head)
    descales and with per-block ones) and our own bf16 kernel on the same shapes in the same
-   process, timed with ptxattn.timing (the profiler's timer and FLOP count); prints TFLOP/s and the
+   process, timed with ptxattn.tools.timing (the profiler's timer and FLOP count); prints TFLOP/s and the
    FP8 / bf16 ratio.
 5. --sweep: candidate FP8 tile configurations (keys per tile, stages, persistent grid or not),
    each checked for correctness on a small problem, then timed.
@@ -28,8 +28,10 @@ import sys
 import cupy
 import numpy as np
 
-from ptxattn import fp8, hopper, runtime
-from ptxattn.timing import attention_flops, time_ms
+from ptxattn import fp8, runtime
+from ptxattn.launchers import hopper_forward
+from ptxattn.quant import fp8 as quant_fp8
+from ptxattn.tools.timing import attention_flops, time_ms
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -96,9 +98,9 @@ def _fp8_launcher(q, k, v, out, lse, granularity, causal, **overrides):
     """The FP8 kernel's launch on q, k, v quantized with `granularity` (quantized here, once)."""
     batch, seqlen, heads, head_dim = q.shape
     q8, k8, v8, descales = fp8.quantize_qkv(q, k, v, granularity)
-    operands = tuple(fp8.descale_operand(descales[f"{n}_descale"], batch, heads, seqlen)
+    operands = tuple(quant_fp8.descale_operand(descales[f"{n}_descale"], batch, heads, seqlen)
                      for n in "qkv")
-    return hopper.launcher(q8.bytes, k8.bytes, v8.bytes, out, lse, causal=causal,
+    return hopper_forward.launcher(q8.bytes, k8.bytes, v8.bytes, out, lse, causal=causal,
                            softmax_scale=1.0 / math.sqrt(head_dim), descales=operands, **overrides)
 
 
@@ -117,7 +119,7 @@ def throughput(rng, quick: bool) -> None:
         q, k, v = _inputs(rng, batch, seqlen, heads, head_dim)
         out = cupy.empty_like(q)
         lse = cupy.empty((batch, heads, seqlen), dtype=cupy.float32)
-        bf16 = hopper.launcher(q, k, v, out, lse, causal=causal, softmax_scale=head_dim ** -0.5)
+        bf16 = hopper_forward.launcher(q, k, v, out, lse, causal=causal, softmax_scale=head_dim ** -0.5)
         tf = [attention_flops(*_dims(cfg)) / time_ms(run, warmup=3, repeats=10) / 1e9 for run in
               (bf16, _fp8_launcher(q, k, v, out, lse, "head", causal),
                _fp8_launcher(q, k, v, out, lse, "block", causal))]
@@ -173,7 +175,7 @@ def main() -> int:
     args = parser.parse_args()
     print(f"device: {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, "
           f"arch {runtime.device_arch()}")
-    for s in hopper.variants():
+    for s in hopper_forward.variants():
         if "_e4m3_" in s.name:
             r = runtime.compile(s, "sm_90a").report
             print(f"  {s.name}: " + (f"{r.registers} regs, spills {r.spill_stores}/"

@@ -25,9 +25,10 @@ import tempfile
 import cupy
 import numpy as np
 
-from ptxattn import hopper, reference, runtime
+from ptxattn import reference, runtime
+from ptxattn.launchers import hopper_forward
 from ptxattn.problem import AttentionProblem
-from ptxattn.timing import time_ms
+from ptxattn.tools.timing import time_ms
 
 SEQLEN_PAIRS = [(1, 1), (17, 17), (127, 127), (1000, 1000), (4097, 4097), (17, 1000),
                 (1000, 17), (127, 4097), (300, 129)]
@@ -49,7 +50,7 @@ def check(q, k, v, *, causal, softmax_scale=None, out=None, **launch) -> tuple[b
     if out is None:
         out = cupy.full(q.shape, cupy.nan, dtype=q.dtype)
     lse = cupy.full((q.shape[0], q.shape[2], q.shape[1]), cupy.nan, dtype=cupy.float32)
-    hopper.forward(q, k, v, out, lse, causal=causal, softmax_scale=scale, **launch)
+    hopper_forward.run(q, k, v, out, lse, causal=causal, softmax_scale=scale, **launch)
     ref, ref_lse = reference.attention(q, k, v, causal=causal, softmax_scale=scale,
                                        return_lse=True)
     naive, naive_lse = reference.attention(q, k, v, causal=causal, softmax_scale=scale,
@@ -87,7 +88,7 @@ def correctness_grid(rng) -> int:
 
     for dtype in ("bfloat16", "float16"):
         for causal in (False, True):
-            for head_dim in hopper.HEAD_DIMS:
+            for head_dim in hopper_forward.HEAD_DIMS:
                 for seqlen_q, seqlen_k in SEQLEN_PAIRS:
                     batch = 2 if seqlen_q * seqlen_k < 10 ** 6 else 1
                     q = random((batch, seqlen_q, 2, head_dim), dtype, rng)
@@ -97,7 +98,7 @@ def correctness_grid(rng) -> int:
                            f"sq={seqlen_q} sk={seqlen_k}", check(q, k, v, causal=causal))
     for heads_q, heads_kv in ((8, 2), (6, 1)):
         for causal in (False, True):
-            for head_dim in hopper.HEAD_DIMS:
+            for head_dim in hopper_forward.HEAD_DIMS:
                 q = random((3, 300, heads_q, head_dim), "bfloat16", rng)
                 k = random((3, 257, heads_kv, head_dim), "bfloat16", rng)
                 v = random((3, 257, heads_kv, head_dim), "bfloat16", rng)
@@ -119,7 +120,7 @@ def correctness_grid(rng) -> int:
         report(f"tile order sections={sections}", check(q, k, v, causal=True, sections=sections))
     # Few blocks striding over many tiles: the K/V ring and Q hand-over run across tiles,
     # including tiles that see no key (causal, seqlen_q > seqlen_k) and both tile orders.
-    for head_dim in hopper.HEAD_DIMS:
+    for head_dim in hopper_forward.HEAD_DIMS:
         for causal in (False, True):
             for seqlen_q, seqlen_k in ((1000, 300), (300, 1000), (513, 513)):
                 q = random((2, seqlen_q, 4, head_dim), "float16", rng)
@@ -150,7 +151,7 @@ def timing(rng) -> None:
         flops = 4.0 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
         q, k, v, out, lse = problem(batch, seqlen, heads, head_dim, rng)
         scale = 1.0 / math.sqrt(head_dim)
-        ours = time_ms(hopper.launcher(q, k, v, out, lse, causal=causal, softmax_scale=scale),
+        ours = time_ms(hopper_forward.launcher(q, k, v, out, lse, causal=causal, softmax_scale=scale),
                        warmup=5)
         ours_tf = flops / ours / 1e9
         peer = "n/a"
@@ -204,7 +205,7 @@ SWEEP = {  # (head_dim, causal) -> candidate (keys per tile, stages); shapes as 
 def sweep(rng) -> int:
     """Checks then times candidate tile configurations and both tile orders (bf16)."""
     failures = 0
-    specs = [hopper.spec("bfloat16", d, c, t) for (d, c), ts in SWEEP.items() for t in ts]
+    specs = [hopper_forward.spec("bfloat16", d, c, t) for (d, c), ts in SWEEP.items() for t in ts]
     sass(specs)
     for (head_dim, causal), candidates in SWEEP.items():
         batch, heads = (4, 32) if head_dim == 128 else (8, 2048 // head_dim)
@@ -218,7 +219,7 @@ def sweep(rng) -> int:
             row = f"d={head_dim} causal={causal} tiles={tiles}: {'PASS' if ok else 'FAIL ' + text}"
             for persistent in (False, True):
                 for sections in (1, None):
-                    ms = time_ms(hopper.launcher(
+                    ms = time_ms(hopper_forward.launcher(
                         q, k, v, out, lse, causal=causal, softmax_scale=head_dim ** -0.5,
                         tiles=tiles, sections=sections, persistent=persistent), warmup=5)
                     row += (f" | {'pers' if persistent else 'grid'} sec={sections or 'auto'}: "
@@ -235,13 +236,13 @@ def main() -> int:
     args = parser.parse_args()
     print(f"device: {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, "
           f"arch {runtime.device_arch()}")
-    for s in hopper.variants():
+    for s in hopper_forward.variants():
         r = runtime.compile(s, "sm_90a").report
         print(f"  {s.name}: {r.registers} regs, spills {r.spill_stores}/{r.spill_loads}")
     rng = np.random.default_rng(0)
     failures = 0 if args.skip_grid else correctness_grid(rng)
     print(f"correctness failures: {failures}", flush=True)
-    sass([hopper.spec("bfloat16", 128, causal) for causal in (False, True)], show=2)
+    sass([hopper_forward.spec("bfloat16", 128, causal) for causal in (False, True)], show=2)
     if not args.skip_timing:
         timing(rng)
     if args.sweep:

@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python3 scripts/check_portable.py [--tiles D:M,N,W,S,B ...] [--skip-grid]
 
-Accuracy: every case runs ptxattn.portable against ptxattn.reference in FP32 and passes when its
+Accuracy: every case runs the portable forward (ptxattn/launchers/portable_forward.py) against ptxattn.reference in FP32 and passes when its
 max error is at most twice that of the same math done naively in the input precision, plus the
 rounding noise of one output value (the rule tests/test_attention.py applies). Throughput: bf16,
 the table's tile and every --tiles candidate, beside torch SDPA's FlashAttention-2 backend in the
@@ -50,16 +50,15 @@ def _layout(kind, batch, seqlen_q, seqlen_k, heads_q, heads_kv, dim, dtype, rng)
 
 def check_case(case, rng, tile=None) -> tuple[bool, str, float]:
     import cupy
-    from ptxattn import portable, reference
+    from ptxattn import reference, runtime
+    from ptxattn.launchers import portable_forward
 
     dtype, causal, dim, (seqlen_q, seqlen_k), batch, (heads_q, heads_kv), kind = case
     q, k, v, out = _layout(kind, batch, seqlen_q, seqlen_k, heads_q, heads_kv, dim, dtype, rng)
     lse = cupy.full((batch, heads_q, seqlen_q), cupy.nan, dtype=cupy.float32)
     scale = 1.0 / math.sqrt(dim)
-    if tile is None:
-        portable.forward(q, k, v, out, lse, causal=causal, softmax_scale=scale)
-    else:
-        portable.run(q, k, v, out, lse, causal=causal, softmax_scale=scale, tile=tile)
+    tile = tile or portable_forward.tile_for(dim, causal, runtime.device_arch())
+    portable_forward.run(q, k, v, out, lse, causal=causal, softmax_scale=scale, tile=tile)
     ref, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True)
     naive, _ = reference.attention(q, k, v, causal=causal, return_lse=True, precision="input")
     out32 = out.astype(cupy.float32)
@@ -94,25 +93,26 @@ def grid_cases(head_dims):
 
 
 def parse_tile(text):
-    from ptxattn.portable import Tile
+    from ptxattn.launchers.portable_forward import Tile
     dim, rest = text.split(":")
     m, n, w, s, b = (int(x) for x in rest.split(","))
     return int(dim), Tile(m, n, w, s, b)
 
 
 def _precompile(args):
-    from ptxattn import portable, runtime
+    from ptxattn import runtime
+    from ptxattn.launchers import portable_forward
     dtype, dim, causal, tile, arch = args
     t0 = time.time()
-    runtime.compile(portable.spec(dtype, dim, causal, tile, (arch,)), arch)
+    runtime.compile(portable_forward.spec(dtype, dim, causal, tile, (arch,)), arch)
     return time.time() - t0
 
 
 def bench(dim, tiles, shape):
     """Times the tiles of tiles[causal] beside torch SDPA's FlashAttention-2."""
     import cupy
-    from ptxattn.timing import time_ms
-    from ptxattn import portable
+    from ptxattn.tools.timing import time_ms
+    from ptxattn.launchers import portable_forward
     batch, seqlen, heads = shape
     rng = np.random.default_rng(0)
     q, k, v = (_random((batch, seqlen, heads, dim), "bfloat16", rng) for _ in range(3))
@@ -140,7 +140,7 @@ def bench(dim, tiles, shape):
             ref = None
         for tile in tiles[causal]:
             def ours():
-                portable.run(q, k, v, out, lse, causal=causal, softmax_scale=scale, tile=tile)
+                portable_forward.run(q, k, v, out, lse, causal=causal, softmax_scale=scale, tile=tile)
             ms = time_ms(ours, warmup=5, repeats=20, launches=5)
             diff = (float(cupy.abs(out.astype(cupy.float32) - ref.astype(cupy.float32)).max())
                     if ref is not None else float("nan"))
@@ -158,19 +158,20 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dims", default="64,128,256")
     args = parser.parse_args(argv)
 
-    from ptxattn import portable, runtime
+    from ptxattn import runtime
+    from ptxattn.launchers import portable_forward
     arch = runtime.device_arch()
     head_dims = [int(d) for d in args.head_dims.split(",")]
     extra = [parse_tile(t) for t in args.tiles]
     # dim -> causal -> tiles to time, the table's first
-    tiles = {d: {c: [portable.tile_for(d, c, arch)] for c in (False, True)} for d in head_dims}
+    tiles = {d: {c: [portable_forward.tile_for(d, c, arch)] for c in (False, True)} for d in head_dims}
     for d, t in extra:
         for c in (False, True):
             if t not in tiles[d][c]:
                 tiles[d][c].append(t)
 
     jobs = [(dtype, d, c, t, arch) for d in tiles for c in (False, True) for t in tiles[d][c]
-            for dtype in portable.DTYPES]
+            for dtype in portable_forward.DTYPES]
     t0 = time.time()
     # NVRTC in fresh processes (never fork a process that has initialised CUDA) fills the
     # disk cache that runtime.load then reads.

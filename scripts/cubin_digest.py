@@ -5,7 +5,7 @@
     python scripts/cubin_digest.py > after.txt
     diff before.txt after.txt   # empty: no kernel changed
 
-Compiles every variant that `python -m ptxattn.kernels` budgets (default: for sm_80, sm_90a and
+Compiles every variant that `python -m ptxattn kernels` budgets (default: for sm_80, sm_90a and
 sm_120a) with NVRTC, in a fresh compile cache so that nothing is read back from an earlier run,
 and prints one line per variant: arch, variant name, the SHA-256 of its CUBIN, and a last line
 per arch digesting all of them. Needs no GPU. A change meant to leave every kernel alone (a
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="ptxattn-digest-") as cache:
         os.environ["PTXATTN_CACHE_DIR"] = cache  # before the workers start: they inherit it
-        from ptxattn import kernels
+        from ptxattn.tools import kernels
         failed = 0
         for arch in args.arch or DEFAULT_ARCHS:
             specs = sorted(kernels.all_variants(arch), key=lambda spec: spec.name)

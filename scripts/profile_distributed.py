@@ -7,7 +7,7 @@ against one GPU, the share of communication the compute hides, and a correctness
 
 Every rank does the same work; rank 0 prints. Times are CUDA-event timed on the compute stream,
 the median of --repeats samples after one warm-up, every variant taking its samples in turn with
-the others (ptxattn.timing); forward and backward are timed apart, fwd+bwd is their sum.
+the others (ptxattn.tools.timing); forward and backward are timed apart, fwd+bwd is their sum.
 
 - ring: ptxattn.distributed.ring_attention, then ring_attention_backward, on the rank's shard of
   --seqlen tokens (zigzag shards when causal, contiguous ones otherwise); the slowest rank's
@@ -216,7 +216,7 @@ def timings(args, group, local: tuple, whole: tuple, ring: tuple, one_gpu: tuple
     rank's shards and the whole sequence; ``ring`` and ``one_gpu`` their results (out, lse,
     ...), which the backward starts from."""
     import ptxattn
-    from ptxattn.timing import time_ms_interleaved
+    from ptxattn.tools.timing import time_ms_interleaved
 
     transport = distributed.transport_for(group)
     q, k, v, dout = local
@@ -349,7 +349,7 @@ def check_against_one_gpu(torch, dist, args, ring: tuple, one_gpu: tuple
 def report(args, world_size: int, device: str, seqlen: int, times: dict, one_gpu_ms: dict,
            checks: dict) -> bool:
     """Prints the summary; returns whether every check passed and the target was met."""
-    from ptxattn.timing import attention_flops
+    from ptxattn.tools.timing import attention_flops
 
     forward = attention_flops(args.batch, args.heads, seqlen, seqlen, args.head_dim,
                               args.causal)

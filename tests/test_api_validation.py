@@ -9,7 +9,6 @@ import pytest
 
 import ptxattn
 from meta_array import MetaArray
-from ptxattn import api
 from ptxattn.problem import AttentionProblem
 
 
@@ -90,6 +89,3 @@ def test_bad_arguments_name_the_argument(case, error, match):
         AttentionProblem.from_16bit(q, k, v, out=out, softmax_scale=scale)
 
 
-def test_unknown_backend_is_named():
-    with pytest.raises(ValueError, match=r"backend must be one of \['hopper', 'portable'\]"):
-        api.backend_module("cudnn")

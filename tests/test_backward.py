@@ -19,11 +19,11 @@ def _backend(backend, head_dim):
     from ptxattn import dispatch
     from ptxattn.runtime import device_arch
 
-    module = dispatch.backend_module(backend)
-    if device_arch() not in module.ARCHS:
+    routes = [route for route in dispatch.TABLE if route.backend == backend
+              and route.call == "backward"]
+    if device_arch() not in routes[0].archs:
         pytest.skip(f"backend {backend} does not run on {device_arch()}")
-    dims = {d for route in dispatch.TABLE if route.backend == backend
-            and "backward" in route.features for d in route.head_dims}
+    dims = {d for route in routes for d in route.head_dims}
     if head_dim not in dims:
         pytest.skip(f"backend {backend} has no backward at head_dim {head_dim}")
     return backend
@@ -106,8 +106,8 @@ def test_grouped_query_heads(backend, group, head_dim, causal, rng):
 
 
 def _portable_tiles():
-    from ptxattn import portable
-    return sorted({(head_dim, tile) for (head_dim, _), tiles in portable.BWD_TILES.items()
+    from ptxattn.launchers import portable_backward
+    return sorted({(head_dim, tile) for (head_dim, _), tiles in portable_backward.BWD_TILES.items()
                    for _, tile in tiles}, key=lambda pair: (pair[0], pair[1].label()))
 
 
@@ -121,12 +121,13 @@ def test_every_portable_tile_runs_here(head_dim, tile, causal, rng):
     deterministic sums too, bit for bit from run to run."""
     import cupy
     import ptxattn
-    from ptxattn import archs, portable
+    from ptxattn import archs
+    from ptxattn.launchers import portable_backward
     from ptxattn.problem import AttentionProblem
     from ptxattn.runtime import device_arch
 
     arch = device_arch()
-    if arch not in portable.ARCHS:
+    if arch not in portable_backward.ARCHS:
         pytest.skip(f"the portable family does not run on {arch}")
     if tile.smem_bytes(head_dim) > archs.get(arch).smem_per_block:
         pytest.skip(f"{tile.label()} needs more shared memory than {arch} has")
@@ -138,11 +139,12 @@ def test_every_portable_tile_runs_here(head_dim, tile, causal, rng):
     problem = AttentionProblem.from_backward(dout, q, k, v, out, lse, causal=causal)
     for deterministic in (False, True):
         grads = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
-        portable.backward(problem, dout, q, k, v, out, lse, *grads,
-                          deterministic=deterministic, tile=tile)
+        portable_backward.backward(problem, dout, q, k, v, out, lse, *grads,
+                                   deterministic=deterministic, tile=tile)
         _assert_close(grads, dout, q, k, v, causal=causal)
     again = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
-    portable.backward(problem, dout, q, k, v, out, lse, *again, deterministic=True, tile=tile)
+    portable_backward.backward(problem, dout, q, k, v, out, lse, *again, deterministic=True,
+                               tile=tile)
     for name, first, second in zip(("dq", "dk", "dv"), grads, again):
         assert cupy.array_equal(first.view(cupy.uint16), second.view(cupy.uint16)), name
 

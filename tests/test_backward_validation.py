@@ -99,10 +99,10 @@ def test_row_values_are_padded_to_whole_query_tiles(block_m):
     bulk-copies all of a tile's rows, so the last tile must end inside the head's rows (80-row
     tiles over 1000 rows end at 1040, past a 128-row padding's 1024), and each copy starts on 16
     bytes (a multiple of 4 rows)."""
-    from ptxattn import backward
+    from ptxattn.launchers import backward_prepost
     for seqlen in (1, 17, 79, 80, 81, 129, 1000, 2048, 16383):
-        rows = backward.rounded_rows(seqlen, block_m)
+        rows = backward_prepost.rounded_rows(seqlen, block_m)
         last_tile_end = -(-seqlen // block_m) * block_m
         assert rows >= last_tile_end, (seqlen, rows)
-        assert rows >= -(-seqlen // backward.ROW_PADDING) * backward.ROW_PADDING, (seqlen, rows)
+        assert rows >= -(-seqlen // backward_prepost.ROW_PADDING) * backward_prepost.ROW_PADDING, (seqlen, rows)
         assert rows % 4 == 0, (seqlen, rows)

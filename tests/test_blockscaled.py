@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 
 from probe_kernels import probe_spec
-from ptxattn import blockscaled, quant, runtime
+from ptxattn import blockscaled, runtime
+from ptxattn.launchers import blockscaled as launcher
+from ptxattn.quant import blockscaled as quant
 from ptxattn.problem import AttentionProblem
 
 # ---------------------------------------------------------------------------------------------
@@ -27,7 +29,7 @@ from ptxattn.problem import AttentionProblem
 
 
 def test_variants_cover_native_and_emulated_builds():
-    kernels = [s for s in blockscaled.variants() if s.source == "kernels/fwd_blockscaled.cu"]
+    kernels = [s for s in launcher.variants() if s.source == "kernels/fwd_blockscaled.cu"]
     assert {(s.entry, s.archs) for s in kernels} == {
         (f"ptxattn::attn_fwd_blockscaled<{d}, {nvfp4}>", a) for nvfp4 in ("false", "true")
         for d in (64, 128) for a in (("sm_120a", "sm_121a"), ("sm_90a",))}
@@ -46,7 +48,7 @@ def block_scale_probe(fmt, emulate):
 
 
 @pytest.mark.parametrize("emulate", [False, True], ids=["native", "emulated"])
-@pytest.mark.parametrize("fmt", blockscaled.FORMATS)
+@pytest.mark.parametrize("fmt", launcher.FORMATS)
 def test_block_scale_probe_compiles(fmt, emulate):
     spec = block_scale_probe(fmt, emulate)
     compiled = runtime.compile(spec, spec.archs[0])
@@ -54,11 +56,11 @@ def test_block_scale_probe_compiles(fmt, emulate):
 
 
 def test_build_for_arch():
-    assert blockscaled.build_for_arch("sm_120a") == "native"
-    assert blockscaled.build_for_arch("sm_121a") == "native"
-    assert blockscaled.build_for_arch("sm_90a") == "emulated"
+    assert launcher.build_for_arch("sm_120a") == "native"
+    assert launcher.build_for_arch("sm_121a") == "native"
+    assert launcher.build_for_arch("sm_90a") == "emulated"
     with pytest.raises(RuntimeError, match="sm_120a/sm_121a .native. or sm_90a"):
-        blockscaled.build_for_arch("sm_80")
+        launcher.build_for_arch("sm_80")
 
 
 @dataclasses.dataclass
@@ -266,7 +268,7 @@ def test_model_reads_scales_where_the_isa_puts_them(rng):
 
 
 def _device_build():
-    return blockscaled.build_for_arch(runtime.device_arch())
+    return launcher.build_for_arch(runtime.device_arch())
 
 
 def _run_probe(fmt, cases):

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ptxattn import kernels, runtime
+from ptxattn import runtime
+from ptxattn.tools import kernels
 from test_runtime import PROBE
 
 REPO = Path(__file__).resolve().parent.parent
@@ -104,7 +105,8 @@ def _install(root: Path, layout: str) -> Path:
 # Run by a fresh interpreter in one install: compiles PROBE, says what it used and did.
 _COMPILE_AND_REPORT = f"""
 import hashlib, json
-from ptxattn import kernels, runtime
+from ptxattn import runtime
+from ptxattn.tools import kernels
 from ptxattn.runtime import KernelSpec
 compiled = runtime.compile({PROBE!r}, "sm_90a")
 print(json.dumps({{"package": runtime.__file__, "sources": str(runtime.SOURCE_DIR),

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ptxattn.decode import MAX_SPLITS, choose_splits, splits_one_wave
+from ptxattn.launchers.split_kv import MAX_SPLITS, choose_splits, splits_one_wave
 
 
 @pytest.mark.parametrize("tiles, key_blocks, sms, expected", [

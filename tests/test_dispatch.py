@@ -5,6 +5,7 @@ import importlib
 import pytest
 
 from ptxattn import archs, dispatch
+from ptxattn.launchers import hopper_forward
 
 
 # ---------------------------------------------------------------------------------------------
@@ -60,31 +61,32 @@ def test_where_each_family_runs():
 
 def _chosen(arch, input_format, head_dim=128, **kwargs):
     route = dispatch.select(arch, input_format, head_dim, **kwargs)
-    return route.module_name, route.backend
+    return route.launcher.__name__, route.backend
 
 
 @pytest.mark.parametrize("input_format", ["bfloat16", "float16"])
 def test_16_bit_inputs_run_hopper_on_sm90a_and_portable_elsewhere(input_format):
     for arch in archs.ARCHS:
         expected = "hopper" if arch == "sm_90a" else "portable"
-        assert _chosen(arch, input_format) == (f"ptxattn.{expected}", expected)
-        assert _chosen(arch, input_format, backend="portable") == ("ptxattn.portable",
-                                                                    "portable")
+        assert _chosen(arch, input_format) == (f"ptxattn.launchers.{expected}_forward", expected)
+        assert _chosen(arch, input_format, backend="portable") == (
+            "ptxattn.launchers.portable_forward", "portable")
 
 
 def test_hopper_asked_for_on_another_gpu_names_the_arch_and_where_it_runs():
     with pytest.raises(ValueError, match=r"bfloat16 attention does not run on this sm_80 GPU; "
-                                         r"it runs as backend 'hopper' \(ptxattn.hopper\) on "
+                                         r"it runs as backend 'hopper' \(ptxattn.launchers.hopper_forward.forward\) on "
                                          r"sm_90a with head_dim 64, 128, 256"):
         dispatch.select("sm_80", "bfloat16", 128, backend="hopper")
 
 
 def test_fp8_runs_on_hopper_only():
-    assert _chosen("sm_90a", "e4m3") == ("ptxattn.hopper", "hopper")
+    assert _chosen("sm_90a", "e4m3") == ("ptxattn.launchers.hopper_forward", "hopper")
     for arch in set(archs.ARCHS) - {"sm_90a"}:
         with pytest.raises(ValueError, match=rf"e4m3 attention does not run on this {arch} "
                                              rf"GPU; it runs as backend 'hopper' "
-                                             rf"\(ptxattn.hopper\) on sm_90a"):
+                                             rf"\(ptxattn.launchers.hopper_forward.forward\) "
+                                             rf"on sm_90a"):
             dispatch.select(arch, "e4m3", 128)
 
 
@@ -92,10 +94,11 @@ def test_fp8_runs_on_hopper_only():
 def test_block_scaled_inputs_run_natively_on_sm120_and_emulated_on_sm90a(input_format):
     for arch in ("sm_120a", "sm_121a"):
         route = dispatch.select(arch, input_format, 64)
-        assert (route.module_name, route.emulated) == ("ptxattn.blockscaled", False)
+        assert (route.launcher.__name__, route.emulated) == ("ptxattn.launchers.blockscaled",
+                                                             False)
     route = dispatch.select("sm_90a", input_format, 64)
-    assert (route.module_name, route.backend, route.emulated) == (
-        "ptxattn.blockscaled", "blockscaled-emulated", True)
+    assert (route.launcher.__name__, route.backend, route.emulated) == (
+        "ptxattn.launchers.blockscaled", "blockscaled-emulated", True)
     with pytest.raises(ValueError, match=rf"{input_format} attention does not run on this "
                                          rf"sm_100a GPU; .*sm_120a, sm_121a.*; .*emulated\) on "
                                          rf"sm_90a"):
@@ -120,8 +123,6 @@ def test_unknown_backends_formats_and_archs_are_named():
     with pytest.raises(ValueError, match=r"backend must be one of \['hopper', 'portable'\] or "
                                          r"None for bfloat16 inputs, got 'cudnn'"):
         dispatch.select("sm_90a", "bfloat16", 128, backend="cudnn")
-    with pytest.raises(ValueError, match=r"backend must be one of \['hopper', 'portable'\]"):
-        dispatch.backend_module("cudnn")
     with pytest.raises(ValueError, match=r"input format must be one of \['bfloat16', "
                                          r"'float16', 'e4m3', 'mxfp8', 'nvfp4'\], got 'e5m2'"):
         dispatch.select("sm_90a", "e5m2", 128)
@@ -132,28 +133,40 @@ def test_unknown_backends_formats_and_archs_are_named():
 def test_serving_calls_route_by_their_query_rows():
     """On Hopper, prefill (varlen, a cache, a window, sinks) runs the Hopper kernel's serving
     build and decode steps the decode kernel; paged caches and softcap take the decode kernel."""
+    def runs(route):
+        return route.launcher.__name__.removeprefix("ptxattn.launchers."), route.call
+
     prefill = dispatch.select("sm_90a", "bfloat16", 128, features={"varlen", "causal", "gqa"})
-    assert prefill.module_name == "ptxattn.prefill"
-    assert dispatch.select("sm_90a", "float16", 64,
-                           features={"kvcache", "window"}).module_name == "ptxattn.prefill"
-    assert dispatch.select("sm_90a", "bfloat16", 256,
-                           features={"kvcache", "sinks"}).module_name == "ptxattn.prefill"
+    assert runs(prefill) == ("hopper_forward", "serve")
+    assert runs(dispatch.select("sm_90a", "float16", 64, features={"kvcache", "window"})) == (
+        "hopper_forward", "serve")
+    assert runs(dispatch.select("sm_90a", "bfloat16", 256, features={"kvcache", "sinks"})) == (
+        "hopper_forward", "serve")
     for extra in ("decode", "paged", "softcap"):
         route = dispatch.select("sm_90a", "bfloat16", 128, features={"kvcache", extra})
-        assert route.module_name == "ptxattn.decode", extra
-    assert dispatch.select("sm_80", "bfloat16", 128,
-                           features={"varlen"}).module_name == "ptxattn.decode"
+        assert runs(route) == ("portable_decode", "serve"), extra
+    assert runs(dispatch.select("sm_80", "bfloat16", 128, features={"varlen"})) == (
+        "portable_decode", "serve")
+
+
+def test_fixed_length_calls_with_serving_options_run_on_a_serving_build():
+    """A window or sinks take the Hopper serving build, a softcap or few query rows the decode
+    kernel, and plain calls the fixed-length kernels."""
+    assert dispatch.select("sm_90a", "bfloat16", 128, features={"window"}).call == "serve"
+    assert dispatch.select("sm_90a", "bfloat16", 128,
+                           features={"softcap"}).launcher.__name__.endswith("portable_decode")
+    assert dispatch.select("sm_90a", "bfloat16", 128, features={"causal"}).call == "forward"
 
 
 def test_backward_calls_run_hopper_on_sm_90a_and_portable_otherwise():
     for head_dim in (64, 128, 256):
         route = dispatch.select("sm_90a", "bfloat16", head_dim,
                                 features={"backward", "causal", "gqa"})
-        assert route.module_name == "ptxattn.hopper_backward", head_dim
+        assert route.launcher.__name__ == "ptxattn.launchers.hopper_backward", head_dim
     assert dispatch.select("sm_90a", "bfloat16", 128, features={"backward"},
-                           backend="portable").module_name == "ptxattn.portable"
-    assert dispatch.select("sm_80", "bfloat16", 128,
-                           features={"backward"}).module_name == "ptxattn.portable"
+                           backend="portable").launcher.__name__ == (
+        "ptxattn.launchers.portable_backward")
+    assert dispatch.select("sm_80", "bfloat16", 128, features={"backward"}).call == "backward"
     with pytest.raises(ValueError, match=r"with backward, softcap at head_dim 128 does not run "
                                          r"on sm_90a"):
         dispatch.select("sm_90a", "bfloat16", 128, features={"backward", "softcap"},
@@ -164,7 +177,7 @@ def test_a_route_lacking_a_feature_is_passed_over(monkeypatch):
     """A kernel without GQA (say) listed first is skipped for GQA calls, and the error names
     the feature when no route has it."""
     no_gqa = dispatch.Route("hopper", "hopper", dispatch.SIXTEEN_BIT, (64, 128, 256),
-                            features=frozenset({"causal"}))
+                            hopper_forward, features=frozenset({"causal"}))
     others = tuple(route for route in dispatch.TABLE if route.backend != "hopper")
     monkeypatch.setattr(dispatch, "TABLE", (no_gqa, *others))
     assert dispatch.select("sm_90a", "bfloat16", 128, features={"causal"}).backend == "hopper"
@@ -177,7 +190,7 @@ def test_a_route_lacking_a_feature_is_passed_over(monkeypatch):
 
 
 def test_what_the_other_modules_read_from_the_table():
-    assert dispatch.BACKENDS == {"hopper": "ptxattn.hopper", "portable": "ptxattn.portable"}
+    assert dispatch.BACKENDS == ("hopper", "portable")
     assert dispatch.head_dims("nvfp4") == (64, 128)
     assert dispatch.archs_for("e4m3") == ("sm_90a",)
     assert set(dispatch.archs_for("mxfp8")) == {"sm_90a", "sm_120a", "sm_121a"}
@@ -191,12 +204,13 @@ def test_what_the_other_modules_read_from_the_table():
     pytest.param(route, arch, id=f"{route.backend}-{route.formats[0]}-{arch}")
     for route in dispatch.TABLE for arch in route.archs])
 def test_every_route_has_kernels_built_for_its_archs_and_head_dims(route, arch):
-    module = route.module()
+    module = route.launcher
     assert route.head_dims == module.HEAD_DIMS
+    assert callable(getattr(module, route.call)), route.call
     if route.formats == ("e4m3",):
         assert route.head_dims == importlib.import_module("ptxattn.fp8").HEAD_DIMS
     builds = [spec for spec in module.variants() if arch in spec.archs]
     if route.family == "blockscaled":  # one module, native and emulation builds
         builds = [spec for spec in builds if spec.name.endswith(
             "emulated" if route.emulated else "native")]
-    assert builds, f"{route.module_name} builds nothing for {arch}"
+    assert builds, f"{module.__name__} builds nothing for {arch}"

@@ -31,6 +31,8 @@ import numpy as np
 import pytest
 
 import ptxattn.distributed as dist_attn
+from ptxattn.distributed import ring, simulation
+from ptxattn.launchers import split_kv
 from meta_array import MetaArray
 
 # ---------------------------------------------------------------------------------------------
@@ -289,7 +291,8 @@ def _numpy_attention_backward(dout, q, k, v, out, lse, causal, scale):
 @pytest.fixture
 def numpy_ring(monkeypatch):
     """ptxattn.distributed's rank programs on NumPy arrays: NumPy as CuPy, float64 attention
-    and its backward as the kernels, the merge and accumulate kernels' math in NumPy."""
+    and its backward as the kernels, the merge (combine.cu) and accumulate kernels' math in
+    NumPy."""
     from ptxattn import api
 
     fake = types.ModuleType("cupy")
@@ -306,20 +309,23 @@ def numpy_ring(monkeypatch):
     def attention_backward(dout, q, k, v, out, lse, *, causal, softmax_scale, deterministic):
         return _numpy_attention_backward(dout, q, k, v, out, lse, causal, softmax_scale)
 
-    def merge(acc, acc_lse, part, part_lse):
-        old, new = (x.transpose(0, 2, 1)[..., None] for x in (acc_lse, part_lse))
-        top = np.maximum(old, new)
-        acc[...] = (acc * np.exp(old - top) + part * np.exp(new - top)) / (
-            np.exp(old - top) + np.exp(new - top))
-        np.logaddexp(acc_lse, part_lse, out=acc_lse)
+    def combine(parts, lse_parts, out, lse, sinks=None):  # split_kv.combine (combine.cu)
+        top = lse_parts.max(axis=0)
+        bias = np.where(np.isfinite(top), top, 0.0)
+        total = np.exp(lse_parts - bias).sum(axis=0)
+        merged = np.where(total > 0, bias + np.log(np.where(total > 0, total, 1.0)), -np.inf)
+        weights = np.where(total > 0, np.exp(lse_parts - merged), 0.0)
+        weights = weights.transpose(0, 1, 3, 2)[..., None]  # (parts, batch, rows, heads, 1)
+        out[...] = np.where(weights > 0, weights * parts, 0.0).sum(axis=0)
+        lse[...] = merged
 
     def accumulate(part, acc):
         acc += part
 
     monkeypatch.setattr(api, "attention", attention)
     monkeypatch.setattr(api, "attention_backward", attention_backward)
-    monkeypatch.setattr(dist_attn, "_merge", merge)
-    monkeypatch.setattr(dist_attn, "_accumulate", accumulate)
+    monkeypatch.setattr(split_kv, "combine", combine)
+    monkeypatch.setattr(ring, "_accumulate", accumulate)
 
 
 def _sharding(causal: bool, world_size: int, xp):
@@ -352,10 +358,10 @@ def _rank_programs(world_size, causal, q, k, v, dout):
     qs, ks, vs, douts = shard(q), shard(k), shard(v), shard(dout)
     steps = [dist_attn.ring_schedule(r, world_size, qs[r].shape[1], causal=causal)
              for r in range(world_size)]
-    forwards = [dist_attn._forward(qs[r], ks[r], vs[r], steps[r], 0.3) for r in range(world_size)]
+    forwards = [ring._forward(qs[r], ks[r], vs[r], steps[r], 0.3) for r in range(world_size)]
 
     def backwards(results):
-        return [dist_attn._backward(douts[r], qs[r], ks[r], vs[r], *results[r], steps[r], 0.3,
+        return [ring._backward(douts[r], qs[r], ks[r], vs[r], *results[r], steps[r], 0.3,
                                     False) for r in range(world_size)]
 
     return forwards, backwards
@@ -377,8 +383,8 @@ def test_rank_programs_in_lockstep_give_attention_over_the_whole_sequence(
         world_size, causal, numpy_ring):
     q, k, v, dout = _numpy_problem(world_size, causal)
     forwards, backwards = _rank_programs(world_size, causal, q, k, v, dout)
-    results = dist_attn._run_in_lockstep(forwards, 0)
-    grads = dist_attn._run_in_lockstep(backwards(results), 0)
+    results = simulation._run_in_lockstep(forwards, 0)
+    grads = simulation._run_in_lockstep(backwards(results), 0)
     _assert_ring_results(world_size, causal, q, k, v, dout, results, grads)
 
 
@@ -410,7 +416,7 @@ def test_rank_programs_on_their_own_threads_give_the_same(causal, numpy_ring):
 
     def run_all(programs):
         with concurrent.futures.ThreadPoolExecutor(world_size) as pool:
-            futures = [pool.submit(dist_attn._run, program, transport)
+            futures = [pool.submit(ring._run, program, transport)
                        for program, transport in zip(programs, transports)]
             return [f.result() for f in futures]
 
@@ -586,5 +592,6 @@ def test_torch_ring_op_on_a_group_of_one_is_attention_bit_for_bit(causal, nccl_g
         assert out.requires_grad and not lse.requires_grad
         out.backward(dout)
         results.append((out.detach(), lse, *(leaf.grad for leaf in leaves)))
-    for name, ring, one in zip(("out", "lse", "dq", "dk", "dv"), results[1], results[0]):
-        assert torch.equal(ring, one), name
+    for name, over_the_ring, one in zip(("out", "lse", "dq", "dk", "dv"), results[1],
+                                        results[0]):
+        assert torch.equal(over_the_ring, one), name

@@ -3,7 +3,8 @@ the driver and the GPUs stood in for (no GPU needed)."""
 
 import pytest
 
-from ptxattn import doctor, runtime
+from ptxattn import runtime
+from ptxattn.tools import doctor
 from test_runtime import PROBE
 
 

@@ -26,6 +26,7 @@ import meta_array
 from inputs import grouped_qkv
 from probe_kernels import probe_spec
 from ptxattn import fp8, runtime
+from ptxattn.quant import fp8 as quant_fp8
 from ptxattn.problem import AttentionProblem
 
 
@@ -128,7 +129,7 @@ def test_numpy_arrays_are_refused_before_anything_else():
 
 
 def test_e4m3_table_and_rounding_match_ml_dtypes(rng):
-    values = fp8.e4m3_values()
+    values = quant_fp8.e4m3_values()
     assert values[0x7e] == 448 and values[0x08] == 2.0 ** -6 and values[0x01] == 2.0 ** -9
     assert np.isnan(values[0x7f]) and np.isnan(values[0xff])
     finite = np.sort(values[np.isfinite(values)])
@@ -201,7 +202,7 @@ def test_e4m3_array_carries_fp8_and_raw_arrays_are_refused():
     assert x.get().dtype == fp8.E4M3
     np.testing.assert_array_equal(x.get().astype(np.float32), host.astype(np.float32))
     assert x[..., 1:].shape == (1, 1, 1, 63) and x[..., 1:].get()[0, 0, 0, 0] == -3
-    assert fp8.as_e4m3("q", x.bytes.view(fp8.E4M3)).bytes.data.ptr == x.bytes.data.ptr
+    assert quant_fp8.as_e4m3("q", x.bytes.view(fp8.E4M3)).bytes.data.ptr == x.bytes.data.ptr
     q = cupy.zeros((1, 16, 2, 64), cupy.uint8)
     with pytest.raises(TypeError, match=r"q must have dtype float8_e4m3fn .*E4M3Array\(q\)"):
         fp8.attention(q, q, q, q_descale=1.0, k_descale=1.0, v_descale=1.0)
@@ -425,14 +426,15 @@ def test_rows_dominated_by_a_key_seen_after_the_max(head_dim):
 
 
 def _same_bits_either_way(q, k, v, *, causal, head_dim, option, **overrides):
-    """FP8 attention of bf16 q, k, v quantized with head scales, run by hopper.forward_fp8 with
+    """FP8 attention of bf16 q, k, v quantized with head scales, run by hopper_forward.run with
     the override `option` off and on: the outputs and LSEs must agree bit for bit, and meet the
     FP8 bounds."""
     import cupy
-    from ptxattn import hopper
+    from ptxattn.launchers import hopper_forward
     seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     q8, k8, v8, descales = fp8.quantize_qkv(q, k, v, "head")
-    operands = tuple(fp8.descale_operand(descales[f"{n}_descale"], q.shape[0], heads, seqlen)
+    operands = tuple(quant_fp8.descale_operand(descales[f"{n}_descale"], q.shape[0], heads,
+                                               seqlen)
                      for n, heads, seqlen in (("q", q.shape[2], seqlen_q),
                                               ("k", k.shape[2], seqlen_k),
                                               ("v", k.shape[2], seqlen_k)))
@@ -440,8 +442,9 @@ def _same_bits_either_way(q, k, v, *, causal, head_dim, option, **overrides):
     for on in (False, True):
         out = cupy.full(q8.shape, cupy.nan, dtype="bfloat16")
         lse = cupy.full((q.shape[0], q.shape[2], seqlen_q), cupy.nan, dtype=cupy.float32)
-        hopper.forward_fp8(q8.bytes, k8.bytes, v8.bytes, out, lse, operands, causal=causal,
-                           softmax_scale=head_dim ** -0.5, **{option: on}, **overrides)
+        hopper_forward.run(q8.bytes, k8.bytes, v8.bytes, out, lse, descales=operands,
+                           causal=causal, softmax_scale=head_dim ** -0.5, **{option: on},
+                           **overrides)
         results.append((out, lse))
     (off_out, off_lse), (on_out, on_lse) = results
     assert bool(cupy.array_equal(on_out, off_out)), f"{option} changes the output"

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import ptxattn
-from ptxattn import fp8, interop, quant
+from ptxattn import fp8, interop
+from ptxattn.quant import blockscaled as quant
 
 
 def _typed(module: str, bases=()):
@@ -41,10 +42,10 @@ def test_neither_torch_nor_jax_is_imported():
     script = """
 import sys
 import numpy as np
-import ptxattn, ptxattn.api, ptxattn.fp8, ptxattn.quant, ptxattn.blockscaled, ptxattn.interop
+import ptxattn, ptxattn.api, ptxattn.fp8, ptxattn.blockscaled, ptxattn.interop
 x = np.zeros((1, 4, 2, 64), np.float16)
 for call in (lambda: ptxattn.attention(x, x, x), lambda: ptxattn.fp8.quantize(x),
-             lambda: ptxattn.quant.quantize_mxfp8(x)):
+             lambda: ptxattn.blockscaled.quantize_mxfp8(x)):
     try:
         call()
     except TypeError:

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from probe_kernels import probe_spec
-from ptxattn import archs, kernels, runtime
+from ptxattn import archs, runtime
+from ptxattn.tools import kernels
 
 
 @pytest.mark.parametrize("arch", list(archs.ARCHS))

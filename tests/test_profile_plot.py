@@ -1,21 +1,15 @@
-"""scripts/profile.py --plot: the drawing of result rows (with matplotlib, skipped without it)
-and the early exit, before any timing, where matplotlib is missing."""
+"""The profiler's --plot (ptxattn/tools/profile.py): the drawing of result rows (with
+matplotlib, skipped without it) and the early exit, before any timing, where matplotlib is
+missing."""
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "profile.py"
 
-
-def _profile_script():
-    # Its file name shadows the standard library's profile module: load it under another name.
-    spec = importlib.util.spec_from_file_location("ptxattn_profile_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _profiler():
+    from ptxattn.tools import profile
+    return profile
 
 
 def _rows():
@@ -38,34 +32,34 @@ def _rows():
 def test_plot_draws_the_sweep_rows_into_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "profile.png"
-    _profile_script().plot_rows(_rows(), str(path), "test GPU (sm_90a), bfloat16, forward")
+    _profiler().plot_rows(_rows(), str(path), "test GPU (sm_90a), bfloat16, forward")
     assert path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
 def test_plot_without_matplotlib_says_what_to_install_before_timing(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
-    assert _profile_script().main(["--plot", "out.png"]) == 2
+    assert _profiler().main(["--plot", "out.png"]) == 2
     assert "pip install 'ptxattn[plot]'" in capsys.readouterr().err
 
 
 def test_plot_refuses_the_serving_run(capsys):
     with pytest.raises(SystemExit):
-        _profile_script().main(["--serving", "--plot", "out.png"])
+        _profiler().main(["--serving", "--plot", "out.png"])
     assert "--plot draws the forward or --backward sweep" in capsys.readouterr().err
 
 
 def test_backward_rows_plot_without_the_forward_grids_fields():
     """--backward rows have no heads_kv (the targets grid's GQA field): plotting them must not
     ask for it."""
-    script = _profile_script()
+    profiler = _profiler()
     results = [dict(cfg, backward={"ptxattn-hopper": 400.0, "torch-sdpa-cudnn": None})
-               for cfg in script.backward_configs(quick=True)]
-    rows = script.backward_plot_rows(results)
+               for cfg in profiler.backward_configs(quick=True)]
+    rows = profiler.backward_plot_rows(results)
     assert [row["head_dim"] for row in rows] == [cfg["head_dim"] for cfg in results]
     assert all("heads_kv" not in row and row["ptxattn-hopper"] == 400.0 for row in rows)
 
 
 def test_the_targets_grid_is_refused_with_another_run(capsys):
     with pytest.raises(SystemExit):
-        _profile_script().main(["--grid", "targets", "--backward"])
+        _profiler().main(["--grid", "targets", "--backward"])
     assert "--grid targets is a forward grid of its own" in capsys.readouterr().err

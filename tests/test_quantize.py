@@ -5,7 +5,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ptxattn import quant
+from ptxattn.quant import blockscaled as quant
 
 E4M3_VALUES = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
 E2M1_MAGNITUDES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)

@@ -160,7 +160,7 @@ def test_every_split_count_gives_the_same_answer(rng):
         _check_kvcache(q, k, v, lengths, out, lse, causal=True)
 
 
-@pytest.mark.parametrize("launcher, seqlen_q", [("decode", 1), ("prefill", 128)])
+@pytest.mark.parametrize("launcher, seqlen_q", [("portable_decode", 1), ("hopper_forward", 128)])
 def test_a_repeated_split_launch_keeps_its_partials_to_itself(launcher, seqlen_q, rng):
     """The second launch over the same arrays reuses the prepared split launch (through the
     launcher, so that out and lse stay the same arrays): its partials' buffers must still be its
@@ -170,9 +170,9 @@ def test_a_repeated_split_launch_keeps_its_partials_to_itself(launcher, seqlen_q
     import cupy
     from ptxattn import problem as problem_module, runtime
 
-    module = importlib.import_module(f"ptxattn.{launcher}")
+    module = importlib.import_module(f"ptxattn.launchers.{launcher}")
     if runtime.device_arch() not in module.ARCHS:
-        pytest.skip(f"ptxattn.{launcher} does not run on {runtime.device_arch()}")
+        pytest.skip(f"launchers.{launcher} does not run on {runtime.device_arch()}")
     batch, capacity, heads_q, heads_kv, head_dim = 2, 2000, 8, 2, 128
     q = _random((batch, seqlen_q, heads_q, head_dim), rng)
     k = _random((batch, capacity, heads_kv, head_dim), rng)
@@ -182,14 +182,14 @@ def test_a_repeated_split_launch_keeps_its_partials_to_itself(launcher, seqlen_q
                                                            num_splits=4)
     out = cupy.empty_like(q)
     lse = cupy.empty(problem.lse_shape, dtype=cupy.float32)
-    module.forward(problem, q, k, v, out, lse, seqused_k=seqlens)
+    module.serve(problem, q, k, v, out, lse, seqused_k=seqlens)
     first = out.copy()
     # as large as the partials: the pool hands out what it got back
     fillers = [cupy.full((4, batch * seqlen_q, heads_q, head_dim), 7.0, dtype=cupy.float32)
                for _ in range(4)]
     fillers += [cupy.full((4, heads_q, batch * seqlen_q), 7.0, dtype=cupy.float32)
                 for _ in range(4)]
-    module.forward(problem, q, k, v, out, lse, seqused_k=seqlens)
+    module.serve(problem, q, k, v, out, lse, seqused_k=seqlens)
     assert all(bool((f == 7.0).all()) for f in fillers), "a cached launch wrote freed memory"
     assert bool((out == first).all())
     _check_kvcache(q, k, v, [2000, 1100], out, lse, causal=True)

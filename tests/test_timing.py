@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-from ptxattn import timing
+from ptxattn.tools import timing
 
 
 def _fake_cupy(log, synced=None):

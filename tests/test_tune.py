@@ -7,8 +7,10 @@ import json
 
 import pytest
 
-from ptxattn import hopper, runtime, tune, tune_table
-from ptxattn.hopper import FP8, Schedule
+from ptxattn import runtime
+from ptxattn.launchers import hopper_forward as hopper, tune_table
+from ptxattn.launchers.hopper_forward import FP8, Schedule
+from ptxattn.tools import tune
 
 
 def _entry(head_dim, causal, bucket, schedule, family="hopper", dtype="bfloat16"):

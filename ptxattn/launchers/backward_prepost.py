@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from . import archs, params, runtime
+from .. import archs, params, runtime
 
 SOURCE = "kernels/bwd_prepost.cu"
 HEAD_DIMS = (64, 128, 256)
@@ -31,10 +31,19 @@ ROW_PADDING = 128  # dpsum and lse_log2 rows per (batch, head): seqlen_q rounded
 ARCHS = archs.running("portable")
 
 
+@dataclasses.dataclass(frozen=True)
+class RowKernelConfig:
+    """The template arguments of ``bwd_preprocess`` and ``bwd_postprocess`` (bwd_prepost.cu)."""
+
+    head_dim: int
+    bf16: bool
+
+
 def _spec(kind: str, dtype: str, head_dim: int) -> runtime.KernelSpec:
-    bf16 = str(bool(DTYPES[dtype])).lower()
+    config = RowKernelConfig(head_dim, bool(DTYPES[dtype]))
     return runtime.KernelSpec(name=f"bwd_{kind}_{dtype}_d{head_dim}", source=SOURCE,
-                              entry=f"ptxattn::bwd_{kind}<{head_dim}, {bf16}>", archs=ARCHS)
+                              entry=f"ptxattn::bwd_{kind}<{runtime.template_arguments(config)}>",
+                              archs=ARCHS)
 
 
 def variants() -> list[runtime.KernelSpec]:

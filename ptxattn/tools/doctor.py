@@ -18,7 +18,7 @@ from pathlib import Path
 import cupy
 from cuda import bindings
 
-from . import __version__, archs, dispatch, runtime
+from .. import __version__, archs, dispatch, runtime
 
 
 def _driver_release() -> str | None:

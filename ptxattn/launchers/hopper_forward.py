@@ -1,4 +1,6 @@
-"""Launcher of the Hopper (sm_90a) forward kernel, ``ptx_src/kernels/fwd_sm90.cu``.
+"""Launcher of the Hopper (sm_90a) forward kernel, ``ptx_src/kernels/fwd_sm90.cu``: fixed-length
+16-bit attention (:func:`forward`), FP8 (the same function given descales) and the serving
+build (:func:`serve`).
 
 TMA descriptors are built here: 4-d maps over the (batch, seqlen, heads, head_dim) arrays with a
 box of one swizzle span of head_dim columns (128 bytes: 64 16-bit or 128 e4m3 values; FP8
@@ -7,9 +9,17 @@ kernel loads a tile of bf16 head_dim 128 as two boxes; rows past seqlen are zero
 TMA unit. The output goes out through a TMA store of 64-row boxes (clipped at seqlen) where shared
 memory has room to stage it, otherwise from registers with the strides passed here.
 
-The same kernel source runs FP8 (e4m3) inputs (:func:`forward_fp8`, reached through
-``ptxattn.fp8.attention``), with its own tile schedules: its data take half the shared memory,
-and V is transposed in shared memory into one more ring of buffers.
+The same kernel source runs FP8 (e4m3) inputs (reached through ``ptxattn.fp8.attention``),
+with its own tile schedules: its data take half the shared memory, and V is transposed in shared
+memory into one more ring of buffers.
+
+The serving build (``Sm90Config::kServing``) runs prefill: packed varlen batches and KV caches
+(new query tokens over a contiguous cache's filled rows), with a local window and attention
+sinks, at the fixed-length kernel's tiles, splitting the keys (launchers/split_kv.py) when its
+tiles cannot fill the GPU. Decoding (a few query rows a sequence, where reading K and V once per
+kv head matters more than the tensor cores), softcap and paged caches run in the portable decode
+launcher (launchers/portable_decode.py); dispatch.py routes each call to one or the other by its
+features.
 """
 
 from __future__ import annotations
@@ -18,7 +28,8 @@ import dataclasses
 import math
 from typing import Callable
 
-from . import params, runtime, tune_table
+from .. import params, runtime
+from . import split_kv, tune_table
 
 ARCHS = ("sm_90a",)
 HEAD_DIMS = (64, 128, 256)
@@ -152,9 +163,9 @@ def schedule_registers(head_dim: int, schedule: Schedule, fp8: bool) -> tuple[in
 
 
 @dataclasses.dataclass(frozen=True)
-class Variant:
-    """The template arguments of one ``attn_fwd_sm90<Sm90Config<...>>`` instantiation
-    (ptx_src/mainloops/fwd_sm90.cuh documents each)."""
+class Sm90Config:
+    """The template arguments of one ``attn_fwd_sm90<Sm90Config<...>>`` instantiation, in its
+    order (ptx_src/mainloops/fwd_sm90.cuh documents each)."""
     head_dim: int
     block_n: int
     stages: int
@@ -165,10 +176,10 @@ class Variant:
     out_round_cols: int  # output columns staged for TMA stores at a time (0: none)
     stale_max_first: bool
     q_in_registers: bool
+    serving: bool
+    producer_regs: int  # FP8: the producer's registers, 0 for the kernel's own split
+    intra_overlap: bool
     smem_bytes: int
-    serving: bool = False
-    producer_regs: int = 0  # FP8: the producer's registers, 0 for the kernel's own split
-    intra_overlap: bool = True
 
     @property
     def block_m(self) -> int:
@@ -178,26 +189,16 @@ class Variant:
     def threads(self) -> int:
         return 128 * (1 + self.consumers)  # producer + consumer warpgroups
 
-    def template_args(self) -> str:
-        flags = (self.fp8, self.bf16, self.causal)
-        later = (self.stale_max_first, self.q_in_registers, self.serving)
-        return ", ".join([str(self.head_dim), str(self.block_n), str(self.stages)] +
-                         [str(f).lower() for f in flags] +
-                         [str(self.consumers), str(self.out_round_cols)] +
-                         [str(f).lower() for f in later] +
-                         [str(self.producer_regs), str(self.intra_overlap).lower(),
-                          str(self.smem_bytes)])
-
 
 def variant(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | None = None,
             out_dtype: str = "bfloat16", consumers: int | None = None,
             stale_max_first: bool | None = None, q_in_registers: bool | None = None,
             serving: bool = False, seqlen_k: int | None = None,
             schedule: Schedule | None = None, producer_regs: int | None = None,
-            intra_overlap: bool | None = None) -> Variant:
+            intra_overlap: bool | None = None) -> Sm90Config:
     """The kernel variant for inputs of ``dtype`` (bfloat16, float16 or float8_e4m3fn; FP8
     writes ``out_dtype``, 16-bit inputs their own type); ``serving``: the build that takes
-    per-sequence lengths and the window (ptxattn.prefill). Its schedule is ``schedule``, or the
+    per-sequence lengths and the window (:func:`serve`). Its schedule is ``schedule``, or the
     tuned one for calls with ``seqlen_k`` keys (_schedule); the other arguments replace fields
     of it."""
     fp8 = dtype == FP8
@@ -226,12 +227,12 @@ def variant(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | No
                            if cols % 64 == 0 and _smem_bytes(head_dim, block_n, stages, fp8, cols,
                                                              consumers) <= SMEM_LIMIT), 0)
     smem = _smem_bytes(head_dim, block_n, stages, fp8, out_round_cols, consumers)
-    return Variant(head_dim, block_n, stages, fp8, bool(DTYPES[out]), causal, consumers,
-                   out_round_cols, stale_max_first, q_in_registers, smem, serving,
-                   producer_regs, intra_overlap)
+    return Sm90Config(head_dim, block_n, stages, fp8, bool(DTYPES[out]), causal, consumers,
+                      out_round_cols, stale_max_first, q_in_registers, serving, producer_regs,
+                      intra_overlap, smem)
 
 
-def spec_of(v: Variant, out_dtype: str) -> runtime.KernelSpec:
+def spec_of(v: Sm90Config, out_dtype: str) -> runtime.KernelSpec:
     return runtime.KernelSpec(
         name=(f"fwd_sm90_{'e4m3_' + out_dtype if v.fp8 else out_dtype}_d{v.head_dim}"
               f"_n{v.block_n}_s{v.stages}{'_c3' if v.consumers == 3 else ''}"
@@ -240,7 +241,7 @@ def spec_of(v: Variant, out_dtype: str) -> runtime.KernelSpec:
               f"{'' if v.intra_overlap else '_inturn'}"
               f"{'_causal' if v.causal else ''}{'_serving' if v.serving else ''}"),
         source="kernels/fwd_sm90.cu",
-        entry=f"ptxattn::attn_fwd_sm90<ptxattn::Sm90Config<{v.template_args()}>>",
+        entry=f"ptxattn::attn_fwd_sm90<ptxattn::Sm90Config<{runtime.template_arguments(v)}>>",
         smem_bytes=v.smem_bytes,
         archs=ARCHS,
     )
@@ -255,7 +256,7 @@ def spec(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | None 
 
 def variants() -> list[runtime.KernelSpec]:
     """Every variant a call can reach without a user's tuning table: each seqlen_k bucket's
-    schedule from the shipped table, or the built-in one."""
+    schedule from the shipped table, or the built-in one, and the serving builds."""
     specs = [spec(dtype, head_dim, causal, schedule=schedule)
              for dtype in DTYPES for head_dim in HEAD_DIMS for causal in (False, True)
              for schedule in _shipped_schedules(dtype, head_dim, causal)]
@@ -263,11 +264,13 @@ def variants() -> list[runtime.KernelSpec]:
               for out in DTYPES for head_dim in HEAD_DIMS for causal in (False, True)
               for schedule in _shipped_schedules(FP8, head_dim, causal)
               for tiles in dict.fromkeys([None, _fp8_key_block_scaled_tiles(schedule, head_dim)])]
+    specs += [spec(dtype, head_dim, causal, serving=True) for dtype in DTYPES
+              for head_dim in HEAD_DIMS for causal in (False, True)]
     return list(dict.fromkeys(specs))
 
 
 def tune_key(dtype: str) -> tuple[str, str]:
-    """(family, dtype) of the tuning tables' keys for inputs of ``dtype`` (ptxattn.tune_table)."""
+    """(family, dtype) of the tuning tables' keys for inputs of ``dtype`` (launchers/tune_table.py)."""
     return ("hopper-fp8", "e4m3") if dtype == FP8 else ("hopper", dtype)
 
 
@@ -340,8 +343,8 @@ class Sequences:
     cumulative lengths: the arrays are packed, passed as one batch of all rows) and cut at
     seqused_k (int32 filled lengths of a KV cache), each None where the call has none; the
     window (left, right) as mask.cuh takes it; ``total_q`` query rows in all; float32 sinks
-    (heads_q,) or None. forward_serving() fills in the split-KV fields: ``num_splits`` and the
-    partials' accumulators (decode.split_accumulators) when it is above 1."""
+    (heads_q,) or None. run_serving() fills in the split-KV fields: ``num_splits`` and the
+    partials' accumulators (split_kv.split_accumulators) when it is above 1."""
     batch: int
     seqlen_q: int
     seqlen_k: int
@@ -447,18 +450,43 @@ def _prepare(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
                                   args=[p])
 
 
-def forward(q, k, v, out, lse, *, causal: bool, softmax_scale: float, **overrides) -> None:
+def run(q, k, v, out, lse, *, causal: bool, softmax_scale: float, **overrides) -> None:
+    """The fixed-length forward with launcher()'s arguments (benchmarks and tests pass
+    overrides; with ``descales`` q, k and v are uint8 arrays of e4m3 bytes)."""
     launcher(q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, **overrides)()
 
 
-def forward_serving(q, k, v, out, lse, seqs: Sequences, *, causal: bool, softmax_scale: float,
-                    num_splits: int = 0, **overrides) -> None:
-    """The serving build over ``seqs`` (ptxattn.prefill). When its tiles cannot fill the GPU, the
-    keys of each are split over several (``num_splits``, 0: decode.choose_splits) and combine.cu
-    merges the partial states. The launches (and the partials' buffers) are prepared once per
-    set of arrays, lengths and stream: the kernel reads cu_seqlens and seqused_k when it runs,
-    so a server that refills the same length buffers every step reuses them. (Prepared per
-    call, the host work took 600 us against a 134 us launch for 256 tokens over a 16k cache.)"""
+def forward(problem, q, k, v, out, lse, *, descales=None) -> None:
+    """Attention of ``problem`` (AttentionProblem.from_16bit, or from_fp8 with the (q, k, v)
+    ``ptxattn.fp8.Descale`` operands and q, k, v the e4m3 bytes) into ``out`` and ``lse``."""
+    run(q, k, v, out, lse, causal=problem.causal, softmax_scale=problem.softmax_scale,
+        descales=descales)
+
+
+def serve(problem, q, k, v, out, lse, *, seqused_k=None, block_table=None, cu_seqlens_q=None,
+          cu_seqlens_k=None, sinks=None) -> None:
+    """Attention of ``problem`` (from AttentionProblem.from_kvcache or from_varlen) through the
+    serving build, with portable_decode.serve's arguments and layouts: q and out (batch,
+    seqlen_q, heads_q, D), or with cu_seqlens_q (1, total_q, heads_q, D) and lse (1, heads_q,
+    total_q); k and v the contiguous cache (batch, capacity, heads_kv, D) or, with cu_seqlens_k,
+    (1, total_k, heads_kv, D)."""
+    if block_table is not None or problem.softcap > 0:
+        raise runtime.PtxattnError("the Hopper serving build takes no paged cache or softcap "
+                                   "(dispatch routes those to the decode launcher)")
+    seqs = Sequences(problem.batch, problem.seqlen_q, problem.seqlen_k, problem.total_q,
+                     problem.window, cu_seqlens_q, cu_seqlens_k, seqused_k, sinks)
+    run_serving(q, k, v, out, lse, seqs, causal=problem.causal,
+                softmax_scale=problem.softmax_scale, num_splits=problem.num_splits)
+
+
+def run_serving(q, k, v, out, lse, seqs: Sequences, *, causal: bool, softmax_scale: float,
+                num_splits: int = 0, **overrides) -> None:
+    """The serving build over ``seqs``. When its tiles cannot fill the GPU, the keys of each are
+    split over several (``num_splits``, 0: split_kv.choose_splits) and combine.cu merges the
+    partial states. The launches (and the partials' buffers) are prepared once per set of
+    arrays, lengths and stream: the kernel reads cu_seqlens and seqused_k when it runs, so a
+    server that refills the same length buffers every step reuses them. (Prepared per call,
+    the host work took 600 us against a 134 us launch for 256 tokens over a 16k cache.)"""
     if not (seqs.batch and seqs.seqlen_q):
         return
     optional = (seqs.cu_seqlens_q, seqs.cu_seqlens_k, seqs.seqused_k, seqs.sinks)
@@ -477,8 +505,6 @@ _serving_launches = runtime.LaunchCache()
 
 def _prepare_serving(q, k, v, out, lse, seqs: Sequences, *, causal: bool, softmax_scale: float,
                      num_splits: int, **overrides) -> Callable[[], None]:
-    from . import decode
-
     head_dim, heads_q = q.shape[3], q.shape[2]
     v_info = variant(str(q.dtype), head_dim, causal, serving=True)
     tiles = seqs.batch * heads_q * math.ceil(seqs.seqlen_q / v_info.block_m)
@@ -486,23 +512,16 @@ def _prepare_serving(q, k, v, out, lse, seqs: Sequences, *, causal: bool, softma
     if seqs.window[0] >= 0:  # a tile's rows see at most its height plus the window's width
         keys = min(keys, v_info.block_m + seqs.window[0] + max(seqs.window[1], 0))
     key_blocks = max(1, math.ceil(keys / v_info.block_n))
-    splits = min(num_splits or decode.choose_splits(tiles, key_blocks, runtime.sm_count(q.device.id)),
+    splits = min(num_splits or split_kv.choose_splits(tiles, key_blocks,
+                                                      runtime.sm_count(q.device.id)),
                  key_blocks)
     if splits == 1:
         return _prepare(q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
                         seqs=seqs, **overrides)
-    seqs = dataclasses.replace(seqs, num_splits=splits, accum=decode.split_accumulators(
+    seqs = dataclasses.replace(seqs, num_splits=splits, accum=split_kv.split_accumulators(
         splits, seqs.total_q, heads_q, head_dim))
     attend = _prepare(q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, seqs=seqs,
                       **overrides)
-    merge = decode.prepare_combine_splits(seqs.accum, out, lse, seqs.sinks, seqs.batch,
-                                          seqs.seqlen_q, packed=seqs.cu_seqlens_q is not None)
-    return decode.SplitLaunch(attend, merge, seqs.accum)
-
-
-def forward_fp8(q, k, v, out, lse, descales, *, causal: bool, softmax_scale: float,
-                **overrides) -> None:
-    """FP8 forward on what ptxattn.fp8.attention validated: q, k, v uint8 arrays of e4m3
-    bytes, ``descales`` as in launcher()."""
-    launcher(q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, descales=descales,
-             **overrides)()
+    merge = split_kv.prepare_combine_splits(seqs.accum, out, lse, seqs.sinks, seqs.batch,
+                                            seqs.seqlen_q, packed=seqs.cu_seqlens_q is not None)
+    return split_kv.SplitLaunch(attend, merge, seqs.accum)

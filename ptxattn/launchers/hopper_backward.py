@@ -1,5 +1,5 @@
 """Launcher of the Hopper (sm_90a) backward kernel, ``ptx_src/kernels/bwd_sm90.cu``, between the pre- and
-postprocess every backward family shares (ptxattn/backward.py).
+postprocess every backward family shares (launchers/backward_prepost.py).
 
 A block owns 128 keys (64 at head_dim 256) of one (batch, kv head) and walks the query tiles (64,
 80 or 128 rows) that see them, for every q head sharing its kv head, so dK and dV are complete in
@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from . import archs, params, runtime
-from . import backward as shared_backward
+from .. import archs, runtime
+from . import backward_prepost
 
 SOURCE = "kernels/bwd_sm90.cu"
 ARCHS = archs.running("hopper")
@@ -26,8 +26,8 @@ THREADS = 384   # the producer warpgroup and two consumer warpgroups
 
 
 @dataclasses.dataclass(frozen=True)
-class Variant:
-    """The template arguments of one ``attn_bwd_sm90<BwdSm90Config<...>>``
+class BwdSm90Config:
+    """The template arguments of one ``attn_bwd_sm90<BwdSm90Config<...>>``, in its order
     (ptx_src/mainloops/bwd_sm90.cuh documents each)."""
     head_dim: int
     bf16: bool
@@ -35,6 +35,7 @@ class Variant:
     block_m: int
     stages: int
     deterministic: bool
+    smem_bytes: int
 
     # The layout of BwdSm90Config and BwdSm90Mainloop (mainloops/bwd_sm90.cuh), whose
     # static_assert refuses to compile a kernel whose smem_bytes differs from it: at head_dim 256
@@ -61,30 +62,33 @@ class Variant:
         """Rows of one warpgroup's dQ reduce (the accumulator map's box)."""
         return 64 if self.head_dim == 64 else self.block_m
 
-    @property
-    def smem_bytes(self) -> int:
-        k_v = 2 * self.block_n * self.head_dim * 2
-        q_do = 2 * self.stages * self.block_m * self.head_dim * 2
-        row_values = self.stages * 2 * self.block_m * 4  # LSE and D a step
-        ds_buffers = 1 if self.shared_keys else 2
-        ds = ds_buffers * 2 * self.block_m * 64 * 2  # a [block_m x 64] slab per warpgroup
-        # both warpgroups: two boxes of [dq_rows x 32] float32 each, one at head_dim 256 (whose
-        # other box is its dS slab)
-        dq_staging = 2 * (1 if self.shared_keys else 2) * self.dq_rows * 32 * 4
-        barriers = 8 * (1 + 2 * self.stages)
-        # + aligning the base to the swizzle atom
-        return k_v + q_do + row_values + ds + dq_staging + barriers + 1024
-
     def spec(self) -> runtime.KernelSpec:
         dtype = "bfloat16" if self.bf16 else "float16"
-        args = (f"{self.head_dim}, {str(self.bf16).lower()}, {str(self.causal).lower()}, "
-                f"{self.block_m}, {self.stages}, {str(self.deterministic).lower()}, "
-                f"{self.smem_bytes}")
         return runtime.KernelSpec(
             name=f"bwd_sm90_{dtype}_d{self.head_dim}_m{self.block_m}_s{self.stages}"
                  f"{'_causal' if self.causal else ''}{'_det' if self.deterministic else ''}",
-            source=SOURCE, entry=f"ptxattn::attn_bwd_sm90<ptxattn::BwdSm90Config<{args}>>",
+            source=SOURCE, entry=f"ptxattn::attn_bwd_sm90<ptxattn::BwdSm90Config<"
+                                 f"{runtime.template_arguments(self)}>>",
             smem_bytes=self.smem_bytes, archs=ARCHS)
+
+
+def smem_bytes(head_dim: int, block_m: int, stages: int) -> int:
+    """The shared memory of BwdSm90Mainloop's layout (its static_assert holds the launcher's
+    request to it)."""
+    shared_keys = head_dim == 256
+    block_n = 64 if shared_keys else 128
+    dq_rows = 64 if head_dim == 64 else block_m
+    k_v = 2 * block_n * head_dim * 2
+    q_do = 2 * stages * block_m * head_dim * 2
+    row_values = stages * 2 * block_m * 4  # LSE and D a step
+    ds_buffers = 1 if shared_keys else 2
+    ds = ds_buffers * 2 * block_m * 64 * 2  # a [block_m x 64] slab per warpgroup
+    # both warpgroups: two boxes of [dq_rows x 32] float32 each, one at head_dim 256 (whose
+    # other box is its dS slab)
+    dq_staging = 2 * (1 if shared_keys else 2) * dq_rows * 32 * 4
+    barriers = 8 * (1 + 2 * stages)
+    # + aligning the base to the swizzle atom
+    return k_v + q_do + row_values + ds + dq_staging + barriers + 1024
 
 
 # Per head_dim: (query rows per step, (Q, dO) ring depth). head_dim 128 has the registers for
@@ -94,8 +98,11 @@ class Variant:
 TILES = {64: (128, 2), 128: (80, 2), 256: (64, 2)}
 
 
-def variant(dtype: str, head_dim: int, causal: bool, deterministic: bool = False) -> Variant:
-    return Variant(head_dim, bool(DTYPES[dtype]), causal, *TILES[head_dim], deterministic)
+def variant(dtype: str, head_dim: int, causal: bool,
+            deterministic: bool = False) -> BwdSm90Config:
+    block_m, stages = TILES[head_dim]
+    return BwdSm90Config(head_dim, bool(DTYPES[dtype]), causal, block_m, stages, deterministic,
+                         smem_bytes(head_dim, block_m, stages))
 
 
 def variants() -> list[runtime.KernelSpec]:
@@ -109,9 +116,9 @@ def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: boo
     v_info = variant(problem.format, problem.head_dim, problem.causal, deterministic)
     kernel = runtime.load(v_info.spec())
     block_m = v_info.block_m
-    ws = shared_backward.Workspace.allocate(problem, block_m, deterministic,
-                                            turns_per_tile=v_info.turns_per_tile)
-    p = shared_backward.make_params(problem, dout, q, k, v, out, lse, dq, dk, dv, ws, block_m)
+    ws = backward_prepost.Workspace.allocate(problem, block_m, deterministic,
+                                             turns_per_tile=v_info.turns_per_tile)
+    p = backward_prepost.make_params(problem, dout, q, k, v, out, lse, dq, dk, dv, ws, block_m)
     swizzle = BOX_COLS * q.itemsize
     p.q_map = runtime.tensor_map(q, (1, block_m, 1, BOX_COLS), swizzle=swizzle)
     p.dout_map = runtime.tensor_map(dout, (1, block_m, 1, BOX_COLS), swizzle=swizzle)
@@ -125,7 +132,7 @@ def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: boo
         ws.dq_accum.reshape(problem.batch * problem.heads_q, problem.seqlen_q, problem.head_dim),
         (1, v_info.dq_rows, 32), swizzle=128)
     grid = (math.ceil(problem.seqlen_k / v_info.block_n), problem.heads_kv, problem.batch)
-    shared_backward.preprocess(problem, p)()
+    backward_prepost.preprocess(problem, p)()
     runtime.PreparedLaunch(kernel, grid=grid, block=(THREADS,), args=[p])()
-    shared_backward.postprocess(problem, p)()
+    backward_prepost.postprocess(problem, p)()
     return ws

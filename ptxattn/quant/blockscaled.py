@@ -28,8 +28,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from . import runtime
-from .interop import CUDA_ARRAY, framework_arrays
+from .. import runtime
+from ..interop import CUDA_ARRAY, framework_arrays
 
 MXFP8_BLOCK = 32
 NVFP4_BLOCK = 16

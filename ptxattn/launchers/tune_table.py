@@ -1,7 +1,7 @@
 """Tables of tuned tile schedules: their format, where they live, and the order they are read in.
 
 ``python -m ptxattn.tune`` measures tile schedules on a GPU and writes the winners into a table;
-the Hopper launcher (``hopper.variant``) takes its schedule from the first table that has the
+the Hopper launcher (``hopper_forward.variant``) takes its schedule from the first table that has the
 call's key, in this order:
 
 1. the file ``$PTXATTN_TUNE_TABLE`` names (the value ``builtin``: no table at all, the built-in
@@ -10,7 +10,7 @@ call's key, in this order:
    ``python -m ptxattn.tune`` writes when given no ``--output``;
 3. the one shipped with the package, ``ptxattn/tuned/<arch>.json``;
 
-and otherwise from the schedules built into the launcher (``hopper.SCHEDULES``). Each table is
+and otherwise from the schedules built into the launcher (``hopper_forward.SCHEDULES``). Each table is
 read once per process, on the first call that needs it. A ``$PTXATTN_TUNE_TABLE`` that names no
 file, or a table that cannot be read, is an error naming it; except the user's own, which is
 skipped with a warning, so that a table a newer ptxattn no longer reads blocks neither calls nor
@@ -30,7 +30,7 @@ A table is JSON::
                   "bucket": "medium", "schedule": {"block_n": 128, "stages": 2, ...},
                   "tflops": 690.3, ...}, ...]}
 
-``schedule`` holds the fields of ``hopper.Schedule``; the tuner adds what it measured beside it
+``schedule`` holds the fields of ``hopper_forward.Schedule``; the tuner adds what it measured beside it
 (``tune.py`` documents those fields), which lookups ignore.
 """
 
@@ -42,12 +42,12 @@ import os
 import warnings
 from pathlib import Path
 
-from . import runtime
+from .. import runtime
 
 VERSION = 1
 ENV_VAR = "PTXATTN_TUNE_TABLE"
 BUILTIN_ONLY = "builtin"  # the value of ENV_VAR that turns every table off
-SHIPPED_DIR = Path(__file__).resolve().parent / "tuned"
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "tuned"
 
 # seqlen_k buckets: (name, largest seqlen_k in it); the last one takes every longer sequence.
 BUCKETS = (("short", 1024), ("medium", 4096), ("long", None))

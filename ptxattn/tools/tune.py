@@ -62,8 +62,10 @@ import sys
 import time
 from pathlib import Path
 
-from . import hopper, kernels, runtime, tune_table
-from .hopper import Schedule
+from .. import runtime
+from ..launchers import hopper_forward as hopper, tune_table
+from ..launchers.hopper_forward import Schedule
+from . import kernels
 
 ARCH = hopper.ARCHS[0]
 TOKENS = 16384  # batch * seqlen of every timed shape
@@ -367,7 +369,7 @@ class ShapeRun:
     def __init__(self, target: Target, shape: Shape, seed: int, schedules: list[Schedule]):
         import cupy
 
-        from . import fp8
+        from .. import fp8
         from .timing import attention_flops
 
         dims = (shape.batch, shape.seqlen, shape.heads, target.head_dim)

@@ -17,7 +17,6 @@ non-zero if a variant does not compile or the cache directory cannot be written.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
@@ -26,20 +25,22 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Callable
 
-from . import archs, runtime
+from .. import archs, dispatch, runtime
+from ..launchers import backward_prepost, split_kv
+from ..quant import blockscaled as blockscaled_quantizers, fp8 as fp8_quantizers
 
-# Every module that ships kernels; each has variants() -> list[KernelSpec].
-FAMILY_MODULES = ("ptxattn.portable", "ptxattn.backward", "ptxattn.decode", "ptxattn.hopper",
-                  "ptxattn.prefill", "ptxattn.hopper_backward", "ptxattn.fp8",
-                  "ptxattn.blockscaled", "ptxattn.quant")
+# Every module that ships kernels, each with variants() -> list[KernelSpec]: the dispatch
+# table's launchers, the kernels they share, and the quantizers.
+KERNEL_MODULES = (*dispatch.LAUNCHERS, backward_prepost, split_kv, fp8_quantizers,
+                  blockscaled_quantizers)
 # ptxas's info line (C7510-C7520) when it makes every wgmma of a kernel wait for the previous.
 WGMMA_SERIALIZED = "wgmma.mma_async instructions are serialized"
 
 
 def all_variants(arch: str) -> list[runtime.KernelSpec]:
     specs = []
-    for name in FAMILY_MODULES:
-        specs += [s for s in importlib.import_module(name).variants() if arch in s.archs]
+    for module in KERNEL_MODULES:
+        specs += [s for s in module.variants() if arch in s.archs]
     return specs
 
 

@@ -1,0 +1,258 @@
+"""FP8 (e4m3) data and its quantizers: the carrier type, the descales as the kernels read
+them, and the GPU quantizers (``ptx_src/kernels/quantize_fp8.cu``). ptxattn.fp8 documents the
+formats and granularities and re-exports the public names.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import numpy as np
+
+from .. import runtime
+from ..interop import CUDA_ARRAY, framework_arrays
+from ..problem import E4M3, SCALE_BLOCK_ROWS, check_e4m3, check_rows, descale_shapes
+from .hadamard import HadamardRotation, hadamard_rotation
+
+E4M3_MAX = 448.0
+GRANULARITIES = ("tensor", "head", "block")
+HEAD_DIMS = (64, 128, 256)
+INPUT_DTYPES = {"bfloat16": 1, "float16": 0}
+
+_QUANTIZER_ARCHS = ("sm_89", "sm_90a", "sm_120a")
+_WARPS_PER_BLOCK = 8
+
+
+def quantizer_spec(entry: str, dtype: str, head_dim: int) -> runtime.KernelSpec:
+    return runtime.KernelSpec(
+        name=f"{entry}_{dtype}_d{head_dim}", source="kernels/quantize_fp8.cu", entry=entry,
+        defines={"HEAD_DIM": head_dim, "IS_BF16": INPUT_DTYPES[dtype]}, archs=_QUANTIZER_ARCHS)
+
+
+def variants() -> list[runtime.KernelSpec]:
+    return [quantizer_spec(entry, dtype, head_dim) for entry in ("fp8_amax", "fp8_quantize")
+            for dtype in INPUT_DTYPES for head_dim in HEAD_DIMS]
+
+
+class E4M3Array:
+    """FP8 e4m3 data on the GPU: a CuPy uint8 array of e4m3 bytes, tagged with that format.
+
+    Has the array metadata the kernels check (shape, strides in bytes, dtype ``float8_e4m3fn``,
+    data pointer, device); indexing gives an E4M3Array view; ``get()`` copies to NumPy as
+    ml_dtypes ``float8_e4m3fn``; ``bytes`` is the uint8 storage.
+    """
+
+    __slots__ = ("bytes",)
+    dtype = None  # set below to E4M3
+    itemsize = 1
+
+    def __init__(self, data):
+        if np.dtype(data.dtype) not in (np.dtype(np.uint8), E4M3):
+            raise TypeError(f"E4M3Array holds uint8 e4m3 bytes, got dtype {data.dtype}")
+        self.bytes = data.view(np.uint8)
+
+    @classmethod
+    def from_host(cls, x) -> "E4M3Array":
+        """Uploads a NumPy float8_e4m3fn (or uint8) array."""
+        import cupy
+        return cls(cupy.asarray(np.asarray(x).view(np.uint8)))
+
+    shape = property(lambda self: self.bytes.shape)
+    strides = property(lambda self: self.bytes.strides)
+    ndim = property(lambda self: self.bytes.ndim)
+    size = property(lambda self: self.bytes.size)
+    data = property(lambda self: self.bytes.data)
+    device = property(lambda self: self.bytes.device)
+
+    def __getitem__(self, index) -> "E4M3Array":
+        return E4M3Array(self.bytes[index])
+
+    def get(self) -> np.ndarray:
+        return self.bytes.get().view(E4M3)
+
+    def __repr__(self) -> str:
+        return f"E4M3Array(shape={self.shape}, strides={self.strides})"
+
+
+E4M3Array.dtype = E4M3
+
+
+def as_e4m3(name: str, x) -> E4M3Array:
+    """``x`` as an E4M3Array, or a TypeError naming the argument (its layout is checked by
+    AttentionProblem.from_fp8)."""
+    if isinstance(x, E4M3Array):
+        return x
+    import cupy
+    if not isinstance(x, cupy.ndarray):
+        raise TypeError(f"{name} must be a ptxattn.fp8.E4M3Array, a torch float8_e4m3fn tensor "
+                        f"or a CuPy float8_e4m3fn view, got {type(x).__module__}."
+                        f"{type(x).__name__}")
+    check_e4m3(name, x)
+    return E4M3Array(x)
+
+
+@functools.lru_cache(maxsize=None)
+def e4m3_values() -> np.ndarray:
+    """The float32 value of each of the 256 e4m3 bytes (0x7f and 0xff are NaN)."""
+    return np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Descales as the kernels read them
+
+
+class Descale(NamedTuple):
+    """A float32 device array with element strides over (batch, head, 128-row block); a stride
+    is 0 along a dimension the scale does not vary in."""
+
+    array: object
+    stride_b: int
+    stride_h: int
+    stride_block: int
+
+
+def descale_operand(d, batch: int, heads: int, seqlen: int) -> Descale:
+    import cupy
+
+    if not hasattr(d, "shape"):
+        return Descale(cupy.full((1,), d, dtype=cupy.float32), 0, 0, 0)
+    granularity = descale_shapes(batch, heads, seqlen, True)[tuple(d.shape)]
+    steps = [s // d.itemsize for s in d.strides]
+    if granularity == "tensor":
+        return Descale(d, 0, 0, 0)
+    if granularity == "head":
+        return Descale(d, steps[0], steps[1], 0)
+    return Descale(d, steps[0], steps[1], steps[2])
+
+
+def descale_rows(d, batch: int, seqlen: int, heads: int):
+    """A descale of any granularity broadcast to (batch, seqlen, heads, 1), float32 on device."""
+    import cupy
+
+    if not hasattr(d, "shape"):
+        return cupy.full((1, 1, 1, 1), d, dtype=cupy.float32)
+    d = cupy.asarray(d, dtype=cupy.float32)
+    if d.ndim <= 1:
+        return d.reshape(1, 1, 1, 1)
+    if d.ndim == 2:
+        return d[:, None, :, None]
+    rows = cupy.repeat(d, SCALE_BLOCK_ROWS, axis=2)[:, :, :seqlen]
+    return rows.transpose(0, 2, 1)[..., None]
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantizers
+
+
+def _check_quantizer_input(x) -> None:
+    import cupy
+
+    if not isinstance(x, cupy.ndarray):
+        raise TypeError(f"x must be {CUDA_ARRAY}, got {type(x).__module__}.{type(x).__name__}")
+    if np.dtype(x.dtype).name not in INPUT_DTYPES:
+        raise TypeError(f"x must have dtype bfloat16 or float16, got {x.dtype}")
+    check_rows("x", x)
+    if x.shape[3] not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {x.shape[3]}")
+    if x.size >= 2 ** 31 * x.shape[3]:
+        raise ValueError(f"x has too many rows ({x.size // x.shape[3]}) for the quantizer")
+
+
+def _rotation_signs(rotation: HadamardRotation | None, head_dim: int):
+    """The kernel argument for ``rotation``: its signs on the device, or a null pointer."""
+    import cupy
+
+    if rotation is None:
+        return np.uint64(0)
+    if not isinstance(rotation, HadamardRotation):
+        raise TypeError(f"rotation must be a HadamardRotation or None, got "
+                        f"{type(rotation).__name__}")
+    if rotation.head_dim != head_dim:
+        raise ValueError(f"rotation is for head_dim {rotation.head_dim}, x has {head_dim}")
+    return cupy.asarray(rotation.signs, dtype=cupy.float32)
+
+
+@framework_arrays
+def quantize(x, granularity: str = "tensor", rotation: HadamardRotation | None = None):
+    """bf16/fp16 x (batch, seqlen, heads, head_dim) -> (x8, descale) on the GPU.
+
+    x8 is an :class:`E4M3Array` of x's shape (contiguous) holding e4m3(x / descale) (rounded
+    to nearest even); descale is float32 of the granularity's shape (module docstring), amax /
+    448 over each group (1 for an all-zero group). With ``rotation`` the rows are first rotated,
+    x8 * descale then approximates x @ rotation.matrix(). x may be any framework's CUDA array
+    (ptxattn.interop); for a torch x, x8 is a float8_e4m3fn tensor and descale a tensor.
+    """
+    import cupy
+
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    _check_quantizer_input(x)
+    batch, seqlen, heads, head_dim = x.shape
+    dtype = np.dtype(x.dtype).name
+    signs_arg = _rotation_signs(rotation, head_dim)
+    strides = [np.int64(s // x.itemsize) for s in x.strides[:3]]
+    rows = batch * seqlen * heads
+    grid = (-(-rows // _WARPS_PER_BLOCK), 1, 1)
+    block = (32 * _WARPS_PER_BLOCK, 1, 1)
+    blocks = -(-seqlen // SCALE_BLOCK_ROWS)
+    with cupy.cuda.Device(x.device.id):
+        amax_bits = cupy.zeros((batch, heads, blocks), dtype=cupy.uint32)
+        runtime.launch(runtime.load(quantizer_spec("fp8_amax", dtype, head_dim)), grid, block,
+                       [x, *strides, np.int32(seqlen), np.int32(heads), np.int64(rows), signs_arg,
+                        amax_bits])
+        amax = amax_bits.view(cupy.float32)
+        if granularity == "head":
+            amax = amax.max(axis=2)
+        elif granularity == "tensor":
+            amax = amax.max()
+        descale = cupy.where(amax > 0, amax / cupy.float32(E4M3_MAX), cupy.float32(1.0))
+        descale = descale.astype(cupy.float32)
+        d = descale_operand(descale, batch, heads, seqlen)
+        x8 = cupy.empty(x.shape, dtype=cupy.uint8)
+        runtime.launch(runtime.load(quantizer_spec("fp8_quantize", dtype, head_dim)), grid, block,
+                       [x, *strides, np.int32(seqlen), np.int32(heads), np.int64(rows), signs_arg,
+                        d.array, np.int64(d.stride_b), np.int64(d.stride_h),
+                        np.int64(d.stride_block), x8])
+    return E4M3Array(x8), descale
+
+
+@framework_arrays
+def dequantize(x8, descale):
+    """float32 x8 * descale (any granularity) for e4m3 data (batch, seqlen, heads, dim)."""
+    import cupy
+
+    x8 = as_e4m3("x8", x8)
+    batch, seqlen, heads, _ = x8.shape
+    with cupy.cuda.Device(x8.device.id):
+        values = cupy.asarray(e4m3_values())[x8.bytes]
+        return values * descale_rows(descale, batch, seqlen, heads)
+
+
+def quantize_qkv(q, k, v, granularity: str = "block", rotate: bool = False,
+                 seed: int | None = None):
+    """Quantizes attention inputs: returns (q8, k8, v8, descales), descales a dict to pass as
+    ``fp8_attention(q8, k8, v8, **descales)``. q and k get ``granularity`` (and, with
+    ``rotate``, one shared random-sign Hadamard rotation drawn from ``seed``); v gets the same
+    granularity except "block", for which it is quantized per (batch, head)."""
+    rotation = hadamard_rotation(q.shape[3], seed) if rotate else None
+    q8, q_descale = quantize(q, granularity, rotation)
+    k8, k_descale = quantize(k, granularity, rotation)
+    v8, v_descale = quantize(v, "head" if granularity == "block" else granularity)
+    return q8, k8, v8, {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+
+
+def round_to_e4m3(x):
+    """float32 array (NumPy or CuPy) rounded to the nearest e4m3 value, ties to even, saturating
+    at +-448, returned as float32: what cvt.rn.satfinite.e4m3x2.f32 does, in exact steps."""
+    if isinstance(x, np.ndarray):
+        xp = np
+    else:
+        import cupy as xp
+    x = xp.asarray(x, dtype=xp.float32)
+    mag = xp.minimum(xp.abs(x), xp.float32(E4M3_MAX))
+    mantissa, exponent = xp.frexp(mag)  # mag = mantissa * 2^exponent, mantissa in [0.5, 1)
+    normal = xp.ldexp(xp.rint(mantissa * 16), exponent - 4)
+    subnormal = xp.rint(mag * 512) / 512  # step 2^-9 below 2^-6
+    rounded = xp.where(mag < 2.0 ** -6, subnormal, normal).astype(xp.float32)
+    return xp.copysign(xp.minimum(rounded, xp.float32(E4M3_MAX)), x)

@@ -1,0 +1,871 @@
+"""Attention throughput: ptxattn's backends beside every peer importable here.
+
+    python scripts/profile.py [--quick] [--csv FILE] [--json FILE] [--plot FILE.png]
+    python scripts/profile.py --grid targets [--dtype float16] --slow-max-seqlen 0 [--energy]
+    python scripts/profile.py --backward [--quick] [--json FILE] [--plot FILE.png]
+    python scripts/profile.py --serving [--repeats N]
+
+TFLOP/s = 4 * batch * heads * seqlen_q * seqlen_k * head_dim / time (halved for causal), time
+being the median over repeated CUDA-event-timed samples (each the mean of 10 back-to-back calls)
+after warm-up, every runner of a row taking its samples in turn with the others so that all see
+the same GPU clock and temperature. Peers run in the same process
+on the same GPU: torch SDPA's FlashAttention-2 and cuDNN backends when torch is installed,
+FlashAttention-3's forward (bf16, and FP8 e4m3 with per-(batch, head) descales) when the
+fa3-fwd wheel imports (module fa3_fwd_interface), and ptxattn's plain CuPy reference. A peer
+that does not import is left out with a note on stderr.
+
+--grid targets runs the rows ptxattn is measured against FlashAttention-3 and cuDNN on
+(TARGET_SHAPES, a GQA row included) and prints each row's ratio to its best peer.
+
+--backward measures the backward pass, and forward plus backward, instead: TFLOP/s = 2.5 (3.5)
+times the forward's FLOPs over the time. Peers: torch SDPA's FlashAttention-2 and cuDNN backward
+(torch.autograd.grad of one recorded forward), and FlashAttention-3's backward through the
+flash-attn3-jax wheel (flash_mha under jax.vjp, head_dim 128) when it imports. It also reports
+the extra memory ptxattn's backward allocates (its workspace).
+
+--energy adds, for the forward rows, each compared runner's energy per call (ptxattn-hopper,
+ptxattn-fp8-head and their peers): after the timing, each runs alone for --energy-window seconds
+in shuffled turns while NVML (the driver's libnvidia-ml) reads the board's energy counter and SM
+clock; it prints TFLOP per joule, mean watts and MHz. On a power-capped GPU a kernel that does
+less work per joule runs at a lower clock, so this tells a row bound by power from one bound by
+cycles. Where NVML or the counter is missing it says so and times only.
+
+--plot draws the measured rows (TFLOP/s against seqlen, a line per backend or peer, a panel per
+head_dim and mask) into an image; it needs matplotlib (pip install 'ptxattn[plot]').
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import functools
+import json
+import os
+import sys
+
+from .timing import Nvml, attention_flops, energy_per_call_interleaved, time_ms_interleaved
+
+
+# Peers that take torch tensors (views of the same CuPy data through DLPack).
+TORCH_PEERS = ("torch-", "fa3")
+
+
+def nvrtc_text() -> str:
+    """The NVRTC that compiles the kernels: the same source compiled by another NVRTC runs up to
+    about 8% faster or slower (docs/hopper-tuning.md, session 28)."""
+    from ..runtime import nvrtc_version
+    return "%d.%d" % nvrtc_version()
+
+
+def device_props() -> dict:
+    import cupy
+    return cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+
+
+def device_line(props: dict, arch: str) -> str:
+    """The GPU and the NVRTC, for a results header."""
+    return f"{props['name'].decode()} ({arch}), NVRTC {nvrtc_text()}"
+
+
+def configs(quick: bool) -> list[dict]:
+    """The standard sweep: batch*seqlen = 16384 and heads*head_dim = 2048, plus one fixed shape."""
+    seqlens = [2048, 8192] if quick else [512, 1024, 2048, 4096, 8192, 16384]
+    dims = [128] if quick else [64, 128, 256]
+    rows = [dict(batch=4, seqlen=2048, heads=32, head_dim=128, causal=causal)
+            for causal in (False, True)]
+    for head_dim in dims:
+        for seqlen in seqlens:
+            for causal in (False, True):
+                rows.append(dict(batch=16384 // seqlen, seqlen=seqlen, heads=2048 // head_dim,
+                                 head_dim=head_dim, causal=causal))
+    return rows
+
+
+# The fields of a result row that describe its shape; the others are runners' TFLOP/s, and with
+# --energy a runner's "<name> TFLOP/J", "<name> W" and "<name> MHz" (ENERGY_FIELDS).
+SHAPE_FIELDS = ("batch", "seqlen", "heads", "head_dim", "causal", "heads_kv")
+ENERGY_FIELDS = (" TFLOP/J", " W", " MHz")
+
+
+def plot_rows(rows: list[dict], path: str, title: str) -> None:
+    """Draws result rows (SHAPE_FIELDS plus runner name -> TFLOP/s or None, as --csv and
+    --json write them) into the image ``path``: TFLOP/s against seqlen, a line per runner, a
+    panel per (head_dim, causal). Only the rows of the sweep are drawn: those whose batch *
+    seqlen and heads * head_dim are the ones most rows have (not the fixed shape beside them)."""
+    import matplotlib
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    def size(row):
+        return row["batch"] * row["seqlen"], row["heads"] * row["head_dim"]
+
+    tokens, width = collections.Counter(size(row) for row in rows).most_common(1)[0][0]
+    swept = [row for row in rows if size(row) == (tokens, width)]
+    head_dims = sorted({row["head_dim"] for row in swept})
+    masks = sorted({row["causal"] for row in swept})
+    names = list(dict.fromkeys(name for row in swept for name in row
+                               if name not in SHAPE_FIELDS and not name.endswith(ENERGY_FIELDS)))
+    # A runner keeps its colour and line in every panel, also where others are missing.
+    styles = {name: dict(color=f"C{i % 10}", linestyle=("-", "--", ":")[i // 10 % 3])
+              for i, name in enumerate(names)}
+    figure, axes = plt.subplots(len(head_dims), len(masks), squeeze=False, layout="constrained",
+                                figsize=(6 * len(masks), 1.5 + 3.5 * len(head_dims)))
+    for i, head_dim in enumerate(head_dims):
+        for j, causal in enumerate(masks):
+            ax = axes[i][j]
+            group = [row for row in swept if (row["head_dim"], row["causal"]) == (head_dim, causal)]
+            for name in names:
+                points = sorted((row["seqlen"], row[name]) for row in group
+                                if row.get(name) is not None)
+                if points:
+                    ax.plot(*zip(*points), marker="o", label=name, **styles[name])
+            seqlens = sorted({row["seqlen"] for row in group})
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(seqlens, [str(s) for s in seqlens])
+            ax.set_title(f"head_dim {head_dim}, {'causal' if causal else 'non-causal'}")
+            ax.set_xlabel("seqlen")
+            ax.set_ylabel("TFLOP/s")
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+    handles = {}  # one legend entry per runner, whichever panels it appears in
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    labels = list(handles)
+    figure.legend([handles[label] for label in labels], labels, loc="outside lower center",
+                  ncol=min(4, max(1, len(labels))))
+    figure.suptitle(f"{title}\nbatch * seqlen = {tokens}, heads * head_dim = {width}")
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+# The forward rows ptxattn is measured against FlashAttention-3 and cuDNN on (issue 17's grid):
+# (batch, seqlen, heads, head_dim, kv heads), each causal and not.
+TARGET_SHAPES = [(4, 2048, 32, 128, 32), (2, 8192, 16, 128, 16), (1, 16384, 16, 128, 16),
+                 (32, 512, 16, 128, 16), (8, 2048, 32, 64, 32), (1, 16384, 32, 64, 32),
+                 (8, 2048, 8, 256, 8), (1, 16384, 8, 256, 8), (4, 4096, 32, 128, 8)]
+# Who each kind of ptxattn row is compared with: 16-bit against every 16-bit peer, FP8 with
+# per-head scales against FlashAttention-3's FP8 on the same quantized data.
+RATIOS = {"ptxattn-hopper": ("torch-sdpa-flash", "torch-sdpa-cudnn", "fa3"),
+          "ptxattn-fp8-head": ("fa3-fp8",)}
+# The runners --energy measures: those RATIOS compares.
+ENERGY_RUNNERS = tuple(dict.fromkeys(n for ours, peers in RATIOS.items() for n in (ours, *peers)))
+
+
+def target_configs() -> list[dict]:
+    return [dict(batch=b, seqlen=s, heads=h, head_dim=d, causal=causal,
+                 **({"heads_kv": kv} if kv != h else {}))
+            for b, s, h, d, kv in TARGET_SHAPES for causal in (False, True)]
+
+
+def row_label(row: dict) -> str:
+    """A result row's shape as BxSxH[/KV]xD, with " causal" where it is."""
+    gqa = f"/{row['heads_kv']}" if "heads_kv" in row else ""
+    return (f"{row['batch']}x{row['seqlen']}x{row['heads']}{gqa}x{row['head_dim']}"
+            f"{' causal' if row['causal'] else ''}")
+
+
+def ratio_lines(rows: list[dict]) -> list[str]:
+    """Per row, each ptxattn runner of RATIOS over the best of its peers that ran there."""
+    lines = []
+    for row in rows:
+        cells = []
+        for ours, peers in RATIOS.items():
+            best = max(((row[p], p) for p in peers if row.get(p) is not None), default=None)
+            if row.get(ours) is None or best is None:
+                continue
+            cells.append(f"{ours} {row[ours]:.0f} / {best[1]} {best[0]:.0f} = "
+                         f"{row[ours] / best[0]:.3f}x")
+        lines.append(f"{row_label(row)}: " + ", ".join(cells))
+    return lines
+
+
+def energy_lines(rows: list[dict]) -> list[str]:
+    """Per row, each measured runner's TFLOP per joule, watts and SM MHz (the --energy fields)."""
+    lines = []
+    for row in rows:
+        cells = [f"{n} {row[n + ' TFLOP/J']:.3f} TFLOP/J {row[n + ' W']:.0f} W "
+                 f"{row[n + ' MHz']:.0f} MHz" for n in ENERGY_RUNNERS if n + " TFLOP/J" in row]
+        lines.append(f"{row_label(row)}: " + ", ".join(cells))
+    return lines
+
+
+def backward_plot_rows(results: list[dict]) -> list[dict]:
+    """The --backward results as plot_rows takes them: the shape and each runner's backward
+    TFLOP/s."""
+    return [dict({f: row[f] for f in SHAPE_FIELDS if f in row}, **row["backward"])
+            for row in results]
+
+
+def flops(cfg: dict) -> float:
+    return attention_flops(cfg["batch"], cfg["heads"], cfg["seqlen"], cfg["seqlen"],
+                           cfg["head_dim"], cfg["causal"])
+
+
+def ptxattn_runners(arch: str) -> dict:
+    import ptxattn
+    from ptxattn import api
+
+    runners = {}
+    for name in api.BACKENDS:
+        module = api.backend_module(name)
+        if arch in module.ARCHS:
+            runners[f"ptxattn-{name}"] = (
+                module.HEAD_DIMS, None,
+                lambda q, k, v, causal, name=name: ptxattn.attention(q, k, v, causal=causal,
+                                                                      backend=name))
+    return runners
+
+
+def _quantized_once(quantize, attend):
+    """A runner that quantizes each new input set once (untimed after warm-up), then attends."""
+    quantized = {}
+
+    def run(q, k, v, causal):
+        key = tuple(x.data_ptr() if hasattr(x, "data_ptr") else x.data.ptr for x in (q, k, v))
+        if key not in quantized:
+            quantized.clear()
+            quantized[key] = quantize(q, k, v)
+        return attend(quantized[key], causal)
+    return run
+
+
+def fp8_runners(arch: str) -> dict:
+    """FP8 e4m3 attention, bf16 output: ptxattn-fp8 with per-block q/k scales (per 128 rows;
+    key tiles must then divide 128), ptxattn-fp8-head with per-(batch, head) scales (the
+    kernel's own tile sizes)."""
+    from ptxattn import fp8
+
+    if arch not in fp8.ARCHS:
+        return {}
+    return {name: (fp8.HEAD_DIMS, None, _quantized_once(
+        lambda q, k, v, granularity=granularity: fp8.quantize_qkv(q, k, v,
+                                                                  granularity=granularity),
+        lambda qkv, causal: fp8.attention(*qkv[:3], **qkv[3], causal=causal)))
+        for name, granularity in (("ptxattn-fp8", "block"), ("ptxattn-fp8-head", "head"))}
+
+
+def blockscaled_runners(arch: str, emulated_max_seqlen: int) -> tuple[dict, list[str]]:
+    """The block-scaled (MXFP8 / NVFP4) kernels, quantizing each input set once, untimed. The
+    emulation build (sm_90a) is slow and only shows it runs, so it gets the short shapes only."""
+    import warnings
+
+    from ptxattn import blockscaled
+    from ptxattn.launchers import blockscaled as blockscaled_launcher
+
+    try:
+        build = blockscaled_launcher.build_for_arch(arch)
+    except RuntimeError:
+        return {}, []
+    warnings.filterwarnings("ignore", "ptxattn.blockscaled_attention", RuntimeWarning)
+    suffix = "-emulated" if build == "emulated" else ""
+
+    max_seqlen = emulated_max_seqlen if suffix else None
+    runners = {f"ptxattn-{fmt}{suffix}": (blockscaled_launcher.HEAD_DIMS, max_seqlen,
+                                          _quantized_once(
+        lambda q, k, v, fmt=fmt: blockscaled.quantize_qkv(q, k, v, fmt),
+        lambda operands, causal: blockscaled.blockscaled_attention(**operands, causal=causal)))
+        for fmt in blockscaled_launcher.FORMATS}
+    notes = [f"ptxattn-*{suffix}: the sm_90a emulation build of the sm_120a block-scaled kernel "
+             "(correct, not fast; not a speed result)"] if suffix else []
+    return runners, notes
+
+
+def torch_runners() -> dict:
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention
+    except ImportError:
+        return {}
+
+    def make(backend):
+        def run(q, k, v, causal):
+            # SDPA wants (batch, heads, seqlen, dim); these are views of our (b, s, h, d) data.
+            with sdpa_kernel(backend):
+                return scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                    v.transpose(1, 2), is_causal=causal,
+                                                    enable_gqa=k.shape[2] != q.shape[2])
+        return run
+
+    return {"torch-sdpa-flash": ((64, 128, 256), None, make(SDPBackend.FLASH_ATTENTION)),
+            "torch-sdpa-cudnn": ((64, 128, 256), None, make(SDPBackend.CUDNN_ATTENTION))}
+
+
+def fa3_runners() -> dict:
+    """FlashAttention-3's forward from the fa3-fwd wheel: bf16, and FP8 e4m3 (q, k, v quantized
+    once per input set with per-(batch, head) descales, bf16 output, as ptxattn-fp8-head; with
+    GQA, FA3 takes one q descale per kv head, so q's is the largest of its group's heads)."""
+    try:
+        import fa3_fwd_config
+        import torch
+        # fa3_fwd_interface imports the build configuration under FlashAttention's own name.
+        sys.modules.setdefault("flash_attn_config", fa3_fwd_config)
+        from fa3_fwd_interface import flash_attn_func
+    except (ImportError, OSError):
+        return {}
+
+    def bf16(q, k, v, causal):
+        return flash_attn_func(q, k, v, causal=causal)
+
+    def quantize(q, k, v):
+        def per_head(x, group=1):
+            amax = x.abs().amax(dim=(1, 3)).float()
+            scale = (amax.unflatten(1, (-1, group)).amax(dim=2) / 448.0).clamp_min(1e-12)
+            per_row_head = scale.repeat_interleave(group, dim=1)
+            x8 = (x.float() / per_row_head[:, None, :, None]).to(torch.float8_e4m3fn)
+            return x8, scale.contiguous()
+        q8, qd = per_head(q, q.shape[2] // k.shape[2])
+        (k8, kd), (v8, vd) = (per_head(x) for x in (k, v))
+        return q8, k8, v8, qd, kd, vd
+
+    def fp8(operands, causal):
+        q8, k8, v8, qd, kd, vd = operands
+        return flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd,
+                               v_descale=vd)
+
+    return {"fa3": ((64, 128, 256), None, bf16),
+            "fa3-fp8": ((64, 128, 256), None, _quantized_once(quantize, fp8))}
+
+
+def backward_configs(quick: bool, shapes: str | None = None) -> list[dict]:
+    """The backward sweep: batch*seqlen = 16384, heads*head_dim = 2048; ``shapes`` ("DxS,...")
+    picks (head_dim, seqlen) pairs instead."""
+    if shapes:
+        shapes = [tuple(int(n) for n in shape.split("x")) for shape in shapes.split(",")]
+    else:
+        shapes = ([(128, 2048), (128, 8192), (64, 2048), (256, 2048)] if quick else
+                  [(128, 2048), (128, 8192), (128, 16384), (64, 2048), (64, 16384),
+                   (256, 16384)])
+    return [dict(batch=16384 // seqlen, seqlen=seqlen, heads=2048 // head_dim,
+                 head_dim=head_dim, causal=causal)
+            for head_dim, seqlen in shapes for causal in (False, True)]
+
+
+def torch_backward_runners(torch, q, k, v, dout, causal: bool) -> dict:
+    """name -> (backward, forward + backward) callables for torch SDPA's FA2 and cuDNN."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    tq, tk, tv = (torch.from_dlpack(x).transpose(1, 2).detach().requires_grad_()
+                  for x in (q, k, v))
+    tdo = torch.from_dlpack(dout).transpose(1, 2)
+    runners = {}
+    for name, backend in (("torch-sdpa-flash", SDPBackend.FLASH_ATTENTION),
+                          ("torch-sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def forward(backend=backend):
+            with sdpa_kernel(backend):
+                return sdpa(tq, tk, tv, is_causal=causal)
+        try:
+            recorded = forward()
+        except RuntimeError as err:
+            print(f"\n{name}: {err}", file=sys.stderr)
+            continue
+        runners[name] = (
+            lambda o=recorded: torch.autograd.grad(o, (tq, tk, tv), tdo, retain_graph=True),
+            lambda forward=forward: torch.autograd.grad(forward(), (tq, tk, tv), tdo))
+    return runners
+
+
+def fa3_jax_backward_runner(shape, causal: bool):
+    """(backward, forward + backward) of FlashAttention-3 through flash-attn3-jax, on its own
+    random inputs of ``shape``; None when it does not import or run. JAX runs on its own stream,
+    so each call waits for its result (the timing then includes that host round trip)."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    try:
+        import jax
+        import jax.numpy as jnp
+        from flash_attn3_jax import flash_mha
+    except Exception as err:  # noqa: BLE001 - any import failure leaves the peer out
+        return None, f"flash_attn3_jax does not import: {type(err).__name__}: {err}"
+    try:
+        keys = jax.random.split(jax.random.PRNGKey(0), 4)
+        q, k, v, dout = (jax.random.normal(key, shape, dtype=jnp.bfloat16) for key in keys)
+
+        def attend(q, k, v):
+            return flash_mha(q, k, v, is_causal=causal)
+
+        _, vjp = jax.vjp(attend, q, k, v)
+        backward = jax.jit(lambda fn, d: fn(d))
+        both = jax.jit(lambda q, k, v, d: jax.vjp(attend, q, k, v)[1](d))
+        backward(vjp, dout)[0].block_until_ready()
+        both(q, k, v, dout)[0].block_until_ready()
+    except Exception as err:  # noqa: BLE001
+        return None, f"flash_attn3_jax failed on {shape}: {type(err).__name__}: {err}"
+    return (lambda: backward(vjp, dout)[0].block_until_ready(),
+            lambda: both(q, k, v, dout)[0].block_until_ready()), None
+
+
+def backward_main(args) -> int:
+    import cupy
+    import ptxattn
+    from ptxattn import dispatch, problem as problem_module
+    from ptxattn.launchers import backward_prepost, hopper_backward
+    from ptxattn.runtime import device_arch
+
+    arch = device_arch()
+    repeats = args.repeats or (5 if args.quick else 10)
+    try:
+        import torch
+    except ImportError:
+        torch = None
+        print("profile.py: torch is not importable, so no SDPA peers in this run",
+              file=sys.stderr)
+    props = device_props()
+    print(f"# {device_line(props, arch)}, dtype {args.dtype}, backward, median of {repeats} runs")
+    # backend -> the head dims its backward takes here
+    backends: dict[str, set] = {}
+    for r in dispatch.TABLE:
+        if "backward" in r.features and "bfloat16" in r.formats and arch in r.archs:
+            backends.setdefault(r.backend, set()).update(r.head_dims)
+    results, notes = [], set()
+    rows = backward_configs(args.quick, args.shapes)
+    for index, cfg in enumerate(rows, 1):
+        shape = (cfg["batch"], cfg["seqlen"], cfg["heads"], cfg["head_dim"])
+        causal = cfg["causal"]
+        print(f"\r[{index}/{len(rows)}] {shape} causal={causal}", end="", file=sys.stderr,
+              flush=True)
+        rng = cupy.random.default_rng(index)
+        q, k, v, dout = (rng.standard_normal(shape, dtype=cupy.float32).astype(args.dtype)
+                         for _ in range(4))
+        out, lse = ptxattn.attention(q, k, v, causal=causal, return_lse=True)
+        calls = {}
+        for backend in [b for b, dims in backends.items() if cfg["head_dim"] in dims]:
+            for deterministic in (False, True):
+                name = f"ptxattn-{backend}{'-det' if deterministic else ''}"
+                calls[name] = (
+                    lambda b=backend, d=deterministic: ptxattn.attention_backward(
+                        dout, q, k, v, out, lse, causal=causal, deterministic=d, backend=b),
+                    lambda b=backend, d=deterministic: ptxattn.attention_backward(
+                        dout, q, k, v, *ptxattn.attention(q, k, v, causal=causal,
+                                                          return_lse=True),
+                        causal=causal, deterministic=d, backend=b))
+        if torch is not None:
+            calls.update(torch_backward_runners(torch, q, k, v, dout, causal))
+        if cfg["head_dim"] == 128:
+            fa3, note = fa3_jax_backward_runner(shape, causal)
+            if fa3:
+                calls["fa3-jax"] = fa3
+            else:
+                notes.add(note.split(" on ")[0] if note.startswith("flash_attn3_jax failed")
+                          else note)
+        for name, (bwd, _) in calls.items():
+            bwd()
+        bwd_ms = time_ms_interleaved({n: c[0] for n, c in calls.items()}, warmup=2,
+                                     repeats=repeats)
+        both_ms = time_ms_interleaved({n: c[1] for n, c in calls.items()}, warmup=2,
+                                      repeats=repeats)
+        fwd_flops = flops(cfg)
+        p = problem_module.AttentionProblem.from_backward(dout, q, k, v, out, lse, causal=causal)
+        # the Hopper kernel's workspace (its row values padded to whole query tiles)
+        block_m = hopper_backward.variant(p.format, p.head_dim, causal).block_m
+        accum, padded_rows, _ = backward_prepost.Workspace.sizes(p, block_m, deterministic=False)
+        workspace = (accum + 2 * padded_rows) * 4
+        results.append(dict(cfg, workspace_mib=workspace / 2 ** 20,
+                            backward={n: 2.5 * fwd_flops / ms / 1e9 for n, ms in bwd_ms.items()},
+                            forward_backward={n: 3.5 * fwd_flops / ms / 1e9
+                                              for n, ms in both_ms.items()}))
+    print("\r" + " " * 80 + "\r", end="", file=sys.stderr)
+    names = list(dict.fromkeys(n for r in results for n in r["backward"]))
+    widths = [max(len(n), 7) for n in names]
+    for title, key in (("backward TFLOP/s", "backward"),
+                       ("forward + backward TFLOP/s", "forward_backward")):
+        print(title)
+        print(f"{'batch':>5} {'seqlen':>6} {'heads':>5} {'dim':>4} {'causal':>6} "
+              + " ".join(f"{n:>{w}}" for n, w in zip(names, widths)) + "  workspace MiB")
+        for row in results:
+            cells = " ".join(f"{row[key][n]:{w}.1f}" if n in row[key] else f"{'-':>{w}}"
+                             for n, w in zip(names, widths))
+            print(f"{row['batch']:5d} {row['seqlen']:6d} {row['heads']:5d} "
+                  f"{row['head_dim']:4d} {str(row['causal']):>6} {cells}  "
+                  f"{row['workspace_mib']:13.1f}")
+    for note in sorted(notes):
+        print(f"# {note}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": props["name"].decode(), "arch": arch, "nvrtc": nvrtc_text(),
+                       "dtype": args.dtype, "unit": "TFLOP/s", "results": results}, f, indent=1)
+    if args.plot:
+        plot_rows(backward_plot_rows(results),
+                  args.plot, f"{props['name'].decode()} ({arch}), {args.dtype}, backward")
+    return 0
+
+
+def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window=(-1, -1)) -> int:
+    """(query, key) pairs a mask lets through, bottom-right aligned (mask.cuh)."""
+    import numpy as np
+
+    diagonal = np.arange(seqlen_q, dtype=np.int64) + seqlen_k - seqlen_q
+    right = 0 if causal else window[1]
+    stop = np.minimum(seqlen_k, diagonal + right + 1) if right >= 0 else np.full_like(diagonal, seqlen_k)
+    start = np.maximum(0, diagonal - window[0]) if window[0] >= 0 else np.zeros_like(diagonal)
+    return int(np.maximum(stop - start, 0).sum())
+
+
+def serving_main(args) -> int:
+    """Decode in GB/s of K/V read beside the copy bandwidth, paged against contiguous caches,
+    varlen against fixed-length prefill, chunked prefill and a sliding window, in TFLOP/s."""
+    import cupy
+    import numpy as np
+    import ptxattn
+    from ptxattn.runtime import device_arch
+
+    arch = device_arch()
+    repeats = args.repeats or 10
+    print(f"# {device_line(device_props(), arch)}, dtype {args.dtype}, serving, "
+          f"median of {repeats} runs")
+    try:
+        import torch
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+    except ImportError:
+        torch = None
+        print("profile.py: torch is not importable, so no SDPA peers in this run",
+              file=sys.stderr)
+    fa3 = None
+    if torch is not None:
+        try:
+            import fa3_fwd_config
+            sys.modules.setdefault("flash_attn_config", fa3_fwd_config)
+            import fa3_fwd_interface as fa3
+        except (ImportError, OSError):
+            print("profile.py: fa3_fwd_interface is not importable, so no FlashAttention-3 "
+                  "peers in this run", file=sys.stderr)
+    rng = np.random.default_rng(0)
+
+    def normal(shape):
+        return cupy.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(args.dtype)
+
+    def as_torch(*xs):
+        return tuple(torch.from_dlpack(x) for x in xs)
+
+    def paged(k, v, page_size):
+        """Paged copies of the caches k and v, their pages shuffled by one block table."""
+        batch, seqlen, heads, dim = k.shape
+        per_seq = seqlen // page_size
+        table = rng.permutation(batch * per_seq).reshape(batch, per_seq).astype(np.int32)
+        pools = []
+        for cache in (k, v):
+            pool = cupy.empty((batch * per_seq, page_size, heads, dim), dtype=cache.dtype)
+            pool[cupy.asarray(table.ravel())] = cache.reshape(batch * per_seq, page_size, heads,
+                                                              dim)
+            pools.append(pool)
+        return (*pools, cupy.asarray(table))
+
+    def runnable(calls: dict) -> dict:
+        """The calls that run (each called once: compiles, warms); a peer that refuses a shape
+        is reported, not fatal."""
+        kept = {}
+        for name, call in calls.items():
+            try:
+                call()
+                kept[name] = call
+            except Exception as err:
+                print(f"  ({name} failed: {type(err).__name__}: {str(err)[-160:]})")
+        return kept
+
+    copy_src = cupy.empty(2 ** 31, dtype=cupy.uint8)
+    copy_dst = cupy.empty_like(copy_src)
+    copy_ms = time_ms_interleaved({"copy": lambda: copy_dst.__setitem__(Ellipsis, copy_src)},
+                                  warmup=2, repeats=repeats)["copy"]
+    copy_gbs = 2 * copy_src.nbytes / copy_ms / 1e6
+    print(f"copy bandwidth (read + write): {copy_gbs:.0f} GB/s")
+
+    print("decode, 32/8 heads, head_dim 128, one new token: GB/s of K/V read "
+          "(fraction of copy bandwidth)")
+    for batch, seqlen in ((64, 8192), (8, 32768)):
+        q = normal((batch, 1, 32, 128))
+        k, v = normal((batch, seqlen, 8, 128)), normal((batch, seqlen, 8, 128))
+        lengths = cupy.full(batch, seqlen, dtype=cupy.int32)
+
+        def contiguous():
+            return ptxattn.attention_with_kvcache(q, k, v, cache_seqlens=lengths,
+                                                  check_contents=False)
+
+        # The caches take turns among themselves, apart from the peers: a peer reads the same
+        # arrays as the contiguous cache, so its turn would leave the contiguous cache's address
+        # translations warm and the pages' cold (H100, batch 8 x 32768: 64-row pages read
+        # 0.962-0.965 of the contiguous cache where every turn followed another cache's,
+        # 0.951-0.962 with the fixed-length kernel or torch SDPA also taking turns; a 4-stage
+        # ring, which needs warm translations, 0.88 against 0.98; docs/hopper-tuning.md,
+        # session 24). Taking turns, each cache starts every sample after another's reads, as it
+        # would after other layers.
+        layouts = {"ptxattn-contiguous": contiguous}
+        for page_size in (16, 64):
+            kp, vp, table = paged(k, v, page_size)
+            layouts[f"ptxattn-paged{page_size}"] = (
+                lambda kp=kp, vp=vp, table=table: ptxattn.attention_with_kvcache(
+                    q, kp, vp, cache_seqlens=lengths, block_table=table, check_contents=False))
+        calls = {"ptxattn": contiguous,
+                 "ptxattn-fixed-length": lambda: ptxattn.attention(q, k, v)}
+        if torch is not None:
+            tq, tk, tv = as_torch(q, k, v)
+            calls["torch-sdpa"] = lambda: sdpa(tq.transpose(1, 2), tk.transpose(1, 2),
+                                               tv.transpose(1, 2), enable_gqa=True)
+        if fa3 is not None:
+            tlen = torch.from_dlpack(lengths)
+            calls["fa3"] = lambda: fa3.flash_attn_with_kvcache(tq, tk, tv, cache_seqlens=tlen,
+                                                               causal=True)
+        kv_bytes = 2 * k.nbytes
+        for title, group in (("caches", layouts), ("peers", calls)):
+            ms = time_ms_interleaved(runnable(group), warmup=3, repeats=repeats)
+            print(f"  batch {batch:3d} seqlen_k {seqlen:6d}, {title}: " + ", ".join(
+                f"{name} {kv_bytes / t / 1e6:.0f} ({kv_bytes / t / 1e6 / copy_gbs:.2f})"
+                for name, t in ms.items()))
+        del q, k, v, calls, layouts
+
+    print("prefill, TFLOP/s over the visible (query, key) pairs, 32 heads (8 kv), head_dim 128")
+
+    def report(title, calls, pairs):
+        ms = time_ms_interleaved(runnable(calls), warmup=3, repeats=repeats)
+        print(f"  {title}: " + ", ".join(f"{name} {4 * pairs * 128 * 32 / t / 1e9:.0f}"
+                                         for name, t in ms.items()))
+
+    # varlen against fixed length: 8 sequences of 2048 tokens, causal
+    q, k, v = normal((8, 2048, 32, 128)), normal((8, 2048, 8, 128)), normal((8, 2048, 8, 128))
+    cu = cupy.arange(0, 8 * 2048 + 1, 2048, dtype=cupy.int32)
+    flat = [x.reshape(-1, x.shape[2], 128) for x in (q, k, v)]
+    calls = {"ptxattn-fixed": lambda: ptxattn.attention(q, k, v, causal=True),
+             "ptxattn-varlen": lambda: ptxattn.attention_varlen(*flat, cu, cu, 2048, 2048,
+                                                                causal=True,
+                                                                check_contents=False)}
+    if fa3 is not None:
+        tq, tk, tv = as_torch(*flat)
+        tcu = torch.from_dlpack(cu)
+        calls["fa3-varlen"] = lambda: fa3.flash_attn_varlen_func(tq, tk, tv, tcu, tcu, 2048,
+                                                                 2048, causal=True)
+    report("varlen 8 x 2048 causal", calls, 8 * visible_pairs(2048, 2048, True))
+
+    # chunked prefill: new tokens over a 16k cache. "ptxattn" is what dispatch picks (the
+    # decode kernel below problem.DECODE_QUERIES tokens, the Hopper serving build from there);
+    # the two kernels are also timed by name, to show where the crossover lies.
+    from ptxattn import problem as problem_module
+    from ptxattn.launchers import hopper_forward
+
+    k, v = normal((1, 16384, 8, 128)), normal((1, 16384, 8, 128))
+    lengths = cupy.full(1, 16384, dtype=cupy.int32)
+    kp, vp, table = paged(k, v, 64)
+    for chunk in (16, 64, 256):
+        q = normal((1, chunk, 32, 128))
+        calls = {"ptxattn": lambda: ptxattn.attention_with_kvcache(
+                     q, k, v, cache_seqlens=lengths, check_contents=False),
+                 "ptxattn-decode-kernel": lambda: ptxattn.attention_with_kvcache(
+                     q, k, v, cache_seqlens=lengths, check_contents=False, backend="portable")}
+        if arch in hopper_forward.ARCHS:
+            chunk_problem = problem_module.AttentionProblem.from_kvcache(
+                q, k, v, cache_seqlens=lengths)
+            out = cupy.empty_like(q)
+            lse = cupy.empty(chunk_problem.lse_shape, dtype=cupy.float32)
+            calls["ptxattn-hopper-serving"] = lambda p=chunk_problem, q=q, out=out, lse=lse: (
+                hopper_forward.serve(p, q, k, v, out, lse, seqused_k=lengths))
+        if chunk == 256:
+            calls["ptxattn-paged64"] = lambda: ptxattn.attention_with_kvcache(
+                q, kp, vp, cache_seqlens=lengths, block_table=table, check_contents=False)
+        if fa3 is not None:
+            tq, tk, tv = as_torch(q, k, v)
+            tlen = torch.from_dlpack(lengths)
+            calls["fa3"] = lambda tq=tq, tk=tk, tv=tv: fa3.flash_attn_with_kvcache(
+                tq, tk, tv, cache_seqlens=tlen, causal=True)
+            if chunk == 256:
+                tkp, tvp, ttable = as_torch(kp, vp, table)
+                calls["fa3-paged64"] = lambda: fa3.flash_attn_with_kvcache(
+                    tq, tkp, tvp, cache_seqlens=tlen, page_table=ttable, causal=True)
+        report(f"chunked prefill {chunk} over 16384", calls, visible_pairs(chunk, 16384, True))
+    del k, v, kp, vp
+
+    # sliding window 4096 over 32k, against the whole causal sequence
+    q, k, v = (normal((32768, h, 128)) for h in (32, 8, 8))
+    cu = cupy.asarray(np.array([0, 32768], dtype=np.int32))
+    for window in ((4096, 0), (-1, -1)):
+        calls = {"ptxattn": lambda w=window: ptxattn.attention_varlen(
+            q, k, v, cu, cu, 32768, 32768, causal=True, window=w, check_contents=False)}
+        if fa3 is not None:
+            tq, tk, tv = as_torch(q[None], k[None], v[None])
+            calls["fa3"] = lambda w=window: fa3.flash_attn_func(tq, tk, tv, causal=True,
+                                                                window_size=w)
+        report(f"seqlen 32768 causal window {window}", calls,
+               visible_pairs(32768, 32768, True, window))
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a few shapes, fewer repeats")
+    parser.add_argument("--backward", action="store_true",
+                        help="the backward pass and forward + backward instead of the forward")
+    parser.add_argument("--serving", action="store_true",
+                        help="decode (GB/s), paged, varlen, chunked and sliding-window prefill")
+    parser.add_argument("--shapes", help="with --backward: head_dim x seqlen pairs to run, "
+                                         "e.g. 128x16384,64x2048 (default: the standard sweep)")
+    parser.add_argument("--csv", help="write the results to this CSV file")
+    parser.add_argument("--json", help="write the results to this JSON file")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="draw TFLOP/s against seqlen into this image (needs matplotlib)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--slow-max-seqlen", type=int, default=2048,
+                        help="longest seqlen for the slow rows: the CuPy reference and the "
+                             "block-scaled emulation build (0: none of them)")
+    parser.add_argument("--grid", choices=["sweep", "targets"], default="sweep",
+                        help="forward rows: the standard sweep, or the rows ptxattn is measured "
+                             "against FlashAttention-3 and cuDNN on (TARGET_SHAPES, GQA "
+                             "included), each with its ratio to the best peer")
+    parser.add_argument("--energy", action="store_true",
+                        help="forward rows: also the energy per call of ptxattn-hopper, "
+                             "ptxattn-fp8-head and their peers, each run alone (NVML; slow)")
+    parser.add_argument("--energy-window", type=float, default=2.0, metavar="SECONDS",
+                        help="with --energy: how long each runner runs alone per sample")
+    args = parser.parse_args(argv)
+    if args.energy and (args.backward or args.serving):
+        parser.error("--energy measures the forward rows: not with --backward or --serving")
+    if args.energy and args.energy_window < 0.5:
+        parser.error("--energy-window must be at least 0.5 s: NVML's counter moves in steps of "
+                     "tens of milliseconds")
+    if args.grid != "sweep" and (args.backward or args.serving or args.quick):
+        parser.error("--grid targets is a forward grid of its own: not with --backward, "
+                     "--serving or --quick")
+    if args.plot:
+        if args.serving:
+            parser.error("--plot draws the forward or --backward sweep, not --serving")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("profile.py --plot needs matplotlib: pip install 'ptxattn[plot]'",
+                  file=sys.stderr)
+            return 2
+
+    try:
+        import cupy
+        gpu = cupy.is_available()
+    except ImportError:
+        gpu = False
+    if not gpu:
+        print("profile.py: no CUDA GPU is visible to CuPy; nothing to measure.", file=sys.stderr)
+        return 2
+    if args.backward:
+        return backward_main(args)
+    if args.serving:
+        return serving_main(args)
+
+    from ptxattn import reference
+    from ptxattn.runtime import device_arch
+
+    arch = device_arch()
+    repeats = args.repeats or (5 if args.quick else 15)
+    runners = ptxattn_runners(arch)
+    runners.update(fp8_runners(arch))
+    scaled, notes = blockscaled_runners(arch, args.slow_max_seqlen)
+    runners.update(scaled)
+    peers = torch_runners()
+    if "torch-sdpa-flash" not in peers:
+        print("profile.py: torch is not importable, so no SDPA peers in this run", file=sys.stderr)
+    cupy_dtype = cupy.dtype(args.dtype)
+    torch = None
+    if peers:
+        import torch
+    runners.update(peers)
+    fa3 = fa3_runners()
+    if not fa3:
+        print("profile.py: fa3_fwd_interface (pip package fa3-fwd) is not importable, so no "
+              "FlashAttention-3 peers in this run", file=sys.stderr)
+    runners.update(fa3)
+    if fa3 and torch is None:
+        import torch
+    runners["cupy-reference"] = (
+        (64, 128, 256), args.slow_max_seqlen, lambda q, k, v, causal: reference.attention(q, k, v, causal=causal))
+
+    props = device_props()
+    print(f"# {device_line(props, arch)}, dtype {args.dtype}, median of {repeats} runs")
+    for note in notes:
+        print(f"# {note}")
+    nvml = None
+    if args.energy:
+        nvml = Nvml.open(cupy.cuda.Device().pci_bus_id)
+        if nvml is None:
+            print("profile.py: NVML or its energy counter is not available here, so no energy "
+                  "per call in this run", file=sys.stderr)
+    results = []
+    rows = target_configs() if args.grid == "targets" else configs(args.quick)
+    for index, cfg in enumerate(rows, 1):
+        shape = (cfg["batch"], cfg["seqlen"], cfg["heads"], cfg["head_dim"])
+        kv_shape = shape[:2] + (cfg.get("heads_kv", cfg["heads"]), shape[3])
+        rng = cupy.random.default_rng(index)
+        q = rng.standard_normal(shape, dtype=cupy.float32).astype(cupy_dtype)
+        k, v = (rng.standard_normal(kv_shape, dtype=cupy.float32).astype(cupy_dtype)
+                for _ in range(2))
+        tensors = None
+        row = dict(cfg)
+        calls = {}
+        for name, (dims, max_seqlen, run) in runners.items():
+            print(f"\r[{index}/{len(rows)}] {shape} causal={cfg['causal']} {name:<22}",
+                  end="", file=sys.stderr, flush=True)
+            row[name] = None
+            if cfg["head_dim"] not in dims or (max_seqlen is not None and
+                                               cfg["seqlen"] > max_seqlen):
+                continue
+            if name.startswith(TORCH_PEERS):
+                if tensors is None:
+                    tensors = tuple(torch.from_dlpack(x) for x in (q, k, v))
+                inputs = tensors
+            else:
+                inputs = (q, k, v)
+            call = functools.partial(run, *inputs, cfg["causal"])
+            try:
+                call()  # compiles, quantizes, or finds the shape unsupported
+            except Exception as err:  # a peer that cannot run this shape is reported, not fatal
+                print(f"\n{name} failed on {shape}: {type(err).__name__}: {err}", file=sys.stderr)
+                continue
+            calls[name] = call
+        # Every runner is timed in the same rounds, so none inherits a cooler or hotter GPU.
+        for name, ms in time_ms_interleaved(calls, warmup=3, repeats=repeats).items():
+            row[name] = flops(cfg) / ms / 1e9
+        if nvml is not None:
+            measured = {name: calls[name] for name in ENERGY_RUNNERS if name in calls}
+            for name, energy in energy_per_call_interleaved(measured, nvml,
+                                                            args.energy_window).items():
+                if energy.joules <= 0:
+                    continue  # the counter did not move in the window: nothing to report
+                row[name + " TFLOP/J"] = flops(cfg) / energy.joules / 1e12
+                row[name + " W"] = energy.watts
+                row[name + " MHz"] = energy.sm_mhz
+        results.append(row)
+    print("\r" + " " * 80 + "\r", end="", file=sys.stderr)
+
+    names = list(runners)
+    widths = [max(len(n), 7) for n in names]
+    print("TFLOP/s")
+    print(f"{'batch':>5} {'seqlen':>6} {'heads':>5} {'kv':>3} {'dim':>4} {'causal':>6} "
+          + " ".join(f"{n:>{w}}" for n, w in zip(names, widths)))
+    for row in results:
+        cells = " ".join(f"{row[n]:{w}.1f}" if row[n] is not None else f"{'-':>{w}}"
+                         for n, w in zip(names, widths))
+        print(f"{row['batch']:5d} {row['seqlen']:6d} {row['heads']:5d} "
+              f"{row.get('heads_kv', row['heads']):3d} {row['head_dim']:4d} "
+              f"{str(row['causal']):>6} {cells}")
+    print("ratio to the best peer")
+    for line in ratio_lines(results):
+        print(f"  {line}")
+    if nvml is not None:
+        print(f"energy per call (each runner alone for {args.energy_window:g} s, NVML)")
+        for line in energy_lines(results):
+            print(f"  {line}")
+    for note in notes:
+        print(f"# {note}")
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(
+                name for row in results for name in row)))
+            writer.writeheader()
+            writer.writerows(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": props["name"].decode(), "arch": arch, "nvrtc": nvrtc_text(),
+                       "dtype": args.dtype, "unit": "TFLOP/s", "results": results}, f, indent=1)
+    if args.plot:
+        plot_rows(results, args.plot, f"{props['name'].decode()} ({arch}), {args.dtype}, forward")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
