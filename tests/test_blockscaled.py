@@ -50,9 +50,13 @@ def block_scale_probe(fmt, emulate):
 @pytest.mark.parametrize("emulate", [False, True], ids=["native", "emulated"])
 @pytest.mark.parametrize("fmt", launcher.FORMATS)
 def test_block_scale_probe_compiles(fmt, emulate):
+    """For its first architecture, without spills where this NVRTC reports ptxas's numbers
+    (13.5 does, 13.0 does not)."""
     spec = block_scale_probe(fmt, emulate)
     compiled = runtime.compile(spec, spec.archs[0])
-    assert compiled.spill_bytes == 0
+    assert compiled.cubin[:4] == b"\x7fELF"
+    if compiled.report is not None:
+        assert compiled.spill_bytes == 0
 
 
 def test_build_for_arch():
