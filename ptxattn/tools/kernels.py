@@ -1,7 +1,7 @@
 """Compile every kernel variant ptxattn ships for one architecture and report its budget.
 
-    python -m ptxattn.kernels --arch sm_90a [--json]
-    python -m ptxattn.kernels --arch sm_90a --warm
+    python -m ptxattn kernels --arch sm_90a [--json]
+    python -m ptxattn kernels --arch sm_90a --warm
 
 Needs no GPU. Exits non-zero if any variant fails to compile, spills registers, needs more
 shared memory than one block may have on that architecture, or has its wgmmas serialized by
@@ -12,11 +12,18 @@ asynchronous wgmmas safe: the kernel then runs far slower).
 image or a CI cache, so that no process there compiles: it reports how many variants NVRTC
 compiled and how many were cached already, shows a progress bar on a terminal, and exits
 non-zero if a variant does not compile or the cache directory cannot be written.
+
+While it compiles it shows a progress bar when its output is a terminal, and otherwise a line
+"compiled 40/161" on stderr every PROGRESS_EVERY_S seconds and at the end (so that a CI log shows
+it is alive). A reader that stops early (``| head``) ends it quietly, with exit status 141 (as a
+process killed by SIGPIPE).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import io
 import json
 import os
 import sys
@@ -35,6 +42,45 @@ KERNEL_MODULES = (*dispatch.LAUNCHERS, backward_prepost, split_kv, fp8_quantizer
                   blockscaled_quantizers)
 # ptxas's info line (C7510-C7520) when it makes every wgmma of a kernel wait for the previous.
 WGMMA_SERIALIZED = "wgmma.mma_async instructions are serialized"
+# Seconds between the count lines shown instead of a progress bar off a terminal.
+PROGRESS_EVERY_S = 10.0
+# The exit status after the reader of the output went away: a shell's for a process that
+# SIGPIPE killed (128 + 13).
+BROKEN_PIPE_STATUS = 141
+
+
+def quiet_on_broken_pipe(main: Callable[..., int]) -> Callable[..., int]:
+    """``main`` (argv -> exit status) that, when the reader of stdout goes away (``| head``),
+    stops without a traceback and returns BROKEN_PIPE_STATUS. stdout is then pointed at
+    os.devnull, so that the interpreter's own flush at exit does not fail again."""
+
+    @functools.wraps(main)
+    def wrapper(argv: list[str] | None = None) -> int:
+        try:
+            try:
+                return main(argv)
+            finally:  # output still buffered (argparse's --help too) fails here, not at exit
+                sys.stdout.flush()
+        except BrokenPipeError:
+            _stdout_to_devnull()
+            return BROKEN_PIPE_STATUS
+
+    return wrapper
+
+
+class _Discard(io.TextIOBase):
+    def write(self, text: str) -> int:
+        return len(text)
+
+
+def _stdout_to_devnull() -> None:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):  # no descriptor (a test's stand-in)
+        sys.stdout = _Discard()
+    finally:
+        os.close(devnull)
 
 
 def all_variants(arch: str) -> list[runtime.KernelSpec]:
@@ -96,6 +142,26 @@ def draw_progress(done: int, total: int, width: int = 40) -> None:
     print(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total}", end=end, flush=True)
 
 
+def progress(total: int, verb: str = "compiled") -> Callable[[int], None] | None:
+    """for_each_spec's on_done for ``total`` items: a progress bar when stdout is a terminal,
+    else a line "<verb> done/total" on stderr at most every PROGRESS_EVERY_S seconds and when
+    the last is done; None for no items."""
+    if not total:
+        return None
+    if sys.stdout.isatty():
+        return lambda done: draw_progress(done, total)
+    last = time.monotonic()
+
+    def count(done: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if done == total or now - last >= PROGRESS_EVERY_S:
+            last = now
+            print(f"{verb} {done}/{total}", file=sys.stderr, flush=True)
+
+    return count
+
+
 def warm(arch: str, jobs: int) -> int:
     """Fills the compile cache with every variant for ``arch``; the exit status."""
     root = runtime.cache_dir()
@@ -107,8 +173,7 @@ def warm(arch: str, jobs: int) -> int:
         return 1
     specs = all_variants(arch)
     start = time.perf_counter()
-    on_done = (lambda done: draw_progress(done, len(specs))) if sys.stdout.isatty() else None
-    rows = for_each_spec(_warm_one, specs, arch, jobs, on_done)
+    rows = for_each_spec(_warm_one, specs, arch, jobs, progress(len(specs)))
     failed = [row for row in rows if "error" in row]
     compiled = sum(row["compiled"] for row in rows)
     print(f"{arch}, {root}: {compiled} of {len(specs)} variants compiled by NVRTC, "
@@ -134,8 +199,23 @@ def budget_problems(row: dict) -> list[str]:
     return found
 
 
+def print_table(rows: list[dict]) -> None:
+    """The budget rows as a table, each column as wide as its longest entry."""
+    name_width = max([len("variant")] + [len(row["name"]) for row in rows])
+    arch_width = max([len("arch")] + [len(row["arch"]) for row in rows])
+    print(f"{'variant':{name_width}} {'arch':{arch_width}} {'regs':>5} {'spill B':>8} "
+          f"{'smem B':>8}")
+    for row in rows:
+        if "error" in row:
+            print(f"{row['name']:{name_width}} {row['arch']:{arch_width}} compile error")
+            continue
+        print(f"{row['name']:{name_width}} {row['arch']:{arch_width}} {row['registers']:5d} "
+              f"{row['spill_bytes']:8d} {row['smem_bytes']:8d}")
+
+
+@quiet_on_broken_pipe
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ptxattn.kernels", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m ptxattn kernels", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", required=True, choices=list(archs.ARCHS))
     output = parser.add_mutually_exclusive_group()
@@ -150,19 +230,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.warm:
         return warm(args.arch, (os.cpu_count() or 1) if args.jobs is None else args.jobs)
     specs = all_variants(args.arch)
-    rows = for_each_spec(budget_row, specs, args.arch, 2 if args.jobs is None else args.jobs)
+    rows = for_each_spec(budget_row, specs, args.arch, 2 if args.jobs is None else args.jobs,
+                         progress(len(specs)))
 
     failures = [(row, problem) for row in rows for problem in budget_problems(row)]
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(f"{'variant':44} {'arch':8} {'regs':>5} {'spill B':>8} {'smem B':>8}")
-        for row in rows:
-            if "error" in row:
-                print(f"{row['name']:44} {row['arch']:8} compile error")
-                continue
-            print(f"{row['name']:44} {row['arch']:8} {row['registers']:5d} "
-                  f"{row['spill_bytes']:8d} {row['smem_bytes']:8d}")
+        print_table(rows)
     for row, problem in failures:
         print(f"FAIL {row['name']} ({row['arch']}): {problem}", file=sys.stderr)
         if "error" in row:
