@@ -1,6 +1,7 @@
-"""The tile-schedule tuner (ptxattn.tune) and its tables (ptxattn.tune_table): buckets, the
-lookup order, what the launcher builds from a table, the shipped table against the kernels CI
-compiles, pruning, and (on a GPU) a small tuning run."""
+"""The tile-schedule tuner (python -m ptxattn tune) and its tables (launchers/tune_table):
+buckets, the lookup order, what the launcher builds from a table, the shipped table against the
+kernels CI compiles, pruning, the command line (a dry run compiles nothing), and (on a GPU) a
+small tuning run."""
 
 import dataclasses
 import json
@@ -11,6 +12,7 @@ from ptxattn import runtime
 from ptxattn.launchers import hopper_forward as hopper, tune_table
 from ptxattn.launchers.hopper_forward import FP8, Schedule
 from ptxattn.tools import tune
+from test_doctor import driver  # noqa: F401  (a fixture: the NVIDIA driver stood in for)
 
 
 def _entry(head_dim, causal, bucket, schedule, family="hopper", dtype="bfloat16"):
@@ -144,7 +146,7 @@ def test_a_malformed_table_names_its_file(tables, monkeypatch):
     named.write_text(json.dumps({"version": 0, "arch": "sm_90a", "entries": []}))
     _reread()
     with pytest.raises(ValueError, match=r"bad.json: version 0, this ptxattn reads version 1; "
-                                         r"write a new one with python -m ptxattn.tune"):
+                                         r"write a new one with python -m ptxattn[ .]tune"):
         hopper.variant("bfloat16", 128, False)
     with pytest.raises(ValueError, match="unknown bucket"):
         _write(named, [_entry(128, False, "huge", A)])
@@ -179,7 +181,7 @@ def test_a_table_schedule_that_cannot_run_is_an_error_naming_the_tables(tables, 
     _write(named, [dict(_entry(128, False, "medium", A), schedule=schedule)])
     monkeypatch.setenv(tune_table.ENV_VAR, str(named))
     _reread()
-    with pytest.raises(ValueError, match=rf"{message}.*python -m ptxattn.tune"):
+    with pytest.raises(ValueError, match=rf"{message}.*python -m ptxattn[ .]tune"):
         hopper.variant("bfloat16", 128, False)
 
 
@@ -353,19 +355,95 @@ def test_unknown_arguments_are_refused(capsys):
         tune.main(["--dry-run", "--buckets", "tiny"])
 
 
+DRY_RUN = ["--dry-run", "--quick", "--head-dims", "256", "--no-causal", "--no-fp8", "--jobs", "0"]
+
+
+def _no_compiling(monkeypatch):
+    def refused(*args, **kwargs):
+        raise AssertionError("compiled")
+
+    monkeypatch.setattr(runtime, "compile", refused)
+    monkeypatch.setattr(tune.kernels, "for_each_spec", refused)
+
+
+def _plan_lines(out: str) -> dict[str, str]:
+    """A dry run's build lines: label -> kept or why dropped."""
+    lines = [line.strip() for line in out.splitlines() if line.startswith("  ")]
+    return {line[:26].strip(): line[26:].strip() for line in lines}
+
+
 def test_dry_run_prints_candidates_and_why_each_was_dropped(tables, capsys):
     if runtime.nvrtc_version() < (13, 5):
         pytest.skip("spills and registers need the ptxas report NVRTC 13.5 gives (as "
                     "test_kernels)")
-    status = tune.main(["--dry-run", "--quick", "--head-dims", "256", "--no-causal", "--no-fp8",
-                        "--jobs", "0"])
-    out = capsys.readouterr().out
+    status = tune.main(DRY_RUN + ["--compile"])
+    out, err = capsys.readouterr()
     assert status == 0
     assert "hopper bfloat16 d256 non-causal: 7 candidates in 5 builds" in out
     assert "n64 s2 c2 inturn" in out  # the intra-warpgroup overlap off
     assert "n64 s2 c2 (built-in)" in out and "kept: persistent, grid, persistent l2" in out
     assert "n64 s3 c2" in out and "shared memory 263" in out
+    # what only compiling finds: the stale-max softmax spills at head_dim 256
+    assert "spills" in _plan_lines(out)["n64 s2 c2 smf"]
+    assert "compiling 8 kernels" in out and "compiled 8/8" in err  # the count, off a terminal
     assert not tune_table.user_path("sm_90a").exists()  # a dry run writes no table
+
+
+def test_a_dry_run_compiles_nothing(tables, monkeypatch, capsys):
+    """Every candidate and the accounting's reasons, without NVRTC (over every key, compiling
+    is most of a quarter of an hour on 2 cores)."""
+    _no_compiling(monkeypatch)
+    assert tune.main(DRY_RUN) == 0
+    out, err = capsys.readouterr()
+    assert "hopper bfloat16 d256 non-causal: 7 candidates in 5 builds, 6 candidates kept" in out
+    builds = _plan_lines(out)
+    assert builds["n64 s3 c2"].startswith("shared memory 263")
+    assert builds["n64 s2 c2 (built-in)"] == "kept: persistent, grid, persistent l2"
+    assert builds["n64 s2 c2 smf"] == "kept: persistent"  # its spills are --compile's to find
+    assert "not compiled: the 8 kernels of the builds kept (--compile compiles them" in out
+    assert "compiled" not in err
+    assert not tune_table.user_path("sm_90a").exists()
+
+
+def test_a_dry_run_over_every_key_compiles_nothing(tables, monkeypatch, capsys):
+    _no_compiling(monkeypatch)
+    assert tune.main(["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" candidates in ") == 12  # 3 head dims x causal or not x 16-bit or FP8
+    assert "registers: " in out and "shared memory " in out
+
+
+def test_dry_run_with_compile_drops_what_the_kernels_checks_refuse(tables, monkeypatch, capsys):
+    compiled = []
+
+    def spilling(spec, arch):
+        compiled.append(spec.name)
+        return runtime.CompiledKernel(spec, arch, b"", runtime.PtxasReport(200, 64, 64, 0, 0),
+                                      "")
+
+    monkeypatch.setattr(runtime, "compile", spilling)
+    assert tune.main(DRY_RUN + ["--compile"]) == 0
+    out = capsys.readouterr().out
+    assert len(set(compiled)) == 8  # every kernel of the 4 builds the accounting keeps
+    assert "7 candidates in 5 builds, 0 candidates kept" in out
+    builds = _plan_lines(out)
+    assert builds["n64 s3 c2"].startswith("shared memory 263")  # not compiled: the CPU's cut
+    assert "fwd_sm90_bfloat16_d256_n64_s2: spills 128 bytes" in builds["n64 s2 c2 (built-in)"]
+
+
+def test_compile_goes_with_dry_run(capsys):
+    with pytest.raises(SystemExit) as info:
+        tune.main(["--compile"])
+    assert info.value.code == 2
+    assert "--compile goes with --dry-run" in capsys.readouterr().err
+
+
+def test_without_a_gpu_tuning_says_why_before_compiling(tables, driver, monkeypatch, capsys):
+    _no_compiling(monkeypatch)
+    driver(None)
+    assert tune.main(["--quick", "--head-dims", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "no NVIDIA driver found" in err and "python -m ptxattn doctor" in err
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Search the Hopper forward's tile schedules on this GPU and write the fastest into a table.
 
-    python -m ptxattn.tune --quick --output ptxattn/tuned/sm_90a.json   # the shipped table
-    python -m ptxattn.tune                  # every schedule that fits; into the user's table
-    python -m ptxattn.tune --dry-run ...    # no GPU: the candidates and why each was dropped
+    python -m ptxattn tune --quick --output ptxattn/tuned/sm_90a.json   # the shipped table
+    python -m ptxattn tune                  # every schedule that fits; into the user's table
+    python -m ptxattn tune --dry-run ...    # no GPU, no compiles: the candidates, step 1's cuts
+    python -m ptxattn tune --dry-run --compile ...  # no GPU: steps 1 and 2's cuts
 
 What is searched: the fields of ``hopper.Schedule`` (keys per K/V tile, ring stages, two or
 three consumer warpgroups, persistent grid, L2 sections, the stale-max softmax for 16-bit inputs,
@@ -21,7 +22,12 @@ keeps the others.
    spills; one under it may still spill.
 2. The survivors compiled by NVRTC in a process pool (the compile cache keeps them); a build
    that spills, serializes its wgmmas or does not compile is dropped, with the kernels CLI's
-   checks (``ptxattn.kernels``).
+   checks (``python -m ptxattn kernels``). It shows a progress bar when its output is a
+   terminal, else a line "compiled 40/161" on stderr now and then. --dry-run stops before this
+   step (listing every candidate, with the reasons of step 1 for those dropped): over every key
+   that takes about a second, where compiling the kernels kept (some 1,500) takes a quarter of
+   an hour on 2 cores with an empty compile cache. --dry-run --compile runs this step too, and
+   stops there.
 3. Timed on the GPU, bucket by bucket, on the benchmarks' shapes: batch * seqlen = 16384 tokens,
    heads * head_dim = 2048, two seqlens per bucket (BUCKET_SEQLENS). Each candidate's
    output is first compared with the built-in schedule's on the same inputs (a schedule that
@@ -272,9 +278,10 @@ class Plan:
         return [s for s in self.candidates if self.dropped[_build(s)] is None]
 
 
-def plan(targets: list[Target], quick: bool, jobs: int, output: Path) -> list[Plan]:
-    """Candidates of every target, pruned by the accounting, then by compiling (in ``jobs``
-    processes) what is left; the incumbents from the table in ``output``."""
+def plan(targets: list[Target], quick: bool, jobs: int, output: Path,
+         compile: bool = True) -> list[Plan]:
+    """Candidates of every target, pruned by the accounting, then (``compile``) by compiling
+    what is left in ``jobs`` processes; the incumbents from the table in ``output``."""
     plans, needs = [], {}
     for target in targets:
         held = incumbents(target, output)
@@ -286,14 +293,18 @@ def plan(targets: list[Target], quick: bool, jobs: int, output: Path) -> list[Pl
                 needs[target, build] = build_specs(target, build)
         plans.append(Plan(target, schedules, dropped, held))
     specs = list(dict.fromkeys(spec for specs in needs.values() for spec in specs))
+    if not compile:
+        print(f"not compiled: the {len(specs)} kernels of the builds kept (--compile compiles "
+              f"them and drops the builds that spill, serialize their wgmmas or do not "
+              f"compile)", flush=True)
+        return plans
     print(f"compiling {len(specs)} kernels in {jobs} processes (those in the compile cache "
           f"{runtime.cache_dir()} are read from it)", flush=True)
     start = time.perf_counter()
-    on_done = ((lambda done: kernels.draw_progress(done, len(specs)))
-               if sys.stdout.isatty() and specs else None)
     # Spawned, not forked: a process that already runs CUDA (tests, notebooks) has threads,
     # which a fork would copy in whatever state they are.
-    rows = dict(zip(specs, kernels.for_each_spec(_budget_row, specs, ARCH, jobs, on_done,
+    rows = dict(zip(specs, kernels.for_each_spec(_budget_row, specs, ARCH, jobs,
+                                                 kernels.progress(len(specs)),
                                                  multiprocessing.get_context("spawn"))))
     unchecked = sum(bool(row.get("unchecked")) for row in rows.values())
     print(f"compiled in {time.perf_counter() - start:.0f} s" + (
@@ -546,12 +557,16 @@ def _csv(kind):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m ptxattn.tune", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m ptxattn tune", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="only the built-in schedule, its neighbours and the shipped table's")
     parser.add_argument("--dry-run", action="store_true",
-                        help="no GPU: print the candidates and why each was dropped (compiles)")
+                        help="no GPU, no compiles: print the candidates and why each was "
+                             "dropped by the shared-memory and register accounting")
+    parser.add_argument("--compile", action="store_true",
+                        help="with --dry-run: also compile the candidates, dropping those that "
+                             "spill, serialize their wgmmas or do not compile")
     parser.add_argument("--output", help="the table to write (default: the user's, "
                                          "<compile cache>/tuned/<arch>.json)")
     parser.add_argument("--head-dims", type=_csv(int), default=hopper.HEAD_DIMS,
@@ -575,6 +590,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="compile processes (default: one per CPU)")
     args = parser.parse_args(argv)
+    if args.compile and not args.dry_run:
+        parser.error("--compile goes with --dry-run (a tuning run always compiles)")
     for name, given, known in (("--head-dims", args.head_dims, hopper.HEAD_DIMS),
                                ("--dtypes", args.dtypes, tuple(hopper.DTYPES)),
                                ("--buckets", args.buckets, tune_table.BUCKET_NAMES)):
@@ -592,25 +609,32 @@ def targets_of(args: argparse.Namespace) -> list[Target]:
             for causal in causals]
 
 
+@kernels.quiet_on_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    command = " ".join(["python -m ptxattn.tune", *(sys.argv[1:] if argv is None else argv)])
+    command = " ".join(["python -m ptxattn tune", *(sys.argv[1:] if argv is None else argv)])
     targets = targets_of(args)
     output = Path(args.output) if args.output else tune_table.user_path(ARCH)
-    plans = plan(targets, args.quick, args.jobs, output)
-    print_plan(plans)
     if args.dry_run:
+        print_plan(plan(targets, args.quick, args.jobs, output, compile=args.compile))
         return 0
 
-    import cupy
-    if not cupy.is_available():
-        print("ptxattn.tune: no CUDA GPU visible to CuPy; --dry-run runs without one",
+    # Before compiling, which takes minutes: no GPU, no tuning.
+    from .doctor import gpu_problem
+    problem = gpu_problem()
+    if problem:
+        print(f"ptxattn tune: cannot time without a GPU: {problem}\nptxattn tune: --dry-run "
+              f"runs without one; python -m ptxattn doctor says what this machine has",
               file=sys.stderr)
         return 2
     if runtime.device_arch() != ARCH:
-        print(f"ptxattn.tune: this GPU is {runtime.device_arch()}; the tuned kernels run on "
+        print(f"ptxattn tune: this GPU is {runtime.device_arch()}; the tuned kernels run on "
               f"{ARCH}", file=sys.stderr)
         return 2
+    plans = plan(targets, args.quick, args.jobs, output)
+    print_plan(plans)
+
+    import cupy
     device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
     work = [(p, bucket) for p in plans for bucket in args.buckets]
     print(f"# {device} ({ARCH}): {len(work)} keys, median of {args.repeats} samples each",
