@@ -1,9 +1,12 @@
 """Attention throughput: ptxattn's backends beside every peer importable here.
 
-    python scripts/profile.py [--quick] [--csv FILE] [--json FILE] [--plot FILE.png]
-    python scripts/profile.py --grid targets [--dtype float16] --slow-max-seqlen 0 [--energy]
-    python scripts/profile.py --backward [--quick] [--json FILE] [--plot FILE.png]
-    python scripts/profile.py --serving [--repeats N]
+    python -m ptxattn profile [--quick] [--csv FILE] [--json FILE] [--plot FILE.png]
+    python -m ptxattn profile --grid targets [--dtype float16] --slow-max-seqlen 0 [--energy]
+    python -m ptxattn profile --backward [--quick] [--json FILE] [--plot FILE.png]
+    python -m ptxattn profile --serving [--repeats N]
+
+(in a checkout also ``python scripts/profile.py [options]``). It needs a GPU: without one it
+says why (no driver, or CuPy sees no GPU) and exits 2; ``python -m ptxattn doctor`` says more.
 
 TFLOP/s = 4 * batch * heads * seqlen_q * seqlen_k * head_dim / time (halved for causal), time
 being the median over repeated CUDA-event-timed samples (each the mean of 10 back-to-back calls)
@@ -47,13 +50,16 @@ import sys
 from .timing import Nvml, attention_flops, energy_per_call_interleaved, time_ms_interleaved
 
 
+PROG = "ptxattn profile"  # the command's name in its messages
+
 # Peers that take torch tensors (views of the same CuPy data through DLPack).
 TORCH_PEERS = ("torch-", "fa3")
 
 
 def nvrtc_text() -> str:
     """The NVRTC that compiles the kernels: the same source compiled by another NVRTC runs up to
-    about 8% faster or slower (docs/hopper-tuning.md, session 28)."""
+    about 8% faster or slower (NVRTC 13.0 against 13.5, measured on an H100 SXM on 2026-11-26:
+    docs/design/measurement.md#nvrtc-versions)."""
     from ..runtime import nvrtc_version
     return "%d.%d" % nvrtc_version()
 
@@ -410,7 +416,7 @@ def backward_main(args) -> int:
         import torch
     except ImportError:
         torch = None
-        print("profile.py: torch is not importable, so no SDPA peers in this run",
+        print(f"{PROG}: torch is not importable, so no SDPA peers in this run",
               file=sys.stderr)
     props = device_props()
     print(f"# {device_line(props, arch)}, dtype {args.dtype}, backward, median of {repeats} runs")
@@ -520,7 +526,7 @@ def serving_main(args) -> int:
         from torch.nn.functional import scaled_dot_product_attention as sdpa
     except ImportError:
         torch = None
-        print("profile.py: torch is not importable, so no SDPA peers in this run",
+        print(f"{PROG}: torch is not importable, so no SDPA peers in this run",
               file=sys.stderr)
     fa3 = None
     if torch is not None:
@@ -529,7 +535,7 @@ def serving_main(args) -> int:
             sys.modules.setdefault("flash_attn_config", fa3_fwd_config)
             import fa3_fwd_interface as fa3
         except (ImportError, OSError):
-            print("profile.py: fa3_fwd_interface is not importable, so no FlashAttention-3 "
+            print(f"{PROG}: fa3_fwd_interface is not importable, so no FlashAttention-3 "
                   "peers in this run", file=sys.stderr)
     rng = np.random.default_rng(0)
 
@@ -587,9 +593,9 @@ def serving_main(args) -> int:
         # translations warm and the pages' cold (H100, batch 8 x 32768: 64-row pages read
         # 0.962-0.965 of the contiguous cache where every turn followed another cache's,
         # 0.951-0.962 with the fixed-length kernel or torch SDPA also taking turns; a 4-stage
-        # ring, which needs warm translations, 0.88 against 0.98; docs/hopper-tuning.md,
-        # session 24). Taking turns, each cache starts every sample after another's reads, as it
-        # would after other layers.
+        # ring, which needs warm translations, 0.88 against 0.98; measured on 2026-11-26,
+        # docs/design/serving.md#address-translations). Taking turns, each cache starts every
+        # sample after another's reads, as it would after other layers.
         layouts = {"ptxattn-contiguous": contiguous}
         for page_size in (16, 64):
             kp, vp, table = paged(k, v, page_size)
@@ -689,7 +695,7 @@ def serving_main(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m ptxattn profile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few shapes, fewer repeats")
     parser.add_argument("--backward", action="store_true",
@@ -731,18 +737,17 @@ def main(argv=None) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print("profile.py --plot needs matplotlib: pip install 'ptxattn[plot]'",
+            print(f"{PROG} --plot needs matplotlib: pip install 'ptxattn[plot]'",
                   file=sys.stderr)
             return 2
 
-    try:
-        import cupy
-        gpu = cupy.is_available()
-    except ImportError:
-        gpu = False
-    if not gpu:
-        print("profile.py: no CUDA GPU is visible to CuPy; nothing to measure.", file=sys.stderr)
+    from .doctor import gpu_problem
+    problem = gpu_problem()
+    if problem:
+        print(f"{PROG}: nothing to measure without a GPU: {problem}\n"
+              f"{PROG}: python -m ptxattn doctor says what this machine has", file=sys.stderr)
         return 2
+    import cupy
     if args.backward:
         return backward_main(args)
     if args.serving:
@@ -759,7 +764,7 @@ def main(argv=None) -> int:
     runners.update(scaled)
     peers = torch_runners()
     if "torch-sdpa-flash" not in peers:
-        print("profile.py: torch is not importable, so no SDPA peers in this run", file=sys.stderr)
+        print(f"{PROG}: torch is not importable, so no SDPA peers in this run", file=sys.stderr)
     cupy_dtype = cupy.dtype(args.dtype)
     torch = None
     if peers:
@@ -767,7 +772,7 @@ def main(argv=None) -> int:
     runners.update(peers)
     fa3 = fa3_runners()
     if not fa3:
-        print("profile.py: fa3_fwd_interface (pip package fa3-fwd) is not importable, so no "
+        print(f"{PROG}: fa3_fwd_interface (pip package fa3-fwd) is not importable, so no "
               "FlashAttention-3 peers in this run", file=sys.stderr)
     runners.update(fa3)
     if fa3 and torch is None:
@@ -783,7 +788,7 @@ def main(argv=None) -> int:
     if args.energy:
         nvml = Nvml.open(cupy.cuda.Device().pci_bus_id)
         if nvml is None:
-            print("profile.py: NVML or its energy counter is not available here, so no energy "
+            print(f"{PROG}: NVML or its energy counter is not available here, so no energy "
                   "per call in this run", file=sys.stderr)
     results = []
     rows = target_configs() if args.grid == "targets" else configs(args.quick)
