@@ -1,11 +1,15 @@
-"""``python -m ptxattn [command] [options]``: with no command, the version, what this machine
-runs (the doctor's summary) and the commands; otherwise the command."""
+"""``python -m ptxattn [command] [options]``: with no command (or --help), the version, what this
+machine runs (the doctor's summary) and the commands; otherwise the command, each of which is
+also ``python -m ptxattn.tools.<command>``."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 
-# command -> what it does; each is ptxattn/tools/<command>.py and takes --help
+from .tools.kernels import quiet_on_broken_pipe
+
+# command -> what it does; each is ptxattn/tools/<command>.py, whose main(argv) takes --help
 COMMANDS = {
     "doctor": "the driver, CUDA, NVRTC and GPUs this machine has, and what runs on them",
     "kernels": "compile every kernel variant for an architecture and check its budget",
@@ -23,32 +27,26 @@ def usage() -> str:
 
 
 def run(command: str, argv: list[str]) -> int:
-    if command == "doctor":
-        from .tools import doctor
-        return doctor.main(argv)
-    if command == "kernels":
-        from .tools import kernels
-        return kernels.main(argv)
-    if command == "tune":
-        from .tools import tune
-        return tune.main(argv)
-    from .tools import profile
-    return profile.main(argv)
+    """ptxattn/tools/<command>.py's main(argv): its exit status."""
+    return importlib.import_module(f".tools.{command}", __package__).main(argv)
 
 
+@quiet_on_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in COMMANDS:
         return run(argv[0], argv[1:])
-    from . import __version__
-    print(f"ptxattn {__version__}")
-    if argv and argv[0] not in ("-h", "--help"):
-        print(f"\nunknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+    if argv and argv[0] == "--version":
+        from . import __version__
+        print(f"ptxattn {__version__}")
+        return 0
+    if argv and argv[0] not in ("-h", "--help", "help"):
+        what = "option" if argv[0].startswith("-") else "command"
+        print(f"python -m ptxattn: unknown {what} {argv[0]!r}\n\n{usage()}", file=sys.stderr)
         return 2
     from .tools import doctor
-    print()
     doctor.summary()
-    print()
+    print("(details: python -m ptxattn doctor)\n")
     print(usage())
     return 0
 
