@@ -27,6 +27,7 @@
 // epilogue's normalisation.
 #pragma once
 #include "roles/block_info.cuh"
+#include "roles/epilogue.cuh"
 #include "ptx/common.cuh"
 #include "roles/mask.cuh"
 #include "ptx/mbarrier.cuh"

@@ -70,9 +70,11 @@ class Schedule:
       the kernel's own split. Below 32 the transposer spills.
     intra_overlap: a consumer warpgroup's softmax of key block j + 1 runs while its P V of block
       j is in flight (FlashAttention-3's intra-warpgroup overlap); off, each block's Q K^T,
-      softmax and P V run in turn, P needs no registers of its own, and only the other consumer
-      warpgroups' GEMMs hide the softmax. Off takes the max pass (not stale_max_first) and is
-      not a serving build's.
+      softmax and P V run in turn, so block j's P and block j + 1's S are never live together,
+      and only the other consumer warpgroups' GEMMs hide the softmax. registers() counts P's
+      registers either way (P and the S it is made from are live together), as the kernel's
+      producer split does. Off takes the max pass (not stale_max_first) and is not a serving
+      build's.
     """
     block_n: int
     stages: int
@@ -145,21 +147,26 @@ def schedule_smem_bytes(head_dim: int, schedule: Schedule, fp8: bool) -> int:
                        consumers=schedule.consumers)
 
 
-def schedule_registers(head_dim: int, schedule: Schedule, fp8: bool) -> tuple[int, int, int]:
+def registers(head_dim: int, block_n: int, consumers: int, fp8: bool, q_in_registers: bool,
+              producer_regs: int) -> tuple[int, int, int]:
     """(registers a consumer thread holds in S, O, P and Q fragments, registers a producer
-    thread keeps, registers a consumer thread gets), as Sm90Config counts them (kFragmentRegs,
-    kProducerRegs, kConsumerRegs)."""
+    thread keeps, registers a consumer thread gets): Sm90Config's kFragmentRegs, kProducerRegs
+    and kConsumerRegs, which register_check_source holds this arithmetic to."""
     row_bytes = head_dim * (1 if fp8 else 2)
     score_accumulators = max(1, row_bytes // 128) if fp8 else 1
-    # Blocks in turn: P takes the registers of the S it is made from.
-    p_regs = (schedule.block_n // 8 if fp8 else schedule.block_n // 4) * schedule.intra_overlap
-    q_regs = head_dim // 8 if schedule.q_in_registers else 0
-    fragments = score_accumulators * schedule.block_n // 2 + head_dim // 2 + p_regs + q_regs
-    launch = 65536 // (128 * (1 + schedule.consumers)) // 8 * 8
-    producer = (schedule.producer_regs or
-                (24 if not fp8 else 40 if fragments >= 200 else 56))
-    consumer = ((1 + schedule.consumers) * launch - producer) // schedule.consumers // 8 * 8
+    p_regs = block_n // 8 if fp8 else block_n // 4
+    q_regs = head_dim // 8 if q_in_registers else 0
+    fragments = score_accumulators * block_n // 2 + head_dim // 2 + p_regs + q_regs
+    launch = 65536 // (128 * (1 + consumers)) // 8 * 8
+    producer = producer_regs or (24 if not fp8 else 40 if fragments >= 200 else 56)
+    consumer = ((1 + consumers) * launch - producer) // consumers // 8 * 8
     return fragments, producer, consumer
+
+
+def schedule_registers(head_dim: int, schedule: Schedule, fp8: bool) -> tuple[int, int, int]:
+    """registers() of a schedule's kernel."""
+    return registers(head_dim, schedule.block_n, schedule.consumers, fp8,
+                     schedule.q_in_registers, schedule.producer_regs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,19 +261,41 @@ def spec(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | None 
     return spec_of(v, out_dtype if v.fp8 else dtype)
 
 
+def shipped_configs() -> list[tuple[Sm90Config, str]]:
+    """(kernel, output dtype) of every variant a call can reach without a user's tuning
+    table: each seqlen_k bucket's schedule from the shipped table, or the built-in one, and
+    the serving builds."""
+    configs = [(variant(dtype, head_dim, causal, schedule=schedule), dtype)
+               for dtype in DTYPES for head_dim in HEAD_DIMS for causal in (False, True)
+               for schedule in _shipped_schedules(dtype, head_dim, causal)]
+    configs += [(variant(FP8, head_dim, causal, tiles, out_dtype=out, schedule=schedule), out)
+                for out in DTYPES for head_dim in HEAD_DIMS for causal in (False, True)
+                for schedule in _shipped_schedules(FP8, head_dim, causal)
+                for tiles in dict.fromkeys([None,
+                                            _fp8_key_block_scaled_tiles(schedule, head_dim)])]
+    configs += [(variant(dtype, head_dim, causal, serving=True), dtype) for dtype in DTYPES
+                for head_dim in HEAD_DIMS for causal in (False, True)]
+    return list(dict.fromkeys(configs))
+
+
 def variants() -> list[runtime.KernelSpec]:
-    """Every variant a call can reach without a user's tuning table: each seqlen_k bucket's
-    schedule from the shipped table, or the built-in one, and the serving builds."""
-    specs = [spec(dtype, head_dim, causal, schedule=schedule)
-             for dtype in DTYPES for head_dim in HEAD_DIMS for causal in (False, True)
-             for schedule in _shipped_schedules(dtype, head_dim, causal)]
-    specs += [spec(FP8, head_dim, causal, tiles, out_dtype=out, schedule=schedule)
-              for out in DTYPES for head_dim in HEAD_DIMS for causal in (False, True)
-              for schedule in _shipped_schedules(FP8, head_dim, causal)
-              for tiles in dict.fromkeys([None, _fp8_key_block_scaled_tiles(schedule, head_dim)])]
-    specs += [spec(dtype, head_dim, causal, serving=True) for dtype in DTYPES
-              for head_dim in HEAD_DIMS for causal in (False, True)]
-    return list(dict.fromkeys(specs))
+    return list(dict.fromkeys(spec_of(config, out) for config, out in shipped_configs()))
+
+
+def register_check_source(configs) -> str:
+    """CUDA source asserting, for each Sm90Config of ``configs``, that the kernel counts its
+    registers as registers() does (runtime.check_source compiles it; tests/test_mirrors.py)."""
+    lines = ['#include "mainloops/fwd_sm90.cuh"']
+    for config in configs:
+        cfg = f"ptxattn::Sm90Config<{runtime.template_arguments(config)}>"
+        fragments, producer, consumer = registers(
+            config.head_dim, config.block_n, config.consumers, config.fp8,
+            config.q_in_registers, config.producer_regs)
+        for field, value in (("kFragmentRegs", fragments), ("kProducerRegs", producer),
+                             ("kConsumerRegs", consumer)):
+            lines.append(f"static_assert({cfg}::{field} == {value}, \"{cfg}::{field} is not "
+                         f"{value} as hopper_forward.registers counts it\");")
+    return "\n".join(lines) + "\n"
 
 
 def tune_key(dtype: str) -> tuple[str, str]:
