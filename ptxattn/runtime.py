@@ -10,10 +10,11 @@ device, and :func:`launch` runs it on CuPy's current stream through ``cuLaunchKe
 CUBINs are cached on disk under ``$PTXATTN_CACHE_DIR`` (``~`` and ``$VARS`` expanded; default
 ``$XDG_CACHE_HOME/ptxattn`` or ``~/.cache/ptxattn``), keyed by the text of the source and of
 every header it includes, the options, the arch and the NVRTC version, and not by where ptxattn
-is installed, so every install on a machine (or an image) shares the entries. Each entry carries a
-SHA-256 of its payload, so a truncated or corrupt entry is detected and rebuilt rather than
-loaded. Processes that want the same missing entry take turns on a per-entry file lock, so it is
-compiled once. Where the directory cannot be written, compiled kernels stay in memory, with one
+is installed, so every install on a machine (or an image) shares the entries. An entry is named
+by that key (``<key>.cubin``), and ``index.tsv`` beside them names the kernel of each. Each entry
+carries a SHA-256 of its payload, so a truncated or corrupt entry is detected and rebuilt rather
+than loaded. Processes that want the same missing entry take turns on a per-entry file lock,
+removed once the entry is published, so it is compiled once. Where the directory cannot be written, compiled kernels stay in memory, with one
 :class:`CacheWarning`.
 """
 
@@ -244,9 +245,9 @@ def _expanded(path: str) -> Path:
 
 
 def cache_key(spec: KernelSpec, arch: str) -> str:
-    """The cache entry's name: a hash of the text of the source and of every header it
-    includes, the entry, the options and the NVRTC version. No path is in it, so installs at
-    different paths share entries."""
+    """The cache entry's name (``<key>.cubin``; INDEX_FILE says which kernel each is): a hash
+    of the text of the source and of every header it includes, the entry, the options and the
+    NVRTC version. No path is in it, so installs at different paths share entries."""
     digest = hashlib.sha256()
     for name, text in _include_tree(spec.source):
         name = Path(name).name if Path(name).is_absolute() else name
@@ -254,7 +255,7 @@ def cache_key(spec: KernelSpec, arch: str) -> str:
     digest.update(spec.entry.encode() + b"\0")
     digest.update("\0".join(spec.options(arch)).encode())
     digest.update(repr(nvrtc_version()).encode())
-    return f"{spec.entry}-{arch}-{digest.hexdigest()[:32]}"
+    return digest.hexdigest()[:40]
 
 
 def _read_cache_entry(path: Path) -> tuple[bytes, str, str] | None:
@@ -388,7 +389,8 @@ def _from_disk_or_nvrtc(spec: KernelSpec, arch: str) -> tuple[bytes, str, str]:
     compiled under the entry's file lock, so that of N processes wanting it one compiles and
     the others read what it published."""
     root = cache_dir()
-    path = root / (cache_key(spec, arch) + ".cubin")
+    key = cache_key(spec, arch)
+    path = root / (key + ".cubin")
     entry = _read_cache_entry(path)
     if entry is not None:
         _count("disk")
@@ -410,11 +412,12 @@ def _from_disk_or_nvrtc(spec: KernelSpec, arch: str) -> tuple[bytes, str, str]:
         entry = _counted_nvrtc_compile(spec, arch)
         try:
             _write_cache_entry(path, *entry)
+            _index_entry(root, key, spec, arch)
         except OSError as err:
             _keep_in_memory(root, err)
         return entry
     finally:
-        os.close(lock_fd)  # which releases the lock
+        _unlock_entry(path, lock_fd)
 
 
 def _counted_nvrtc_compile(spec: KernelSpec, arch: str) -> tuple[bytes, str, str]:
@@ -430,8 +433,7 @@ def _count(source: str) -> None:
 
 def _lock_entry(path: Path) -> int:
     """An open descriptor of ``path``'s lock file (``<key>.lock`` beside it), holding an
-    exclusive flock on it: closing it releases the lock. The lock files stay, since deleting
-    one that another process has open would let a third lock a new file beside it."""
+    exclusive flock on it: closing it releases the lock."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o666)
     if fcntl is not None:
@@ -441,6 +443,29 @@ def _lock_entry(path: Path) -> int:
             os.close(fd)
             raise
     return fd
+
+
+def _unlock_entry(path: Path, fd: int) -> None:
+    """Removes ``path``'s lock file, then releases the lock. A process still waiting on the
+    removed file, and one that makes a new lock file from here on, each reads the entry once it
+    holds its lock: the entry was published before the file went, so it is compiled once."""
+    path.with_suffix(".lock").unlink(missing_ok=True)
+    os.close(fd)
+
+
+# Beside the entries: one line per entry published, "<key>\t<arch>\t<variant>\t<entry>", for
+# a person (or `python -m ptxattn doctor`) to see what the hashed names hold.
+INDEX_FILE = "index.tsv"
+
+
+def _index_entry(root: Path, key: str, spec: KernelSpec, arch: str) -> None:
+    # one write of a line opened for appending: concurrent writers' lines do not interleave
+    line = f"{key}\t{arch}\t{spec.name}\t{spec.entry}\n".encode()
+    fd = os.open(root / INDEX_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
 
 
 def _keep_in_memory(root: Path, err: OSError) -> None:

@@ -1,5 +1,5 @@
 """The on-disk compile cache: what its key hashes, sharing between installs and processes,
-damaged entries, directories that cannot be written, and `python -m ptxattn.kernels --warm`.
+damaged entries, directories that cannot be written, and `python -m ptxattn kernels --warm`.
 NVRTC only, no GPU."""
 
 import collections
@@ -157,6 +157,22 @@ def test_processes_racing_on_one_variant_compile_it_once(tmp_path):
     assert sum(c.get("nvrtc", 0) for c in counts) == 1, counts
     assert sum(c.get("disk", 0) for c in counts) == racers - 1, counts
     assert len(list(tmp_path.glob("*.cubin"))) == 1
+    assert not list(tmp_path.glob("*.lock")), "a lock file was left behind"
+    assert len((tmp_path / runtime.INDEX_FILE).read_text().splitlines()) == 1
+
+
+def test_entries_are_named_by_their_key_and_indexed_beside(cache):
+    """File names carry no spaces, '::' or '<>' of a template entry: the key alone; the index
+    names the kernel of each, and no lock file stays."""
+    spec = runtime.KernelSpec("templated_probe", PROBE.source, PROBE.entry, archs=PROBE.archs,
+                              smem_bytes=PROBE.smem_bytes, defines={"UNUSED": 1})
+    runtime.compile(spec, "sm_90a")
+    (path,) = cache.glob("*.cubin")
+    key = runtime.cache_key(spec, "sm_90a")
+    assert path.name == f"{key}.cubin" and key.isalnum()
+    assert (cache / runtime.INDEX_FILE).read_text() == (
+        f"{key}\tsm_90a\ttemplated_probe\t{spec.entry}\n")
+    assert sorted(p.name for p in cache.iterdir()) == sorted([path.name, runtime.INDEX_FILE])
 
 
 def _compile_two_recording_warnings() -> tuple[runtime.CompiledKernel, list]:
