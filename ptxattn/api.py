@@ -1,5 +1,10 @@
-"""The entry points for 16-bit inputs: check the call once (ptxattn.problem), pick a route
-(ptxattn.dispatch), launch it (ptxattn.launchers)."""
+"""The entry points for 16-bit inputs of fixed length: ``attention`` and ``attention_backward``,
+exported as ``ptxattn.attention`` and ``ptxattn.attention_backward``.
+
+Each checks its call once (ptxattn/problem/), picks a route (ptxattn/dispatch.py) and launches it
+(ptxattn/launchers/). The serving entry points are in ptxattn/serving.py, FP8 in ptxattn/fp8.py,
+block-scaled formats in ptxattn/blockscaled.py.
+"""
 
 from __future__ import annotations
 
@@ -9,25 +14,107 @@ from .problem import AttentionProblem
 __all__ = ["attention", "attention_backward"]
 
 
+def __dir__():
+    return sorted(__all__)
+
+
 @framework_arrays
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
               return_lse: bool = False, out=None, lse=None, backend: str | None = None,
               window=(-1, -1), softcap: float = 0.0, sinks=None):
-    """Scaled dot-product attention forward, ``softmax(scale * q k^T) v``.
+    """Scaled dot-product attention forward, ``softmax(softmax_scale * q k^T) v``.
 
-    q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim), of
-    float16 or bfloat16 with unit stride in head_dim (other strides are free). CUDA arrays of any
-    framework (CuPy, torch, JAX, any with ``__dlpack__`` or ``__cuda_array_interface__``): the
-    results come back as q's kind, and the work goes on the caller's current stream
-    (ptxattn.interop). heads_q must be a multiple of heads_kv (GQA/MQA). ``causal`` masks key j
-    from query i unless j <= i + seqlen_k - seqlen_q (bottom-right aligned); rows that see no key
-    give 0. ``softmax_scale`` defaults to 1/sqrt(head_dim). Returns the output in q's dtype
-    (written into ``out`` if given, which must not overlap q, k or v) and, with ``return_lse``,
-    the float32 log-sum-exp of shape (batch, heads_q, seqlen_q) in natural log (written into
-    ``lse`` if given: float32, C-contiguous). ``backend`` picks a kernel family ('hopper',
-    'portable'); by default the fastest one for the current GPU. ``window``, ``softcap`` and
-    ``sinks`` as in :func:`ptxattn.attention_with_kvcache`, whose kernel (the portable decode
-    kernel, slower than the fixed-length ones for long queries) runs such calls.
+    Takes CUDA arrays of any framework, zero-copy: CuPy, torch, JAX, or anything with
+    ``__dlpack__`` or ``__cuda_array_interface__``; the results come back as q's kind of array.
+    The kernels are queued on the caller's current stream with no synchronization added
+    (torch's current stream for torch tensors, CuPy's current stream otherwise;
+    ptxattn.interop). Torch tensors that require grad are refused: ``ptxattn.torch.attention``
+    is the differentiable form.
+
+    Every array (q, k, v, out) is non-empty and 4-d with unit stride in head_dim, a 16-byte
+    aligned base address, and batch/seqlen/heads strides that are positive multiples of
+    16 bytes (a zero or negative stride along a dimension longer than 1, a broadcast or reversed
+    view, is refused); the strides are otherwise free. All are on one device.
+
+    Calls with a ``window``, a ``softcap`` or ``sinks`` run on a serving build over all of k and
+    v (``ptxattn.dispatch.forward``), as the fixed-length kernels take none of the three: on
+    Hopper the serving build of the Hopper forward for a window or sinks with at least 64 query
+    rows, the portable decode kernel otherwise (a softcap, fewer query rows, another GPU, or
+    ``backend="portable"``).
+
+    Parameters
+    ----------
+    q : CUDA array
+        Queries, (batch, seqlen_q, heads_q, head_dim), float16 or bfloat16; head_dim 64, 128
+        or 256.
+    k, v : CUDA array
+        Keys and values, (batch, seqlen_k, heads_kv, head_dim), of one shape and q's dtype,
+        batch and head_dim as q's. heads_q must be a multiple of heads_kv (GQA/MQA: each k/v
+        head serves heads_q / heads_kv consecutive q heads).
+    causal : bool, default False
+        Masks key j from query i unless j <= i + seqlen_k - seqlen_q (bottom-right aligned,
+        as FlashAttention 2.1+). A row that sees no key gives output 0 and LSE -inf.
+    softmax_scale : float, optional
+        The scale of the scores, finite and positive; 1 / sqrt(head_dim) by default.
+    return_lse : bool, default False
+        Also return the log-sum-exp.
+    out : CUDA array, optional
+        The buffer to write the output into: q's shape and dtype, laid out as above, on q's
+        device, its memory apart from q's, k's and v's.
+    lse : CUDA array, optional
+        The buffer to write the log-sum-exp into: float32, C-contiguous, (batch, heads_q,
+        seqlen_q), on q's device. Not taken with window, softcap or sinks (use
+        ``return_lse``).
+    backend : {'hopper', 'portable'}, optional
+        The kernel family: 'hopper' (sm_90a: wgmma and TMA) or 'portable' (mma.sync, sm_80
+        and newer). By default the first that runs the call on the current GPU, which is
+        'hopper' on sm_90a.
+    window : tuple of (int, int), default (-1, -1)
+        (left, right): query i sees keys i + seqlen_k - seqlen_q - left up to
+        i + seqlen_k - seqlen_q + right, -1 meaning unbounded (right is 0 when causal).
+    softcap : float, default 0.0
+        When > 0, the scaled scores s become softcap * tanh(s / softcap); 0 turns it off.
+    sinks : CUDA array, optional
+        float32 (heads_q,), contiguous, on q's device: one logit per q head that joins every
+        row's softmax denominator (and its log-sum-exp) and adds nothing to the output.
+
+    Returns
+    -------
+    out : array
+        The output, (batch, seqlen_q, heads_q, head_dim) in q's dtype: ``out`` itself if
+        given.
+    lse : array
+        Only with ``return_lse``: float32 (batch, heads_q, seqlen_q), the natural log of each
+        row's sum of exp(scaled score), sinks included; -inf for a row that sees no key.
+        ``lse`` itself if given.
+
+    Raises
+    ------
+    TypeError
+        An array argument in host memory (NumPy, a CPU tensor) or no array at all; q, k, v
+        not float16 or bfloat16, or not of one dtype; ``out`` not of q's dtype; ``lse`` or
+        ``sinks`` not float32; ``causal`` not a bool; a torch tensor that requires grad.
+    ValueError
+        A shape (not 4-d, empty, k and v unlike, batch or head_dim unlike q's, heads_q not a
+        multiple of heads_kv, ``out``, ``lse`` or ``sinks`` of the wrong shape); head_dim not
+        64, 128 or 256; a stride or alignment above; arrays on different devices; ``out`` or
+        ``lse`` overlapping an input; a bad ``softmax_scale``, ``window`` or ``softcap``;
+        ``lse`` with a window, softcap or sinks; an unknown ``backend``; or a GPU, head_dim or
+        option that no kernel (of the chosen backend) runs (the message names what runs where).
+
+    Examples
+    --------
+    >>> import cupy, ptxattn
+    >>> q = cupy.random.standard_normal((4, 2048, 32, 128)).astype("bfloat16")
+    >>> k = cupy.random.standard_normal((4, 2048, 8, 128)).astype("bfloat16")  # 8 kv heads
+    >>> v = cupy.random.standard_normal((4, 2048, 8, 128)).astype("bfloat16")
+    >>> out, lse = ptxattn.attention(q, k, v, causal=True, return_lse=True)
+    >>> out.shape, out.dtype, lse.shape
+    ((4, 2048, 32, 128), dtype(bfloat16), (4, 32, 2048))
+
+    A sliding window (each query sees its own key and the 256 before it), on a serving build:
+
+    >>> out = ptxattn.attention(q, k, v, causal=True, window=(256, 0))
     """
     import cupy
 
@@ -52,17 +139,67 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
 def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False,
                        softmax_scale: float | None = None, deterministic: bool = False,
                        dq=None, dk=None, dv=None, backend: str | None = None):
-    """The gradients of :func:`attention` with respect to q, k and v: returns (dq, dk, dv).
+    """The gradients of ``ptxattn.attention`` with respect to q, k and v.
 
-    dout is the gradient of the loss with respect to ``out``; ``out`` and ``lse`` are what
-    ``attention(q, k, v, causal=..., softmax_scale=..., return_lse=True)`` returned for these
-    inputs (lse: float32 (batch, heads_q, seqlen_q), unit stride along seqlen_q). Layouts, dtypes,
-    kinds of array, causal and softmax_scale as in the forward; dout may have other strides than
-    out. With GQA dk and dv are summed over the q heads that share a k/v head. Gradients come
-    back in the input dtype (written into ``dq``, ``dk``, ``dv`` if given), computed with FP32
-    accumulation. ``deterministic=True`` makes them bit-identical from run to run: dQ's sum over
-    key blocks then runs in a fixed order. ``backend`` as in the forward: on Hopper 'hopper'
-    (the default there) or 'portable'.
+    ``out`` and ``lse`` are what ``attention(q, k, v, causal=..., softmax_scale=...,
+    return_lse=True)`` returned for these inputs, with the same ``causal`` and
+    ``softmax_scale``. Arrays, kinds of array, layouts and streams as in the forward (every 16-bit
+    array non-empty, 4-d, unit stride in head_dim, 16-byte aligned base and batch/seqlen/heads
+    strides). The gradients are computed with FP32 accumulation and come back in the input
+    dtype. With GQA, dk and dv are summed over the q heads that share a k/v head. Calls with a
+    window, a softcap or sinks have no backward.
+
+    Parameters
+    ----------
+    dout : CUDA array
+        The gradient of the loss with respect to ``out``: q's shape and dtype, its own strides
+        (by the layout rules).
+    q, k, v : CUDA array
+        The forward's inputs.
+    out : CUDA array
+        The forward's output: q's shape and dtype.
+    lse : CUDA array
+        The forward's log-sum-exp: float32 (batch, heads_q, seqlen_q), positive strides, unit
+        stride along seqlen_q.
+    causal : bool, default False
+        As in the forward (bottom-right aligned).
+    softmax_scale : float, optional
+        As in the forward; 1 / sqrt(head_dim) by default.
+    deterministic : bool, default False
+        Makes the gradients bit-identical from run to run: dQ's sum over key blocks then runs
+        in a fixed order.
+    dq, dk, dv : CUDA array, optional
+        Buffers to write the gradients into: the shapes and dtype of q, k and v, laid out by
+        the same rules, on q's device, overlapping no input. They may interleave (slices of one
+        packed buffer) but not share a byte.
+    backend : {'hopper', 'portable'}, optional
+        As in the forward: on Hopper 'hopper' (the default there) or 'portable'.
+
+    Returns
+    -------
+    dq, dk, dv : tuple of array
+        The gradients, like q, k and v (``dq``, ``dk``, ``dv`` themselves if given).
+
+    Raises
+    ------
+    TypeError
+        As in the forward, and: ``dout``, ``out``, ``dq``, ``dk`` or ``dv`` not of q's dtype;
+        ``lse`` not float32; ``deterministic`` not a bool.
+    ValueError
+        As in the forward, and: ``dout`` or ``out`` not of q's shape; ``lse`` not (batch,
+        heads_q, seqlen_q) or without unit stride along seqlen_q; a gradient buffer of the
+        wrong shape, overlapping an input, or sharing memory with another gradient buffer.
+
+    Examples
+    --------
+    >>> import cupy, ptxattn
+    >>> q, k, v = (cupy.random.standard_normal((2, 1024, 16, 128)).astype("bfloat16")
+    ...            for _ in range(3))
+    >>> out, lse = ptxattn.attention(q, k, v, causal=True, return_lse=True)
+    >>> dout = cupy.ones_like(out)
+    >>> dq, dk, dv = ptxattn.attention_backward(dout, q, k, v, out, lse, causal=True)
+    >>> dq.shape == q.shape and dk.dtype == k.dtype
+    True
     """
     import cupy
 

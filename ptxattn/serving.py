@@ -1,7 +1,11 @@
-"""The serving entry points: attention over variable-length batches and over KV caches
-(contiguous or paged, with new keys appended in place), and the merge of partial attention
-states. Each checks its call once (ptxattn.problem), picks a route (ptxattn.dispatch) and
-launches (ptxattn.launchers)."""
+"""The serving entry points, exported as ``ptxattn.attention_varlen``,
+``ptxattn.attention_with_kvcache`` and ``ptxattn.merge_attention_states``: attention over
+variable-length batches and over KV caches (contiguous or paged, with new keys appended in
+place), and the merge of partial attention states.
+
+Each checks its call once (ptxattn/problem/), picks a route (ptxattn/dispatch.py) and launches it
+(ptxattn/launchers/; the merge runs kernels/combine.cu through ptxattn/launchers/split_kv.py).
+"""
 
 from __future__ import annotations
 
@@ -16,31 +20,122 @@ from .problem import (AttentionProblem, check_kvcache_contents, check_positive_s
 __all__ = ["attention_with_kvcache", "attention_varlen", "merge_attention_states"]
 
 
+def __dir__():
+    return sorted(__all__)
+
+
 @framework_arrays
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=None,
                            v_new=None, causal: bool = True, window=(-1, -1), softcap: float = 0.0,
                            sinks=None, softmax_scale: float | None = None, num_splits: int = 0,
                            return_lse: bool = False, out=None, check_contents: bool = True,
                            backend: str | None = None):
-    """Attention of new query tokens over a KV cache: decoding (one token a sequence),
-    speculative decoding and chunked prefill (several).
+    """Attention of new query tokens over a KV cache, contiguous or paged, new keys appended.
 
-    q: (batch, seqlen_q, heads_q, head_dim). The cache is contiguous, k_cache and v_cache of
-    shape (batch, seqlen_cache, heads_kv, head_dim), or paged, (num_pages, page_size, heads_kv,
-    head_dim) with ``block_table`` an int32 (batch, max_pages) array naming each sequence's
-    pages in order (page_size a multiple of 16 up to 256). ``cache_seqlens`` (an int, or int32
-    (batch,)) is each sequence's filled length. ``k_new``/``v_new`` (batch, seqlen_new, heads_kv,
-    head_dim), if given, are first written into the cache at cache_seqlens, in place, and the
-    queries then see cache_seqlens + seqlen_new keys. ``causal`` (the default) aligns the
-    queries with the last keys; ``window`` = (left, right) keys around that diagonal (-1:
-    unbounded); ``softcap`` > 0 caps the scaled scores at softcap * tanh(s / softcap); ``sinks``,
-    float32 (heads_q,), are logits that join every row's softmax denominator.
+    For decoding (one query token a sequence), speculative decoding and chunked prefill
+    (several). If ``k_new`` and ``v_new`` are given they are first written into the cache in
+    place, at rows cache_seqlens .. cache_seqlens + seqlen_new of each sequence (its pages if
+    paged), and the queries then see cache_seqlens + seqlen_new keys; ``cache_seqlens`` itself
+    is not advanced (the caller adds seqlen_new for the next step). Arrays, kinds of array and
+    streams as in ``ptxattn.attention``: every 16-bit array non-empty and 4-d with unit stride
+    in head_dim, a 16-byte aligned base and batch/seqlen/heads strides that are positive
+    multiples of 16 bytes, all on q's device.
 
-    ``num_splits`` = 0 splits the keys over as many blocks as fill the GPU (1: no split).
-    ``check_contents`` copies cache_seqlens and block_table to the host to check them against
-    the cache (a synchronization); pass False in a hot loop whose values are known good: out of
-    range values then read or write out of bounds. Returns the output like q and, with
-    ``return_lse``, the float32 log-sum-exp (batch, heads_q, seqlen_q), sinks included.
+    On Hopper a contiguous cache with at least 64 query rows a sequence and no softcap runs on
+    the serving build of the Hopper forward; paged caches, a softcap and decode steps (fewer
+    than 64 query rows) run on the portable split-KV decode kernel, as do all calls on other
+    GPUs.
+
+    Parameters
+    ----------
+    q : CUDA array
+        Queries, (batch, seqlen_q, heads_q, head_dim), float16 or bfloat16; head_dim 64, 128
+        or 256; heads_q a multiple of heads_kv (GQA/MQA).
+    k_cache, v_cache : CUDA array
+        The cache, of one shape and q's dtype: contiguous, (batch, seqlen_cache, heads_kv,
+        head_dim), or paged, (num_pages, page_size, heads_kv, head_dim) with ``block_table``,
+        page_size a multiple of 16 from 16 to 256.
+    cache_seqlens : int or CUDA array
+        Each sequence's filled length: one int for every sequence, or an int32 (batch,)
+        contiguous array. In [0, capacity], capacity seqlen_cache (contiguous) or max_pages *
+        page_size (paged).
+    block_table : CUDA array, optional
+        For a paged cache: int32 (batch, max_pages), unit stride along the pages, naming each
+        sequence's pages in order.
+    k_new, v_new : CUDA array, optional
+        Keys and values to append, given together: (batch, seqlen_new, heads_kv, head_dim) of
+        q's dtype, of one shape; cache_seqlens + seqlen_new must not exceed the capacity.
+    causal : bool, default True
+        Aligns the queries with the last keys: query i of a sequence of L keys (cache_seqlens
+        + seqlen_new) sees key j only if j <= i + L - seqlen_q (bottom-right aligned). A row
+        that sees no key gives output 0 and LSE -inf.
+    window : tuple of (int, int), default (-1, -1)
+        (left, right) keys around that diagonal: query i sees keys i + L - seqlen_q - left up
+        to i + L - seqlen_q + right; -1 is unbounded (right is 0 when causal).
+    softcap : float, default 0.0
+        When > 0, the scaled scores s become softcap * tanh(s / softcap); 0 turns it off.
+    sinks : CUDA array, optional
+        float32 (heads_q,), contiguous: one logit per q head that joins every row's softmax
+        denominator (and its log-sum-exp) and adds nothing to the output.
+    softmax_scale : float, optional
+        The scale of the scores, finite and positive; 1 / sqrt(head_dim) by default.
+    num_splits : int, default 0
+        How many blocks the keys of a sequence are split over: 0 chooses as many as fill the
+        GPU, 1 splits nothing; at most 128.
+    return_lse : bool, default False
+        Also return the log-sum-exp.
+    out : CUDA array, optional
+        The buffer to write the output into: q's shape and dtype, laid out as q, its memory
+        apart from every input's.
+    check_contents : bool, default True
+        Copy ``cache_seqlens`` and ``block_table`` to the host (a synchronization) to check
+        that the lengths fit the cache and that the pages each sequence uses exist. Pass False
+        in a hot loop whose values are known good: out of range values then read or write out
+        of bounds.
+    backend : {'hopper', 'portable'}, optional
+        The kernel family, as in ``ptxattn.attention``; by default the first that runs the
+        call on the current GPU.
+
+    Returns
+    -------
+    out : array
+        The output like q, (batch, seqlen_q, heads_q, head_dim): ``out`` itself if given.
+    lse : array
+        Only with ``return_lse``: float32 (batch, heads_q, seqlen_q), natural log, sinks
+        included; -inf for a row that sees no key.
+
+    Raises
+    ------
+    TypeError
+        An array argument in host memory or no array; q, the caches, k_new, v_new or out not
+        of one float16 or bfloat16 dtype; ``cache_seqlens`` neither an int nor an array;
+        ``cache_seqlens`` or ``block_table`` not int32; ``sinks`` not float32; ``causal`` not a
+        bool.
+    ValueError
+        A shape, stride or alignment above (the cache's head_dim or heads unlike q's, a
+        contiguous cache of another batch than q, page_size, ``block_table``'s shape); head_dim
+        not 64, 128 or 256; ``k_new`` without ``v_new``; lengths beyond the cache's capacity
+        (with ``check_contents``, also per sequence, and pages outside [0, num_pages));
+        ``num_splits`` outside [0, 128]; a bad ``softmax_scale``, ``window`` or ``softcap``;
+        arrays on different devices; ``out`` overlapping an input; an unknown ``backend``, or a
+        GPU on which no kernel runs the call.
+
+    Examples
+    --------
+    One decoding step over a paged cache of 16-key pages, appending each sequence's new key:
+
+    >>> import cupy, ptxattn
+    >>> batch, heads_q, heads_kv, head_dim = 4, 32, 8, 128
+    >>> k_cache = cupy.zeros((64, 16, heads_kv, head_dim), dtype="bfloat16")  # 64 pages
+    >>> v_cache = cupy.zeros_like(k_cache)
+    >>> block_table = cupy.arange(64, dtype=cupy.int32).reshape(batch, 16)
+    >>> lengths = cupy.array([100, 7, 250, 31], dtype=cupy.int32)
+    >>> q = cupy.random.standard_normal((batch, 1, heads_q, head_dim)).astype("bfloat16")
+    >>> k_new = cupy.random.standard_normal((batch, 1, heads_kv, head_dim)).astype("bfloat16")
+    >>> v_new = cupy.random.standard_normal((batch, 1, heads_kv, head_dim)).astype("bfloat16")
+    >>> out = ptxattn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
+    ...                                      block_table=block_table, k_new=k_new, v_new=v_new)
+    >>> lengths += 1  # the cache now holds one more key a sequence
     """
     import cupy
 
@@ -95,13 +190,85 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
                      out=None, check_contents: bool = True, backend: str | None = None):
     """Attention over a batch of sequences of their own lengths, packed back to back.
 
-    q: (total_q, heads_q, head_dim), k and v: (total_k, heads_kv, head_dim); sequence b holds
-    rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q and likewise of k and v (int32, batch + 1
-    entries, from 0; empty sequences allowed). ``max_seqlen_q/k`` bound the lengths. Masks,
-    softcap and sinks as in :func:`attention_with_kvcache` (``causal`` defaults to False here,
-    aligned bottom-right per sequence). ``check_contents`` copies the cu_seqlens to the host to
-    check them (pass False in a hot loop with known-good values). Returns the output like q
-    and, with ``return_lse``, the float32 LSE of shape (heads_q, total_q).
+    Sequence b holds rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q and rows cu_seqlens_k[b]
+    .. cu_seqlens_k[b + 1] of k and v; empty sequences are allowed. Arrays, kinds of array and
+    streams as in ``ptxattn.attention``: q, k, v and out are non-empty and 3-d with unit stride
+    in head_dim, a 16-byte aligned base and token/heads strides that are positive multiples of
+    16 bytes, all on q's device. On Hopper, calls with max_seqlen_q >= 64 and no softcap run on
+    the serving build of the Hopper forward, the others on the portable decode kernel.
+
+    Parameters
+    ----------
+    q : CUDA array
+        Queries, (total_q, heads_q, head_dim), float16 or bfloat16; head_dim 64, 128 or 256.
+    k, v : CUDA array
+        Keys and values, (total_k, heads_kv, head_dim), of one shape and q's dtype; heads_q a
+        multiple of heads_kv (GQA/MQA).
+    cu_seqlens_q, cu_seqlens_k : CUDA array
+        int32, contiguous, batch + 1 >= 2 entries each: the sequences' cumulative lengths,
+        from 0, never decreasing, ending at total_q and total_k.
+    max_seqlen_q, max_seqlen_k : int
+        Non-negative bounds on the sequences' query and key lengths.
+    causal : bool, default False
+        Masks key j from query i of a sequence unless j <= i + seqlen_k - seqlen_q, with that
+        sequence's lengths (bottom-right aligned per sequence). A row that sees no key gives
+        output 0 and LSE -inf.
+    softmax_scale : float, optional
+        The scale of the scores, finite and positive; 1 / sqrt(head_dim) by default.
+    window : tuple of (int, int), default (-1, -1)
+        (left, right) keys around each sequence's diagonal, as in ``attention_with_kvcache``;
+        -1 is unbounded.
+    softcap : float, default 0.0
+        When > 0, the scaled scores s become softcap * tanh(s / softcap); 0 turns it off.
+    sinks : CUDA array, optional
+        float32 (heads_q,), contiguous: one logit per q head that joins every row's softmax
+        denominator (and its log-sum-exp) and adds nothing to the output.
+    return_lse : bool, default False
+        Also return the log-sum-exp.
+    out : CUDA array, optional
+        The buffer to write the output into: q's shape and dtype, laid out as q, its memory
+        apart from every input's.
+    check_contents : bool, default True
+        Copy the cu_seqlens to the host (a synchronization) to check them against the token
+        counts and the maxima. Pass False in a hot loop whose values are known good.
+    backend : {'hopper', 'portable'}, optional
+        The kernel family, as in ``ptxattn.attention``.
+
+    Returns
+    -------
+    out : array
+        The output like q, (total_q, heads_q, head_dim): ``out`` itself if given.
+    lse : array
+        Only with ``return_lse``: float32 (heads_q, total_q), natural log, sinks included;
+        -inf for a row that sees no key.
+
+    Raises
+    ------
+    TypeError
+        An array argument in host memory or no array; q, k, v or out not of one float16 or
+        bfloat16 dtype; the cu_seqlens not int32; ``sinks`` not float32; ``causal`` not a
+        bool.
+    ValueError
+        A shape, stride or alignment above; head_dim not 64, 128 or 256; cu_seqlens of unlike
+        shapes or fewer than 2 entries; a negative or non-int max_seqlen; with
+        ``check_contents``, cu_seqlens that do not start at 0, decrease, miss the token count
+        or hold a sequence longer than its maximum; a bad ``softmax_scale``, ``window`` or
+        ``softcap``; arrays on different devices; ``out`` overlapping an input; an unknown
+        ``backend``, or a GPU on which no kernel runs the call.
+
+    Examples
+    --------
+    Three sequences of 5, 0 and 11 tokens, causal self-attention:
+
+    >>> import cupy, ptxattn
+    >>> cu_seqlens = cupy.array([0, 5, 5, 16], dtype=cupy.int32)
+    >>> q = cupy.random.standard_normal((16, 32, 128)).astype("bfloat16")
+    >>> k = cupy.random.standard_normal((16, 8, 128)).astype("bfloat16")
+    >>> v = cupy.random.standard_normal((16, 8, 128)).astype("bfloat16")
+    >>> out, lse = ptxattn.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, 11, 11,
+    ...                                     causal=True, return_lse=True)
+    >>> out.shape, lse.shape
+    ((16, 32, 128), (32, 16))
     """
     import cupy
 
@@ -128,17 +295,62 @@ MERGE_DTYPES = ("float16", "bfloat16", "float32")
 
 @framework_arrays
 def merge_attention_states(out_parts, lse_parts, *, sinks=None):
-    """The attention output over the union of disjoint key sets, from the outputs and LSEs
-    computed over each set alone (split-KV decoding, context-parallel ring steps, a cached
-    prefix and new tokens).
+    """The attention output over the union of disjoint key sets, from each set's output and LSE.
 
-    out_parts: (num_parts, batch, seqlen, heads, head_dim), float16, bfloat16 or float32, unit
-    stride in head_dim (head_dim a multiple of 4), or a sequence of such (batch, seqlen, heads,
-    head_dim) arrays; lse_parts: float32 (num_parts, batch, heads, seqlen), natural log, -inf
-    for a part without keys (its output is then ignored), or a sequence of (batch, heads,
-    seqlen) arrays. ``sinks`` (float32 (heads,)) join the denominators. Returns (out, lse): out
-    in the parts' dtype, lse float32 (batch, heads, seqlen); a row no part saw gives zeros and
-    -inf. Sums run in part order: the result is deterministic.
+    For split-KV decoding, context-parallel ring steps, or a cached prefix and new tokens: the
+    parts are attention over disjoint sets of keys for the same queries, as
+    ``ptxattn.attention(..., return_lse=True)`` returns them. Over the union, with M the
+    largest lse_i of a row, lse = M + log(sum_i exp(lse_i - M)) and out = sum_i
+    exp(lse_i - lse) out_i. Sums run in part order in FP32, so the result is deterministic.
+    Arrays, kinds of array and streams as in ``ptxattn.attention`` (a list of parts must be of
+    CuPy arrays).
+
+    Parameters
+    ----------
+    out_parts : CUDA array or sequence of cupy.ndarray
+        The parts' outputs, (num_parts, batch, seqlen, heads, head_dim) in float16, bfloat16
+        or float32, non-empty, positive strides, unit stride in head_dim, head_dim a multiple
+        of 4, base and strides multiples of 4 elements; or a list or tuple of (batch, seqlen,
+        heads, head_dim) CuPy arrays, stacked here.
+    lse_parts : CUDA array or sequence of cupy.ndarray
+        The parts' log-sum-exps, float32 (num_parts, batch, heads, seqlen), natural log, or a
+        list or tuple of (batch, heads, seqlen) CuPy arrays. -inf marks a part without keys
+        for that row: its output is then ignored.
+    sinks : CUDA array, optional
+        float32 (heads,): logits that join every row's softmax denominator.
+
+    Returns
+    -------
+    out : array
+        (batch, seqlen, heads, head_dim) in the parts' dtype; zeros for a row no part saw.
+    lse : array
+        float32 (batch, heads, seqlen), sinks included; -inf for a row no part saw (its sink
+        with sinks).
+
+    Raises
+    ------
+    TypeError
+        A list of parts holding anything but CuPy arrays; ``out_parts`` not float16, bfloat16
+        or float32; ``lse_parts`` or ``sinks`` not float32; an array in host memory.
+    ValueError
+        ``out_parts`` not 5-d or empty; ``lse_parts`` not (num_parts, batch, heads, seqlen);
+        head_dim not a multiple of 4, no unit stride in it, a base or stride not a multiple of
+        4 elements, or a zero or negative stride; ``sinks`` not (heads,); arrays on different
+        devices.
+
+    Examples
+    --------
+    Attention over 4096 keys from two halves computed apart:
+
+    >>> import cupy, ptxattn
+    >>> q = cupy.random.standard_normal((2, 64, 16, 128)).astype("bfloat16")
+    >>> k, v = (cupy.random.standard_normal((2, 4096, 16, 128)).astype("bfloat16")
+    ...         for _ in range(2))
+    >>> o1, l1 = ptxattn.attention(q, k[:, :2048], v[:, :2048], return_lse=True)
+    >>> o2, l2 = ptxattn.attention(q, k[:, 2048:], v[:, 2048:], return_lse=True)
+    >>> out, lse = ptxattn.merge_attention_states([o1, o2], [l1, l2])
+    >>> out.shape, lse.shape
+    ((2, 64, 16, 128), (2, 16, 64))
     """
     import cupy
 
