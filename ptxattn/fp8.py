@@ -1,26 +1,31 @@
 """FP8 (e4m3) attention on Hopper: the data carrier, quantizers, descales and a reference.
 
+``ptxattn.fp8.attention`` is also exported as ``ptxattn.fp8_attention``. docs/guide/fp8.md is
+the guide; docs/design/fp8.md says what bounds the kernel's speed.
+
 Carrier. CuPy 14 does not support FP8 dtypes: ``cupy.empty(..., dtype=float8_e4m3fn)`` and
 ``cupy.asarray`` of an ml_dtypes float8 array raise "Unsupported dtype" (only ``.view`` slips
-through). So FP8 data is uint8 storage with an explicit format: :class:`E4M3Array` wraps a CuPy
+through). So FP8 data is uint8 storage with an explicit format: ``E4M3Array`` wraps a CuPy
 uint8 array of e4m3 bytes (shape, strides, slicing, ``.get()`` to an ml_dtypes
 ``float8_e4m3fn`` NumPy array). The FP8 entry points take E4M3Array (or a CuPy view, or a torch
 tensor, whose dtype is ``float8_e4m3fn``, which names the format too) and refuse anything else by
 type: a bf16/fp16 array, and raw uint8, which could hold e4m3, e5m2 or integers (wrap it:
 ``E4M3Array(x)``). Torch callers get their FP8 results as float8_e4m3fn tensors
-(ptxattn.interop).
+(ptxattn/interop.py).
 
 Scales. An FP8 tensor comes with a float32 *descale* d: the real value of a byte b is
 ``e4m3(b) * d``. Granularities, as arrays a kernel reads through strides (0 where constant):
-    "tensor"  shape ()                       one scale
+
+    "tensor"  shape () (or (1,))              one scale
     "head"    shape (batch, heads)            one per (batch, head): per (batch, kv-head) for K, V
     "block"   shape (batch, heads, ceil(seqlen / 128))   one per 128 rows of one head
-:func:`attention` takes any of the three for q and k, and "tensor" or "head" for v: V's rows are
+
+``attention`` takes any of the three for q and k, and "tensor" or "head" for v: V's rows are
 the keys, the axis P V sums over, so a per-block V scale would have to rescale the accumulator
 every key block. The quantizer picks d = amax / 448 (448 is e4m3's largest finite value) over
 each group.
 
-Rotation. :func:`hadamard_rotation` gives a random-sign Hadamard transform R = diag(s) H / sqrt(D)
+Rotation. ``hadamard_rotation`` gives a random-sign Hadamard transform R = diag(s) H / sqrt(D)
 along head_dim. Quantizing ``q R`` and ``k R`` (same R) leaves ``q k^T`` unchanged while spreading
 outlier channels over the whole row, so FP8 rounds the product's terms more evenly; v is not
 rotated and the attention call is the same as without rotation.
@@ -28,6 +33,11 @@ rotated and the attention call is the same as without rotation.
 Accuracy (RMSE against FP32, measured by tests/test_fp8.py and reported in the README): on
 standard normal inputs the three schemes agree; with 0.1% large outliers per-block + rotation is
 clearly the most accurate.
+
+Constants: ``E4M3`` is the NumPy dtype ``float8_e4m3fn`` (ml_dtypes); ``E4M3_MAX`` = 448.0,
+e4m3's largest finite value; ``GRANULARITIES`` = ("tensor", "head", "block"), the descale
+granularities; ``HEAD_DIMS`` = (64, 128, 256), the head dims the kernel and the quantizers
+take; ``SCALE_BLOCK_ROWS`` = 128, the rows of one batch and head that share a "block" descale.
 """
 
 from __future__ import annotations
@@ -45,6 +55,10 @@ __all__ = ["attention", "reference", "quantize", "dequantize", "quantize_qkv", "
            "hadamard_rotation", "HadamardRotation", "round_to_e4m3", "E4M3", "E4M3_MAX",
            "GRANULARITIES", "HEAD_DIMS", "SCALE_BLOCK_ROWS"]
 
+
+def __dir__():
+    return sorted(__all__)
+
 ARCHS = dispatch.archs_for("e4m3")  # the FP8 attention kernel's; the quantizers run on more
 
 
@@ -52,19 +66,73 @@ ARCHS = dispatch.archs_for("e4m3")  # the FP8 attention kernel's; the quantizers
 def attention(q, k, v, *, q_descale, k_descale, v_descale, causal: bool = False,
               softmax_scale: float | None = None, out_dtype=None, return_lse: bool = False,
               out=None):
-    """FP8 attention forward: ``softmax(scale * (q dq)(k dk)^T) (v dv)`` on Hopper (sm_90a).
+    """FP8 attention forward, ``softmax(scale * (q dq)(k dk)^T) (v dv)``, on Hopper (sm_90a).
 
-    q (batch, seqlen_q, heads_q, head_dim), k and v (batch, seqlen_k, heads_kv, head_dim):
-    :class:`E4M3Array`, torch float8_e4m3fn tensors or CuPy float8_e4m3fn views, unit stride in
-    head_dim, 16-byte aligned strides; head_dim 64,
-    128 or 256; heads_q a multiple of heads_kv. q_descale, k_descale: a positive number or a
-    float32 array of shape (), (batch, heads), or (batch, heads, ceil(seqlen / 128)) (the last
-    per 128 rows); v_descale: a number, shape () or (batch, heads_kv). All three are required.
-    ``causal`` aligns bottom-right like :func:`ptxattn.attention`. Q K^T and P V run on FP8
-    tensor cores with FP32 accumulation; the probabilities P are rounded to e4m3 for the second
-    product; the descales are applied in FP32. Returns the output in ``out_dtype`` (bfloat16
-    by default, or float16; ``out``'s dtype when given) and, with ``return_lse``, the float32
-    natural-log LSE (batch, heads_q, seqlen_q).
+    Q K^T and P V run on FP8 tensor cores with FP32 accumulation; the probabilities P are
+    rounded to e4m3 for the second product; the descales are applied in FP32. Kinds of array
+    and streams as in ``ptxattn.attention``. Every operand is non-empty and 4-d with unit stride
+    in head_dim, a 16-byte aligned base and batch/seqlen/heads strides that are positive
+    multiples of 16 bytes, all on one device.
+
+    Parameters
+    ----------
+    q : E4M3Array or float8_e4m3fn CUDA array
+        Queries, (batch, seqlen_q, heads_q, head_dim): an ``E4M3Array``, a torch
+        float8_e4m3fn tensor or a CuPy float8_e4m3fn view; head_dim 64, 128 or 256.
+    k, v : E4M3Array or float8_e4m3fn CUDA array
+        Keys and values, (batch, seqlen_k, heads_kv, head_dim), of one shape, batch and
+        head_dim as q's; heads_q a multiple of heads_kv (GQA/MQA).
+    q_descale, k_descale : float or CUDA array
+        Required. A finite positive number, or a float32 array on q's device of shape () or
+        (1,) (per tensor), (batch, heads) (per head: heads_kv for k) or (batch, heads,
+        ceil(seqlen / 128)) (per 128 rows of one head).
+    v_descale : float or CUDA array
+        Required. A finite positive number, or a float32 array of shape (), (1,) or (batch,
+        heads_kv): no per-block V scale.
+    causal : bool, default False
+        Bottom-right aligned, as in ``ptxattn.attention``: key j is masked from query i unless
+        j <= i + seqlen_k - seqlen_q; a row that sees no key gives 0 and LSE -inf.
+    softmax_scale : float, optional
+        The scale of the (dequantized) scores, finite and positive; 1 / sqrt(head_dim) by
+        default.
+    out_dtype : {'bfloat16', 'float16'}, optional
+        The output's dtype: bfloat16 by default, ``out``'s dtype when ``out`` is given.
+    return_lse : bool, default False
+        Also return the log-sum-exp.
+    out : CUDA array, optional
+        The buffer to write the output into: bfloat16 or float16, q's shape, laid out as q, on
+        q's device, its memory apart from every input's.
+
+    Returns
+    -------
+    out : array
+        The output, (batch, seqlen_q, heads_q, head_dim) in ``out_dtype``: ``out`` itself if
+        given.
+    lse : array
+        Only with ``return_lse``: float32 (batch, heads_q, seqlen_q), natural log.
+
+    Raises
+    ------
+    TypeError
+        q, k or v not e4m3 (raw uint8, a 16-bit or float32 array: wrap or quantize it first);
+        an array in host memory; a descale missing, or neither a number nor a float32 array;
+        ``out`` not bfloat16 or float16; ``causal`` not a bool.
+    ValueError
+        A shape, stride or alignment above; head_dim not 64, 128 or 256; a descale that is not
+        positive or of none of its shapes; ``out_dtype`` not bfloat16 or float16, or unlike
+        ``out``'s dtype; arrays on different devices; ``out`` overlapping an input; a bad
+        ``softmax_scale``; a GPU other than sm_90a.
+
+    Examples
+    --------
+    >>> import cupy
+    >>> from ptxattn import fp8
+    >>> q, k, v = (cupy.random.standard_normal((2, 4096, 16, 128)).astype("bfloat16")
+    ...            for _ in range(3))
+    >>> q8, k8, v8, descales = fp8.quantize_qkv(q, k, v, "block", rotate=True)
+    >>> out = fp8.attention(q8, k8, v8, causal=True, **descales)
+    >>> out.shape, out.dtype
+    ((2, 4096, 16, 128), dtype(bfloat16))
     """
     import cupy
 
@@ -88,12 +156,52 @@ def attention(q, k, v, *, q_descale, k_descale, v_descale, causal: bool = False,
 def reference(q, k, v, *, q_descale, k_descale, v_descale, causal: bool = False,
               softmax_scale: float | None = None, return_lse: bool = False,
               precision: str = "float32", query_chunk: int = 1024):
-    """FP32 attention of the dequantized inputs, what :func:`attention` approximates.
+    """FP32 attention of the dequantized inputs: what ``attention`` approximates.
 
-    ``precision="fp8"`` is the same math with the probabilities exp(s - max) rounded to e4m3
-    before P V, as the kernel does (it keeps the exact running max for FP8): the naive FP8
-    yardstick for tolerances. Returns float32 output (and LSE, natural log, (batch, heads,
-    seqlen_q)).
+    With ``precision="fp8"`` it is the same math with the probabilities exp(s - max) rounded
+    to e4m3 before P V, as the kernel does (it keeps the exact running max for FP8): the naive
+    FP8 yardstick for tolerances. Runs in CuPy; causal masking aligns bottom-right.
+
+    Parameters
+    ----------
+    q, k, v : E4M3Array or float8_e4m3fn CuPy array
+        As ``attention`` takes them: (batch, seqlen, heads, head_dim), heads_q a multiple of
+        heads_kv.
+    q_descale, k_descale, v_descale : float or CUDA array
+        Their descales, of any granularity (module docstring).
+    causal : bool, default False
+        Bottom-right aligned, as in ``attention``.
+    softmax_scale : float, optional
+        1 / sqrt(head_dim) by default.
+    return_lse : bool, default False
+        Also return the log-sum-exp.
+    precision : {'float32', 'fp8'}, default 'float32'
+        'float32': every step in FP32. 'fp8': the probabilities rounded to e4m3 before P V.
+    query_chunk : int, default 1024
+        Query rows computed at a time with ``precision="fp8"`` (bounds the scores' memory).
+
+    Returns
+    -------
+    out : cupy.ndarray
+        float32 (batch, seqlen_q, heads_q, head_dim).
+    lse : cupy.ndarray
+        Only with ``return_lse``: float32 (batch, heads_q, seqlen_q), natural log.
+
+    Raises
+    ------
+    ValueError
+        ``precision`` neither 'float32' nor 'fp8'.
+    TypeError
+        q, k or v not e4m3 data.
+
+    Examples
+    --------
+    >>> q8, k8, v8, descales = fp8.quantize_qkv(q, k, v, "head")
+    >>> out = fp8.attention(q8, k8, v8, **descales)
+    >>> ref = fp8.reference(q8, k8, v8, **descales)
+    >>> error = cupy.abs(out.astype(cupy.float32) - ref).max()
+    >>> ref.shape, ref.dtype
+    ((2, 4096, 16, 128), dtype('float32'))
     """
     import cupy
 

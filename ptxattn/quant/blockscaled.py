@@ -164,7 +164,40 @@ def _launch(entry: str, grid, args) -> None:
 
 @framework_arrays
 def quantize_mxfp8(x):
-    """MXFP8 of x along its last axis (Q and K: head_dim): (e4m3 bytes, UE8M0 scales)."""
+    """MXFP8 of x along its last axis (for Q and K: head_dim), on the GPU.
+
+    Each block of 32 elements gets a UE8M0 scale, the smallest power of two that keeps the
+    block's amax within e4m3's 448 (nothing saturates); elements are rounded to nearest even.
+    Kinds of array as in ``ptxattn.attention``.
+
+    Parameters
+    ----------
+    x : CUDA array
+        bfloat16 or float16, any shape, its last axis a multiple of 32.
+
+    Returns
+    -------
+    data : array
+        uint8 e4m3 bytes of x's shape.
+    scales : array
+        uint8 UE8M0 (2^(byte - 127)), shape (..., n / 32).
+
+    Raises
+    ------
+    TypeError
+        x not a CUDA array, or not bfloat16 or float16.
+    ValueError
+        The last axis not a multiple of 32.
+
+    Examples
+    --------
+    >>> import cupy
+    >>> from ptxattn.blockscaled import quantize_mxfp8
+    >>> q = cupy.random.standard_normal((2, 1024, 16, 128)).astype("bfloat16")
+    >>> data, scales = quantize_mxfp8(q)
+    >>> data.shape, scales.shape
+    ((2, 1024, 16, 128), (2, 1024, 16, 4))
+    """
     import cupy
 
     x, is_bf16 = _check_input("x", x)
@@ -181,8 +214,39 @@ def quantize_mxfp8(x):
 
 @framework_arrays
 def quantize_mxfp8_v(v):
-    """MXFP8 of V (batch, seqlen, heads, head_dim) along the sequence, in the transposed padded
-    layout: (e4m3 (batch, heads, head_dim, padded), UE8M0 (batch, heads, head_dim, padded / 32))."""
+    """MXFP8 of V along the sequence, in the transposed, padded layout the kernel reads.
+
+    The scale blocks run along the keys, the axis P V contracts over: one UE8M0 scale per 32
+    keys of each head_dim column. Kinds of array as in ``ptxattn.attention``.
+
+    Parameters
+    ----------
+    v : CUDA array
+        bfloat16 or float16 (batch, seqlen, heads, head_dim).
+
+    Returns
+    -------
+    data : array
+        uint8 e4m3 (batch, heads, head_dim, padded), padded = seqlen rounded up to 128, zeros
+        past seqlen.
+    scales : array
+        uint8 UE8M0 (batch, heads, head_dim, padded / 32).
+
+    Raises
+    ------
+    TypeError
+        v not a CUDA array, or not bfloat16 or float16.
+    ValueError
+        v not 4-d; batch or padded / 32 above 65535 (the quantizer's grid).
+
+    Examples
+    --------
+    >>> from ptxattn.blockscaled import quantize_mxfp8_v
+    >>> v = cupy.random.standard_normal((2, 1000, 16, 128)).astype("bfloat16")
+    >>> data, scales = quantize_mxfp8_v(v)
+    >>> data.shape, scales.shape
+    ((2, 16, 128, 1024), (2, 16, 128, 32))
+    """
     import cupy
 
     v, is_bf16 = _check_input("v", v, ndim=4)
@@ -202,8 +266,41 @@ def quantize_mxfp8_v(v):
 
 @framework_arrays
 def quantize_nvfp4(x):
-    """NVFP4 of x along its last axis (Q and K: head_dim): (packed e2m1, UE4M3 scales, FP32
-    tensor scale as a 1-element cupy array)."""
+    """NVFP4 of x along its last axis (for Q and K: head_dim), on the GPU.
+
+    With g = amax / (6 * 448) over the whole tensor (1 for an all-zero tensor), each block of
+    16 elements gets the UE4M3 scale e4m3((amax_block / 6) / g), and each element becomes
+    e2m1(x / (block_scale * g)), saturating at 6 (a block whose block_scale * g is 0 is all
+    zeros). Kinds of array as in ``ptxattn.attention``.
+
+    Parameters
+    ----------
+    x : CUDA array
+        bfloat16 or float16, any shape, its last axis a multiple of 16.
+
+    Returns
+    -------
+    data : array
+        uint8 e2m1 codes packed two a byte, element 2i in the low nibble: (..., n / 2).
+    scales : array
+        uint8 UE4M3, (..., n / 16).
+    tensor_scale : array
+        float32 (1,), g: pass it as ``q_tensor_scale`` or ``k_tensor_scale``.
+
+    Raises
+    ------
+    TypeError
+        x not a CUDA array, or not bfloat16 or float16.
+    ValueError
+        The last axis not a multiple of 16.
+
+    Examples
+    --------
+    >>> from ptxattn.blockscaled import quantize_nvfp4
+    >>> data, scales, tensor_scale = quantize_nvfp4(q)
+    >>> data.shape, scales.shape, tensor_scale.shape
+    ((2, 1024, 16, 64), (2, 1024, 16, 8), (1,))
+    """
     import cupy
 
     x, is_bf16 = _check_input("x", x)
@@ -223,9 +320,42 @@ def quantize_nvfp4(x):
 
 
 def quantize_qkv(q, k, v, format: str = "mxfp8") -> dict:  # noqa: A002 - the API's word
-    """Quantizes bf16/fp16 q, k, v (batch, seqlen, heads, head_dim) for
-    ``blockscaled_attention(**quantize_qkv(q, k, v, format), ...)``: Q and K in ``format``
-    ('mxfp8' or 'nvfp4'), V in MXFP8 along the sequence either way."""
+    """Quantizes q, k, v for ``blockscaled_attention(**quantize_qkv(q, k, v, format), ...)``.
+
+    Q and K in ``format`` along head_dim (``quantize_mxfp8`` or ``quantize_nvfp4``), V in MXFP8
+    along the sequence either way (``quantize_mxfp8_v``).
+
+    Parameters
+    ----------
+    q, k, v : CUDA array
+        bfloat16 or float16 (batch, seqlen, heads, head_dim).
+    format : {'mxfp8', 'nvfp4'}, default 'mxfp8'
+        The format of q and k.
+
+    Returns
+    -------
+    dict
+        The keyword arguments of ``blockscaled_attention``: "q", "k", "v", "q_scale",
+        "k_scale", "v_scale", "format" and, for NVFP4, "q_tensor_scale" and "k_tensor_scale".
+
+    Raises
+    ------
+    ValueError
+        An unknown ``format``, or as the quantizers raise it.
+    TypeError
+        As the quantizers raise it.
+
+    Examples
+    --------
+    >>> import cupy
+    >>> from ptxattn.blockscaled import blockscaled_attention, quantize_qkv
+    >>> q, k, v = (cupy.random.standard_normal((2, 1024, 16, 128)).astype("bfloat16")
+    ...            for _ in range(3))
+    >>> operands = quantize_qkv(q, k, v, "mxfp8")
+    >>> sorted(operands)
+    ['format', 'k', 'k_scale', 'q', 'q_scale', 'v', 'v_scale']
+    >>> out, lse = blockscaled_attention(**operands, causal=True)
+    """
     if format == "mxfp8":
         (qd, qs), (kd, ks) = quantize_mxfp8(q), quantize_mxfp8(k)
         extra = {}

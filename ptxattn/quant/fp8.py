@@ -16,8 +16,11 @@ from ..problem import E4M3, SCALE_BLOCK_ROWS, check_e4m3, check_rows, descale_sh
 from .hadamard import HadamardRotation, hadamard_rotation
 
 E4M3_MAX = 448.0
+"""e4m3's largest finite value: a descale is amax / E4M3_MAX."""
 GRANULARITIES = ("tensor", "head", "block")
+"""The descale granularities: one per tensor, per (batch, head), per 128 rows of one head."""
 HEAD_DIMS = (64, 128, 256)
+"""The head dims the FP8 kernel and the quantizers take."""
 INPUT_DTYPES = {"bfloat16": 1, "float16": 0}
 
 _QUANTIZER_ARCHS = ("sm_89", "sm_90a", "sm_120a")
@@ -38,9 +41,41 @@ def variants() -> list[runtime.KernelSpec]:
 class E4M3Array:
     """FP8 e4m3 data on the GPU: a CuPy uint8 array of e4m3 bytes, tagged with that format.
 
-    Has the array metadata the kernels check (shape, strides in bytes, dtype ``float8_e4m3fn``,
-    data pointer, device); indexing gives an E4M3Array view; ``get()`` copies to NumPy as
-    ml_dtypes ``float8_e4m3fn``; ``bytes`` is the uint8 storage.
+    CuPy has no FP8 dtype, so the FP8 entry points take this (or a float8_e4m3fn view or torch
+    tensor) and refuse raw uint8, which could hold any 8-bit format. It has the array metadata
+    the kernels check (shape, strides in bytes, dtype ``float8_e4m3fn``, data pointer,
+    device); indexing gives an E4M3Array view of the same bytes.
+
+    Parameters
+    ----------
+    data : cupy.ndarray
+        uint8 storage holding e4m3 bytes, or a CuPy float8_e4m3fn view; not copied.
+
+    Attributes
+    ----------
+    bytes : cupy.ndarray
+        The uint8 storage.
+    dtype : numpy.dtype
+        ``float8_e4m3fn`` (ml_dtypes).
+    shape, strides, ndim, size, data, device
+        Those of ``bytes`` (strides in bytes).
+
+    Raises
+    ------
+    TypeError
+        ``data`` of a dtype other than uint8 or float8_e4m3fn.
+
+    Examples
+    --------
+    >>> import cupy, ml_dtypes, numpy as np
+    >>> from ptxattn.fp8 import E4M3Array
+    >>> host = np.ones((1, 128, 8, 64), dtype=ml_dtypes.float8_e4m3fn)
+    >>> x8 = E4M3Array.from_host(host)           # uploaded
+    >>> x8 = E4M3Array(cupy.asarray(host.view(np.uint8)))   # the same, from device bytes
+    >>> x8[:, :64].shape
+    (1, 64, 8, 64)
+    >>> x8.get().dtype
+    dtype(float8_e4m3fn)
     """
 
     __slots__ = ("bytes",)
@@ -54,7 +89,7 @@ class E4M3Array:
 
     @classmethod
     def from_host(cls, x) -> "E4M3Array":
-        """Uploads a NumPy float8_e4m3fn (or uint8) array."""
+        """An E4M3Array on the current device from a NumPy float8_e4m3fn (or uint8) array."""
         import cupy
         return cls(cupy.asarray(np.asarray(x).view(np.uint8)))
 
@@ -69,6 +104,7 @@ class E4M3Array:
         return E4M3Array(self.bytes[index])
 
     def get(self) -> np.ndarray:
+        """A NumPy copy, of dtype ml_dtypes ``float8_e4m3fn``."""
         return self.bytes.get().view(E4M3)
 
     def __repr__(self) -> str:
@@ -175,13 +211,51 @@ def _rotation_signs(rotation: HadamardRotation | None, head_dim: int):
 
 @framework_arrays
 def quantize(x, granularity: str = "tensor", rotation: HadamardRotation | None = None):
-    """bf16/fp16 x (batch, seqlen, heads, head_dim) -> (x8, descale) on the GPU.
+    """Quantizes bf16/fp16 x to e4m3 on the GPU: returns (x8, descale).
 
-    x8 is an :class:`E4M3Array` of x's shape (contiguous) holding e4m3(x / descale) (rounded
-    to nearest even); descale is float32 of the granularity's shape (module docstring), amax /
-    448 over each group (1 for an all-zero group). With ``rotation`` the rows are first rotated,
-    x8 * descale then approximates x @ rotation.matrix(). x may be any framework's CUDA array
-    (ptxattn.interop); for a torch x, x8 is a float8_e4m3fn tensor and descale a tensor.
+    descale is amax / 448 over each group of the granularity (1 for an all-zero group), and x8
+    holds e4m3(x / descale), rounded to nearest even, so that x8 * descale approximates x.
+    With ``rotation`` the rows are rotated first, and x8 * descale approximates
+    ``x @ rotation.matrix()``. Kinds of array as in ``ptxattn.attention``: for a torch x, x8 is
+    a float8_e4m3fn tensor and descale a tensor.
+
+    Parameters
+    ----------
+    x : CUDA array
+        bfloat16 or float16, (batch, seqlen, heads, head_dim), non-empty, head_dim 64, 128 or
+        256, unit stride in head_dim, a 16-byte aligned base and batch/seqlen/heads strides
+        that are positive multiples of 16 bytes.
+    granularity : {'tensor', 'head', 'block'}, default 'tensor'
+        One descale per tensor (shape ()), per (batch, head) (shape (batch, heads)), or per 128
+        rows of one head (shape (batch, heads, ceil(seqlen / 128))).
+    rotation : HadamardRotation, optional
+        A rotation of x's head_dim (``hadamard_rotation``); the same one for q and k keeps
+        q k^T.
+
+    Returns
+    -------
+    x8 : E4M3Array
+        e4m3 data of x's shape, contiguous (a float8_e4m3fn tensor for torch callers).
+    descale : array
+        float32, of the granularity's shape.
+
+    Raises
+    ------
+    TypeError
+        x not a CUDA array, or not bfloat16 or float16; ``rotation`` not a HadamardRotation.
+    ValueError
+        An unknown ``granularity``; x not 4-d, empty, or not laid out as above; head_dim not
+        64, 128 or 256; a rotation of another head_dim; 2**31 rows or more.
+
+    Examples
+    --------
+    >>> import cupy
+    >>> from ptxattn import fp8
+    >>> x = cupy.random.standard_normal((2, 1000, 8, 128)).astype("bfloat16")
+    >>> x8, descale = fp8.quantize(x, "block")
+    >>> x8.shape, descale.shape, descale.dtype
+    ((2, 1000, 8, 128), (2, 8, 8), dtype('float32'))
+    >>> x_again = fp8.dequantize(x8, descale)  # float32, close to x
     """
     import cupy
 
@@ -219,7 +293,32 @@ def quantize(x, granularity: str = "tensor", rotation: HadamardRotation | None =
 
 @framework_arrays
 def dequantize(x8, descale):
-    """float32 x8 * descale (any granularity) for e4m3 data (batch, seqlen, heads, dim)."""
+    """The real values of e4m3 data: float32 x8 * descale, on the GPU.
+
+    Parameters
+    ----------
+    x8 : E4M3Array or float8_e4m3fn CUDA array
+        e4m3 data, (batch, seqlen, heads, head_dim).
+    descale : float or CUDA array
+        Its descale, of any granularity: a number, or float32 of shape () or (1,), (batch,
+        heads) or (batch, heads, ceil(seqlen / 128)).
+
+    Returns
+    -------
+    array
+        float32 (batch, seqlen, heads, head_dim), the caller's kind of array.
+
+    Raises
+    ------
+    TypeError
+        x8 not e4m3 data (raw uint8 is refused: wrap it in ``E4M3Array``).
+
+    Examples
+    --------
+    >>> x8, descale = fp8.quantize(x, "head")
+    >>> fp8.dequantize(x8, descale).dtype
+    dtype('float32')
+    """
     import cupy
 
     x8 = as_e4m3("x8", x8)
@@ -231,10 +330,42 @@ def dequantize(x8, descale):
 
 def quantize_qkv(q, k, v, granularity: str = "block", rotate: bool = False,
                  seed: int | None = None):
-    """Quantizes attention inputs: returns (q8, k8, v8, descales), descales a dict to pass as
-    ``fp8_attention(q8, k8, v8, **descales)``. q and k get ``granularity`` (and, with
-    ``rotate``, one shared random-sign Hadamard rotation drawn from ``seed``); v gets the same
-    granularity except "block", for which it is quantized per (batch, head)."""
+    """Quantizes attention inputs for ``ptxattn.fp8.attention``: returns (q8, k8, v8, descales).
+
+    q and k get ``granularity`` and, with ``rotate``, one shared random-sign Hadamard rotation
+    (which leaves q k^T unchanged, so the attention call is the same); v gets the same
+    granularity except "block", for which it is quantized per (batch, head), and is never
+    rotated.
+
+    Parameters
+    ----------
+    q, k, v : CUDA array
+        bfloat16 or float16 (batch, seqlen, heads, head_dim), as ``quantize`` takes them.
+    granularity : {'tensor', 'head', 'block'}, default 'block'
+        The descale granularity of q and k (v: 'head' for 'block').
+    rotate : bool, default False
+        Rotate q and k by one ``hadamard_rotation`` drawn from ``seed``.
+    seed : int, optional
+        The rotation's seed (None: fresh entropy).
+
+    Returns
+    -------
+    q8, k8, v8 : E4M3Array
+        The e4m3 data (float8_e4m3fn tensors for torch callers).
+    descales : dict
+        {"q_descale": ..., "k_descale": ..., "v_descale": ...}, to pass as
+        ``fp8.attention(q8, k8, v8, **descales)``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As ``quantize`` raises them.
+
+    Examples
+    --------
+    >>> q8, k8, v8, descales = fp8.quantize_qkv(q, k, v, "block", rotate=True, seed=0)
+    >>> out = fp8.attention(q8, k8, v8, causal=True, **descales)
+    """
     rotation = hadamard_rotation(q.shape[3], seed) if rotate else None
     q8, q_descale = quantize(q, granularity, rotation)
     k8, k_descale = quantize(k, granularity, rotation)
@@ -243,8 +374,28 @@ def quantize_qkv(q, k, v, granularity: str = "block", rotate: bool = False,
 
 
 def round_to_e4m3(x):
-    """float32 array (NumPy or CuPy) rounded to the nearest e4m3 value, ties to even, saturating
-    at +-448, returned as float32: what cvt.rn.satfinite.e4m3x2.f32 does, in exact steps."""
+    """Values rounded to the nearest e4m3 value, returned as float32.
+
+    Ties go to even and magnitudes saturate at 448: what ``cvt.rn.satfinite.e4m3x2.f32`` does,
+    in exact steps.
+
+    Parameters
+    ----------
+    x : numpy.ndarray or cupy.ndarray
+        Values (converted to float32).
+
+    Returns
+    -------
+    numpy.ndarray or cupy.ndarray
+        float32, of x's shape, NumPy for a NumPy x and CuPy otherwise.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from ptxattn import fp8
+    >>> fp8.round_to_e4m3(np.array([0.3, 500.0, -1e-9], np.float32))
+    array([ 3.125e-01,  4.480e+02, -0.000e+00], dtype=float32)
+    """
     if isinstance(x, np.ndarray):
         xp = np
     else:
