@@ -8,7 +8,10 @@
 Each of N ranks holds a shard of q, k and v along the sequence; the results are the rank's shard
 of attention over the whole sequence. ``group`` is a torch.distributed process group on the NCCL
 backend (torch tensors, usually), a ``cupy.cuda.nccl.NcclCommunicator`` (CuPy arrays; NCCL from
-the ``nvidia-nccl-cu13`` wheel, ``pip install ptxattn[nccl]``), or a :class:`Transport`.
+the ``nvidia-nccl-cu13`` wheel, ``pip install ptxattn[nccl]``), or a ``Transport``
+(``transport_for`` picks ``TorchTransport`` or ``NcclTransport`` for a group; ``DONE`` is the
+handle of an exchange that is complete once posted). ``ptxattn.torch.ring_attention`` is the
+differentiable torch form.
 
 The ring. At step s (0 .. N-1) rank i holds the K/V shard that rank (i - s) mod N started with,
 attends its queries to it, merges the partial output into an FP32 accumulator by LSE, and has
@@ -20,16 +23,17 @@ dQ is summed on the rank in FP32, and dK/dV are summed in FP32 accumulators that
 their K/V one step behind and reach the rank that owns them after the last step.
 
 Sharding. Non-causal attention works with any sharding (usually contiguous blocks). Causal
-attention needs the zigzag sharding (:func:`zigzag_shard`, as Megatron and ring-flash-attn shard):
+attention needs the zigzag sharding (``zigzag_shard``, as Megatron and ring-flash-attn shard):
 the sequence cut into 2N chunks, rank r holding chunks r and 2N-1-r, so that every rank does the
-same work at every step (:func:`ring_schedule`). Every rank's shards must have the same shapes.
+same work at every step (``ring_schedule``). Every rank's shards must have the same shapes.
 
-The schedule is written once, as a generator per rank that yields an :class:`Exchange` where it
-communicates (ring.py). :func:`ring_attention` drives it with a real transport (transports.py);
-the simulation (:func:`simulate_ring_attention`, :func:`simulate_ring_attention_backward`,
-simulation.py) drives N of them in lockstep on one GPU, with device copies for the messages.
-Each step's partial state is merged by the kernel that merges split-KV partials (combine.cu).
-docs/guide/distributed.md has the rest.
+The schedule is written once, as a generator per rank that yields an ``Exchange`` where it
+communicates (ptxattn/distributed/ring.py). ``ring_attention`` drives it with a real transport
+(ptxattn/distributed/transports.py); the simulation (``simulate_ring_attention``,
+``simulate_ring_attention_backward``, ptxattn/distributed/simulation.py) drives N of them in
+lockstep on one GPU, with device copies for the messages. Each step's partial state is merged by
+the kernel that merges split-KV partials (ptx_src/kernels/combine.cu). docs/guide/distributed.md
+has the rest.
 
 Importing this module sets NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and
 NVSHMEM_DISABLE_NVLS=1 in the process's environment (NVLink multicast is never used; NCCL reads
@@ -55,3 +59,7 @@ __all__ = ["ring_attention", "ring_attention_backward", "simulate_ring_attention
            "simulate_ring_attention_backward", "zigzag_shard", "zigzag_unshard",
            "ring_schedule", "RingStep", "Exchange", "Transport", "NcclTransport",
            "TorchTransport", "DONE", "transport_for"]
+
+
+def __dir__():
+    return sorted(__all__)

@@ -1,6 +1,7 @@
-"""The ring: which queries meet which keys at each step (:func:`ring_schedule`), one rank's
-program written once as a generator that yields an :class:`Exchange` where it communicates, and
-the entry points that drive it over a transport."""
+"""The ring: which queries meet which keys at each step (``ring_schedule``), one rank's program
+written once as a generator that yields an ``Exchange`` where it communicates, and the entry
+points that drive it over a transport (ptxattn/distributed/transports.py). ptxattn.distributed
+re-exports the public names."""
 
 from __future__ import annotations
 
@@ -14,9 +15,30 @@ from .transports import Transport, transport_for
 
 @dataclasses.dataclass(frozen=True)
 class RingStep:
-    """One step of a rank's ring: its queries ``query_rows`` (local rows of q) attend to the
-    ``key_rows`` of the K/V shard that rank ``source`` started with, causally (bottom-right) or
-    not."""
+    """One step of a rank's ring: which of its queries attend to which keys of whose K/V shard.
+
+    Its queries ``query_rows`` (local rows of q) attend to the ``key_rows`` of the K/V shard
+    that rank ``source`` started with, causally (bottom-right aligned) or not. ``ring_schedule``
+    makes them.
+
+    Attributes
+    ----------
+    source : int
+        The rank whose K/V shard the step attends to.
+    query_rows : slice
+        Rows of this rank's q (and out, lse, dout) along the sequence.
+    key_rows : slice
+        Rows of the source's K/V shard along the sequence.
+    causal : bool
+        Whether the step is causal attention (bottom-right aligned) of those rows.
+
+    Examples
+    --------
+    >>> from ptxattn.distributed import ring_schedule
+    >>> step = ring_schedule(1, 2, 8, causal=True)[1]   # rank 1 of 2, second step
+    >>> step.source, step.query_rows, step.key_rows, step.causal
+    (0, slice(None, None, None), slice(0, 4, None), False)
+    """
 
     source: int
     query_rows: slice
@@ -25,15 +47,39 @@ class RingStep:
 
 
 def ring_schedule(rank: int, world_size: int, seqlen: int, *, causal: bool) -> tuple:
-    """The steps (:class:`RingStep`) of rank ``rank``: step s attends to the K/V of rank
-    (rank - s) mod N.
+    """The steps of rank ``rank`` in a ring of N = ``world_size`` ranks.
+
+    Step s attends to the K/V of rank (rank - s) mod N.
 
     Non-causal: every step is all queries against all keys. Causal, zigzag shards of ``seqlen``
-    rows (chunks rank and 2N-1-rank, c = seqlen / 2 rows each): step 0 is causal attention of the
-    shard to itself, right because its chunks keep their order; from a rank j < rank, all
+    rows (chunks rank and 2N-1-rank, c = seqlen / 2 rows each): step 0 is causal attention of
+    the shard to itself, right because its chunks keep their order; from a rank j < rank, all
     queries see chunk j, the first half of its K/V, and none sees chunk 2N-1-j; from a rank
     j > rank, only the second half of the queries (chunk 2N-1-rank) sees anything, and it sees
     both chunks. Each step is c x 2c scores (step 0: half of 2c x 2c), on every rank alike.
+
+    Parameters
+    ----------
+    rank : int
+        The rank, in [0, world_size).
+    world_size : int
+        N, the number of ranks in the ring.
+    seqlen : int
+        The rows of one rank's shard (causal: both of its chunks, an even number).
+    causal : bool
+        Causal attention over zigzag shards, or non-causal attention over any sharding.
+
+    Returns
+    -------
+    tuple of RingStep
+        One step per rank, in ring order (step 0 the rank's own K/V).
+
+    Examples
+    --------
+    >>> from ptxattn.distributed import ring_schedule
+    >>> [(step.source, step.query_rows, step.causal)
+    ...  for step in ring_schedule(0, 2, 8, causal=True)]
+    [(0, slice(None, None, None), True), (1, slice(4, None, None), False)]
     """
     if not causal:
         return tuple(RingStep((rank - s) % world_size, slice(None), slice(None), False)
@@ -67,10 +113,27 @@ def _check_ring_shapes(q, k, causal: bool, names: tuple = ("q", "k")) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Exchange:
-    """One ring exchange: each of ``sends`` goes to the next rank, each of ``recvs`` is filled
-    from the previous one (the previous rank's sends, in order). The generator that yields it
-    gets back a handle whose ``wait()`` orders later work on the compute stream after the
-    exchange."""
+    """One ring exchange: arrays sent to the next rank and buffers filled from the previous one.
+
+    Each of ``sends`` goes to rank (rank + 1) mod N, each of ``recvs`` is filled from rank
+    (rank - 1) mod N (the previous rank's sends, in order). A rank's schedule yields it where it
+    communicates and gets back the handle of ``Transport.start(sends, recvs)``, whose ``wait()``
+    orders later work on the compute stream after the exchange.
+
+    Attributes
+    ----------
+    sends : tuple of cupy.ndarray
+        Contiguous arrays to send.
+    recvs : tuple of cupy.ndarray
+        Contiguous buffers to receive into, of the previous rank's sends' sizes.
+
+    Examples
+    --------
+    How ``ring_attention`` drives a rank's schedule over a transport:
+
+    >>> exchange = schedule.send(handle)             # the schedule's next Exchange
+    >>> handle = transport.start(exchange.sends, exchange.recvs)
+    """
 
     sends: tuple
     recvs: tuple
@@ -201,18 +264,63 @@ def _run(schedule, transport: Transport):
 @framework_arrays
 def ring_attention(q, k, v, *, group, causal: bool = False, softmax_scale: float | None = None,
                    return_lse: bool = False):
-    """This rank's shard of attention over the whole sequence, the sequence sharded over the
-    ranks of ``group``.
+    """This rank's shard of attention over a sequence sharded across the ranks of ``group``.
 
-    q (batch, seqlen_q, heads_q, head_dim), k and v (batch, seqlen_k, heads_kv, head_dim): this
-    rank's shards, as :func:`ptxattn.attention` takes arrays (float16 or bfloat16, head_dim 64,
-    128 or 256, GQA), every rank's of the same shapes. ``causal``: the shards must be zigzag
-    shards (:func:`zigzag_shard`) of one sequence, seqlen_q == seqlen_k; non-causal: any
-    sharding. ``group``: a torch.distributed ProcessGroup on the NCCL backend, a
-    cupy.cuda.nccl.NcclCommunicator, or a :class:`Transport`. Returns the output like q and,
-    with ``return_lse``, the float32 LSE (batch, heads_q, seqlen_q) over all keys. Every rank of
-    the group must call it together, with the same arguments but its own arrays. Bad arguments
-    raise before anything is launched or sent.
+    Context parallelism: each rank holds a shard of q, k and v along the sequence, and the K/V
+    shards are passed around the ring (module docstring of ptxattn.distributed) while each step
+    attends beside the exchange. Every rank of the group must call it together, with the same
+    arguments but its own arrays. Kinds of array and streams as in ``ptxattn.attention`` (the
+    exchanges run on a side stream, or torch's NCCL stream). Bad arguments raise before
+    anything is launched or sent.
+
+    Parameters
+    ----------
+    q : CUDA array
+        This rank's query shard, (batch, seqlen_q, heads_q, head_dim), float16 or bfloat16, as
+        ``ptxattn.attention`` takes arrays (head_dim 64, 128 or 256); every rank's of the same
+        shape.
+    k, v : CUDA array
+        This rank's key and value shards, (batch, seqlen_k, heads_kv, head_dim); heads_q a
+        multiple of heads_kv (GQA).
+    group : torch.distributed.ProcessGroup, cupy.cuda.nccl.NcclCommunicator or Transport
+        The ring's ranks: a process group on the NCCL backend, a CuPy NCCL communicator (bound
+        to q's device), or a ``Transport``.
+    causal : bool, default False
+        Causal attention over the whole sequence: the shards must be zigzag shards
+        (``zigzag_shard``) of one sequence, seqlen_q == seqlen_k, an even number. Non-causal
+        attention takes any sharding.
+    softmax_scale : float, optional
+        The scale of the scores; 1 / sqrt(head_dim) by default.
+    return_lse : bool, default False
+        Also return the log-sum-exp.
+
+    Returns
+    -------
+    out : array
+        This rank's output shard, like q.
+    lse : array
+        Only with ``return_lse``: float32 (batch, heads_q, seqlen_q), natural log, over all
+        keys of the sequence.
+
+    Raises
+    ------
+    TypeError
+        ``group`` of none of the kinds above; every TypeError of ``ptxattn.attention``.
+    ValueError
+        A causal call whose q and k do not have one even seqlen; q on another device than the
+        communicator's; a process group not on the NCCL backend; every ValueError of
+        ``ptxattn.attention``.
+
+    Examples
+    --------
+    On each rank of a torch.distributed job, with the whole q_all, k_all, v_all:
+
+    >>> import torch.distributed as dist
+    >>> import ptxattn.distributed as cp
+    >>> rank, world = dist.get_rank(), dist.get_world_size()
+    >>> q, k, v = (cp.zigzag_shard(x, world, rank) for x in (q_all, k_all, v_all))
+    >>> out, lse = cp.ring_attention(q, k, v, group=dist.group.WORLD, causal=True,
+    ...                              return_lse=True)
     """
     import cupy
 
@@ -229,15 +337,50 @@ def ring_attention(q, k, v, *, group, causal: bool = False, softmax_scale: float
 @framework_arrays
 def ring_attention_backward(dout, q, k, v, out, lse, *, group, causal: bool = False,
                             softmax_scale: float | None = None, deterministic: bool = False):
-    """The gradients (dq, dk, dv) of :func:`ring_attention` for this rank's shards.
+    """The gradients (dq, dk, dv) of ``ring_attention`` for this rank's shards.
 
-    dout: the gradient of the loss with respect to this rank's ``out``; ``out`` and ``lse``
-    what ring_attention(..., return_lse=True) returned on this rank (the LSE over the whole
-    sequence). Arrays as :func:`ptxattn.attention_backward` takes them, ``group``, ``causal``
-    and ``softmax_scale`` as in the forward. Returns dq, dk, dv in the input dtype; dk and dv
-    are summed over every rank's queries (and over the q heads of a kv head) in FP32, in ring
-    order. ``deterministic=True`` makes them bit-identical from run to run (each step's
-    attention_backward is then deterministic, and the ring's own sums run in a fixed order).
+    Walks the forward's ring with the final output and LSE, so every step's
+    ``attention_backward`` gives exact partial gradients: dQ is summed on the rank in FP32, and
+    dK/dV in FP32 accumulators that travel with their K/V one step behind and reach the rank
+    that owns them after the last step. Every rank of the group calls it together.
+
+    Parameters
+    ----------
+    dout : CUDA array
+        The gradient of the loss with respect to this rank's ``out``.
+    q, k, v : CUDA array
+        This rank's shards, as the forward took them.
+    out, lse : CUDA array
+        What ``ring_attention(..., return_lse=True)`` returned on this rank (lse over the
+        whole sequence), as ``ptxattn.attention_backward`` takes them.
+    group : torch.distributed.ProcessGroup, cupy.cuda.nccl.NcclCommunicator or Transport
+        As in the forward.
+    causal : bool, default False
+        As in the forward.
+    softmax_scale : float, optional
+        As in the forward.
+    deterministic : bool, default False
+        Makes the gradients bit-identical from run to run: each step's attention_backward is
+        then deterministic, and the ring's own sums run in a fixed order.
+
+    Returns
+    -------
+    dq, dk, dv : tuple of array
+        In the input dtype, like q, k and v; dk and dv are summed over every rank's queries
+        (and over the q heads of a kv head) in FP32, in ring order.
+
+    Raises
+    ------
+    TypeError
+        As ``ring_attention`` and ``ptxattn.attention_backward`` raise it.
+    ValueError
+        As ``ring_attention`` and ``ptxattn.attention_backward`` raise it.
+
+    Examples
+    --------
+    >>> out, lse = cp.ring_attention(q, k, v, group=group, causal=True, return_lse=True)
+    >>> dq, dk, dv = cp.ring_attention_backward(dout, q, k, v, out, lse, group=group,
+    ...                                         causal=True)
     """
     import cupy
 

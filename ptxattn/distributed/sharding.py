@@ -1,5 +1,6 @@
 """Zigzag sharding of a sequence over the ranks of a ring (as Megatron and ring-flash-attn shard
-for causal attention): the sequence cut into 2N chunks, rank r holding chunks r and 2N-1-r."""
+for causal attention): the sequence cut into 2N chunks, rank r holding chunks r and 2N-1-r.
+ptxattn.distributed re-exports ``zigzag_shard`` and ``zigzag_unshard``."""
 
 from __future__ import annotations
 
@@ -7,10 +8,44 @@ from ..interop import framework
 
 
 def zigzag_shard(x, world_size: int, rank: int, dim: int = 1):
-    """Rank ``rank``'s zigzag shard of ``x`` along ``dim`` (the sequence; 1 for (batch, seqlen,
-    heads, head_dim) arrays, 2 for an LSE (batch, heads, seqlen)): ``x`` cut into 2 *
-    world_size equal chunks, chunk ``rank`` followed by chunk 2 * world_size - 1 - rank. Works on
-    NumPy, CuPy, torch and JAX arrays alike, and returns a new array of the same kind."""
+    """Rank ``rank``'s zigzag shard of ``x`` along the sequence axis ``dim``.
+
+    ``x`` is cut into 2 * world_size equal chunks along ``dim``, and the shard is chunk
+    ``rank`` followed by chunk 2 * world_size - 1 - rank: the sharding causal ring attention
+    needs, so that every rank does the same work at every step.
+
+    Parameters
+    ----------
+    x : array
+        A NumPy, CuPy, torch or JAX array.
+    world_size : int
+        The number of ranks, >= 1.
+    rank : int
+        The rank, in [0, world_size).
+    dim : int, default 1
+        The sequence axis: 1 for (batch, seqlen, heads, head_dim) arrays, 2 for an LSE (batch,
+        heads, seqlen); negative counts from the end. Its length must be a multiple of
+        2 * world_size.
+
+    Returns
+    -------
+    array
+        A new array of x's kind, 1 / world_size of x's length along ``dim``.
+
+    Raises
+    ------
+    ValueError
+        A ``world_size``, ``rank`` or ``dim`` out of range (or not an int), or a length along
+        ``dim`` that is not a multiple of 2 * world_size.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from ptxattn.distributed import zigzag_shard
+    >>> x = np.arange(8)[None, :]   # (1, 8): the sequence along dim 1
+    >>> zigzag_shard(x, 2, 0), zigzag_shard(x, 2, 1)
+    (array([[0, 1, 6, 7]]), array([[2, 3, 4, 5]]))
+    """
     _check_world_size(world_size)
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an int in [0, world_size) = [0, {world_size}), "
@@ -26,8 +61,33 @@ def zigzag_shard(x, world_size: int, rank: int, dim: int = 1):
 
 
 def zigzag_unshard(shards, dim: int = 1):
-    """The whole sequence from every rank's zigzag shard (``shards[r]`` rank r's, as
-    :func:`zigzag_shard` made them): the inverse of zigzag_shard along ``dim``."""
+    """The whole sequence from every rank's zigzag shard: the inverse of ``zigzag_shard``.
+
+    Parameters
+    ----------
+    shards : sequence of array
+        Every rank's shard, ``shards[r]`` rank r's, as ``zigzag_shard`` made them: of one
+        shape and kind (NumPy, CuPy, torch or JAX).
+    dim : int, default 1
+        The sequence axis (2 for LSEs); the shards' length along it must be even.
+
+    Returns
+    -------
+    array
+        The whole sequence, of the shards' kind.
+
+    Raises
+    ------
+    ValueError
+        ``shards`` empty or not a sequence; shards of unlike shapes; an odd length along
+        ``dim``; a ``dim`` out of range.
+
+    Examples
+    --------
+    >>> from ptxattn.distributed import zigzag_unshard
+    >>> zigzag_unshard([zigzag_shard(x, 2, rank) for rank in range(2)])
+    array([[0, 1, 2, 3, 4, 5, 6, 7]])
+    """
     if isinstance(shards, (str, bytes)) or not hasattr(shards, "__len__") or len(shards) == 0:
         raise ValueError("shards must be a non-empty sequence of arrays, one a rank")
     dim = _sequence_dim(shards[0], dim)

@@ -1,6 +1,7 @@
 """The ring of N simulated ranks on one GPU: the same schedules as ptxattn.distributed's entry
-points, driven in lockstep, each rank's messages copied into the next rank's buffers where NCCL
-would send them."""
+points (ptxattn/distributed/ring.py), driven in lockstep, each rank's messages copied into the
+next rank's buffers where NCCL would send them. For tests and for timing the schedule on one
+GPU."""
 
 from __future__ import annotations
 
@@ -12,13 +13,51 @@ from .transports import DONE
 
 def simulate_ring_attention(q_shards, k_shards, v_shards, *, causal: bool = False,
                             softmax_scale: float | None = None, return_lse: bool = False):
-    """:func:`ring_attention` of N simulated ranks on one GPU: the same schedule, each rank's
-    messages copied into the next rank's buffers where NCCL would send them.
+    """``ring_attention`` of N simulated ranks on one GPU, in lockstep.
 
-    q_shards, k_shards, v_shards: sequences of N CuPy arrays, rank r's shards at index r, all on
-    one device (causal: zigzag shards, :func:`zigzag_shard`). Returns the list of each rank's
-    output and, with ``return_lse``, the list of its LSEs; :func:`zigzag_unshard` (dim 1 for
-    outputs, 2 for LSEs) puts causal ones back in sequence order.
+    The same schedule as ``ring_attention``, each rank's messages copied into the next rank's
+    buffers where NCCL would send them, on CuPy's current stream: the results are those N
+    ranks would get.
+
+    Parameters
+    ----------
+    q_shards, k_shards, v_shards : list or tuple of cupy.ndarray
+        N shards each, rank r's at index r, as ``ring_attention`` takes them: of one shape per
+        argument, all on one device. Causal: zigzag shards (``zigzag_shard``).
+    causal : bool, default False
+        As in ``ring_attention``.
+    softmax_scale : float, optional
+        1 / sqrt(head_dim) by default.
+    return_lse : bool, default False
+        Also return each rank's log-sum-exp.
+
+    Returns
+    -------
+    outs : list of cupy.ndarray
+        Each rank's output shard.
+    lses : list of cupy.ndarray
+        Only with ``return_lse``: each rank's float32 LSE (batch, heads_q, seqlen_q).
+        ``zigzag_unshard`` (dim 1 for outputs, 2 for LSEs) puts causal results back in
+        sequence order.
+
+    Raises
+    ------
+    TypeError
+        An argument not a list or tuple, or holding arrays of another library than CuPy;
+        every TypeError of ``ptxattn.attention`` for a rank's shards.
+    ValueError
+        Lists of unlike lengths or empty; shards of one argument of unlike shapes or on
+        different devices; a causal call whose q and k shards do not have one even seqlen;
+        every ValueError of ``ptxattn.attention`` for a rank's shards.
+
+    Examples
+    --------
+    >>> import cupy, ptxattn, ptxattn.distributed as cp
+    >>> q, k, v = (cupy.random.standard_normal((1, 4096, 8, 128)).astype("bfloat16")
+    ...            for _ in range(3))
+    >>> shards = [[cp.zigzag_shard(x, 4, rank) for rank in range(4)] for x in (q, k, v)]
+    >>> outs = cp.simulate_ring_attention(*shards, causal=True)
+    >>> out = cp.zigzag_unshard(outs)   # ptxattn.attention(q, k, v, causal=True), to rounding
     """
     shards = _checked_shards(q=q_shards, k=k_shards, v=v_shards)
     world_size = len(shards["q"])
@@ -38,11 +77,43 @@ def simulate_ring_attention_backward(dout_shards, q_shards, k_shards, v_shards, 
                                      lse_shards, *, causal: bool = False,
                                      softmax_scale: float | None = None,
                                      deterministic: bool = False):
-    """:func:`ring_attention_backward` of N simulated ranks on one GPU, as
-    :func:`simulate_ring_attention` runs the forward: each argument a sequence of N CuPy arrays,
-    rank r's at index r (``out_shards`` and ``lse_shards`` what the simulated forward returned),
-    ``deterministic`` as there. Returns (dq_shards, dk_shards, dv_shards), lists of each rank's
-    gradients."""
+    """``ring_attention_backward`` of N simulated ranks on one GPU, in lockstep.
+
+    As ``simulate_ring_attention`` runs the forward.
+
+    Parameters
+    ----------
+    dout_shards, q_shards, k_shards, v_shards : list or tuple of cupy.ndarray
+        N shards each, rank r's at index r.
+    out_shards, lse_shards : list or tuple of cupy.ndarray
+        What ``simulate_ring_attention(..., return_lse=True)`` returned.
+    causal : bool, default False
+        As in the forward.
+    softmax_scale : float, optional
+        As in the forward.
+    deterministic : bool, default False
+        As in ``ring_attention_backward``.
+
+    Returns
+    -------
+    dq_shards, dk_shards, dv_shards : tuple of list of cupy.ndarray
+        Each rank's gradients.
+
+    Raises
+    ------
+    TypeError
+        As ``simulate_ring_attention`` and ``ptxattn.attention_backward`` raise it.
+    ValueError
+        As ``simulate_ring_attention`` and ``ptxattn.attention_backward`` raise it.
+
+    Examples
+    --------
+    >>> outs, lses = cp.simulate_ring_attention(*shards, causal=True, return_lse=True)
+    >>> douts = [cupy.ones_like(out) for out in outs]
+    >>> dqs, dks, dvs = cp.simulate_ring_attention_backward(douts, *shards, outs, lses,
+    ...                                                     causal=True)
+    >>> dq = cp.zigzag_unshard(dqs)
+    """
     shards = _checked_shards(dout=dout_shards, q=q_shards, k=k_shards, v=v_shards,
                              out=out_shards, lse=lse_shards)
     world_size = len(shards["q"])
