@@ -1,7 +1,11 @@
 """Arrays of any framework in, the same framework's arrays out: zero-copy, on the caller's stream.
 
-Every public entry point is decorated with :func:`framework_arrays`, so that its body sees CuPy
-arrays and its caller gets back the kind of array it passed in.
+Every public entry point that takes CUDA arrays (``ptxattn.attention`` and the other top-level
+functions, ``ptxattn.fp8.attention``, the quantizers, ``ptxattn.distributed.ring_attention``
+and its backward) is decorated with ``framework_arrays``, so that its body sees CuPy arrays and
+its caller gets back the kind of array it passed in. (The framework adapters ptxattn.torch and
+ptxattn.jax call these entry points; the FP8 reference and the ring simulation take CuPy
+arrays.)
 
 In. A cupy.ndarray is used as it is. Anything else that exposes CUDA memory through
 ``__dlpack__`` (torch tensors, JAX arrays, ...) or ``__cuda_array_interface__`` (Numba, older

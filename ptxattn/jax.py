@@ -1,14 +1,15 @@
 """ptxattn's attention for JAX: an XLA FFI custom call with a custom VJP, usable under jax.jit.
 
-``import ptxattn.jax`` (JAX is imported here only, never by ``import ptxattn``)::
+``import ptxattn.jax`` (JAX is imported here only, never by ``import ptxattn``):
 
     out = ptxattn.jax.attention(q, k, v, causal=True)       # q: (batch, seqlen, heads, head_dim)
     loss, grads = jax.value_and_grad(f)(params)             # backward through ptxattn's kernels
 
-How a call runs. Tracing checks the arguments with problem.py's rules (on stand-ins that carry the
-shapes and dtypes) and emits an ``ffi_call`` to one of two XLA FFI targets registered for CUDA:
-``ptxattn_attention_forward`` (q, k, v -> out, lse) and ``ptxattn_attention_backward`` (dout, q,
-k, v, out, lse -> dq, dk, dv), with causal, softmax_scale and deterministic as attributes. When
+How a call runs. Tracing checks the arguments with the rules of ptxattn/problem/ (on stand-ins
+that carry the shapes and dtypes) and emits an ``ffi_call`` to one of two XLA FFI targets
+registered for CUDA: ``ptxattn_attention_forward`` (q, k, v -> out, lse) and
+``ptxattn_attention_backward`` (dout, q, k, v, out, lse -> dq, dk, dv), with causal,
+softmax_scale and deterministic as attributes. When
 XLA runs the compiled program it calls the target's handler, a Python function behind a ctypes
 callback (no C++ build), which views XLA's device buffers as CuPy arrays (zero-copy), makes XLA's
 stream CuPy's current stream, and calls ptxattn.attention / attention_backward, which write into
@@ -45,6 +46,11 @@ import numpy as np
 from .problem import AttentionProblem
 
 __all__ = ["attention"]
+
+
+def __dir__():
+    return sorted(__all__)
+
 
 FORWARD_TARGET = "ptxattn_attention_forward"
 BACKWARD_TARGET = "ptxattn_attention_backward"
@@ -499,9 +505,10 @@ register(BACKWARD_TARGET, _backward_handler, platform="CUDA")
 
 @dataclasses.dataclass(frozen=True)
 class _XlaOperand:
-    """What problem.py's checks read of an array, for an operand of the FFI call: its shape and
-    dtype, row-major strides (the layout ffi_call asks XLA for) and a placeholder address and
-    device, as XLA places its buffers (aligned to at least 64 bytes) on the device it runs on."""
+    """What the checks of ptxattn/problem/ read of an array, for an operand of the FFI call: its
+    shape and dtype, row-major strides (the layout ffi_call asks XLA for) and a placeholder
+    address and device, as XLA places its buffers (aligned to at least 64 bytes) on the device it
+    runs on."""
 
     shape: tuple[int, ...]
     dtype: np.dtype
@@ -510,7 +517,7 @@ class _XlaOperand:
 
     @classmethod
     def like(cls, x):
-        """A stand-in for ``x``, or ``x`` itself when it is no array (problem.py refuses it)."""
+        """A stand-in for ``x``, or ``x`` itself when it is no array (the checks refuse it)."""
         if not (hasattr(x, "shape") and hasattr(x, "dtype")):
             return x
         return cls(tuple(x.shape), np.dtype(x.dtype))
@@ -538,7 +545,7 @@ class _XlaOperand:
 
 def _checked(q, k, v, causal, softmax_scale, deterministic) -> AttentionProblem:
     """ptxattn.attention's argument checks, at trace time, so that a bad call fails in Python
-    with problem.py's message rather than inside XLA."""
+    with the message of ptxattn/problem/ rather than inside XLA."""
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     return AttentionProblem.from_16bit(_XlaOperand.like(q), _XlaOperand.like(k),
@@ -548,15 +555,54 @@ def _checked(q, k, v, causal, softmax_scale, deterministic) -> AttentionProblem:
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
               deterministic: bool = False):
-    """Scaled dot-product attention, ``softmax(scale * q k^T) v``, on JAX arrays on a CUDA device.
+    """Scaled dot-product attention, ``softmax(softmax_scale * q k^T) v``, for JAX on CUDA.
 
-    q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim); float16
-    or bfloat16; head_dim 64, 128 or 256; heads_q a multiple of heads_kv. ``causal`` is
-    bottom-right aligned, ``softmax_scale`` defaults to 1/sqrt(head_dim), as in
-    ptxattn.attention. Returns the output in q's dtype. Differentiable in reverse mode
-    (jax.grad, jax.vjp) through ptxattn.attention_backward; ``deterministic=True`` makes the
-    gradients bit-identical from run to run. Works under jax.jit and jax.vmap (vmapped
-    dimensions are folded into batch). Bad arguments raise TypeError/ValueError when traced.
+    An XLA FFI custom call (module docstring) with a custom VJP: differentiable in reverse
+    mode (jax.grad, jax.vjp) through ``ptxattn.attention_backward``, usable under jax.jit and
+    jax.vmap (vmapped dimensions are folded into batch). The kernels run on XLA's stream, into
+    XLA's buffers. Bad arguments raise when the call is traced, with ``ptxattn.attention``'s
+    messages, rather than inside XLA.
+
+    Parameters
+    ----------
+    q : jax.Array
+        Queries, (batch, seqlen_q, heads_q, head_dim), float16 or bfloat16, on a CUDA device;
+        head_dim 64, 128 or 256.
+    k, v : jax.Array
+        Keys and values, (batch, seqlen_k, heads_kv, head_dim), of one shape and q's dtype;
+        heads_q a multiple of heads_kv (GQA/MQA).
+    causal : bool, default False
+        Masks key j from query i unless j <= i + seqlen_k - seqlen_q (bottom-right aligned,
+        as in ``ptxattn.attention``).
+    softmax_scale : float, optional
+        The scale of the scores, finite and positive; 1 / sqrt(head_dim) by default.
+    deterministic : bool, default False
+        Makes the gradients bit-identical from run to run.
+
+    Returns
+    -------
+    jax.Array
+        The output, (batch, seqlen_q, heads_q, head_dim) in q's dtype.
+
+    Raises
+    ------
+    TypeError
+        q, k or v not arrays, not float16 or bfloat16, or not of one dtype; ``causal`` or
+        ``deterministic`` not a bool.
+    ValueError
+        A shape (not 4-d, empty, k and v unlike, batch or head_dim unlike q's, heads_q not a
+        multiple of heads_kv); head_dim not 64, 128 or 256; a bad ``softmax_scale``.
+
+    Examples
+    --------
+    >>> import jax, jax.numpy as jnp
+    >>> import ptxattn.jax
+    >>> keys = jax.random.split(jax.random.key(0), 3)
+    >>> q, k, v = (jax.random.normal(key, (2, 1024, 16, 128), jnp.bfloat16) for key in keys)
+    >>> out = jax.jit(ptxattn.jax.attention, static_argnames="causal")(q, k, v, causal=True)
+    >>> def loss(q, k, v):
+    ...     return ptxattn.jax.attention(q, k, v, causal=True).astype(jnp.float32).sum()
+    >>> dq, dk, dv = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
     """
     problem = _checked(q, k, v, causal, softmax_scale, deterministic)
     return _attention(q, k, v, causal, problem.softmax_scale, deterministic)
