@@ -32,10 +32,16 @@ traces the backward with the forward), never a silent zero gradient. (torch.libr
 autograd formula for an op that mutates its inputs, so attention_with_kvcache's backward, when
 there is one, will be a functional op of its own.) Every op runs on torch's current stream.
 Outputs are allocated by torch's caching allocator, except the serving ops' lse, which ptxattn
-allocates from CuPy's pool (as its other temporaries; ptxattn.interop) and torch frees.
+allocates from CuPy's pool (as its other temporaries; ptxattn/interop.py) and torch frees.
+
+The Python functions (``attention``, ``attention_varlen``, ``attention_with_kvcache``,
+``ring_attention``) check that their tensor arguments are torch tensors on a CUDA device (meta
+and fake tensors pass, for tracing) of the dtypes the kernels take before calling an op, so that
+a CPU tensor gets a TypeError naming the argument rather than the dispatcher's error for an op
+with no CPU kernel; every other check is ptxattn's own, inside the op.
 
 ``ring_attention`` (context parallelism: each rank of a torch.distributed NCCL process group
-holds a shard of the sequence; ptxattn.distributed, docs/distributed.md) is a
+holds a shard of the sequence; ptxattn.distributed, docs/guide/distributed.md) is a
 ``torch.autograd.Function``, not a custom op: its process group is no schema type. It runs
 eagerly (torch.compile breaks the graph around it), on torch's current stream, its K/V exchanges
 on torch's NCCL stream; its outputs come from CuPy's pool.
@@ -47,7 +53,44 @@ import torch
 
 from . import api, serving
 
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "ring_attention"]
+
 _NO_GRAD = (None, None, None, None)  # for causal, softmax_scale, deterministic, backend
+
+_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+# Where the ops run: CUDA tensors, and meta (or fake) tensors, which reach the fake kernels when
+# torch.compile or opcheck traces a call.
+_DEVICE_TYPES = ("cuda", "meta")
+
+
+def __dir__():
+    return sorted(__all__)
+
+
+def _check_tensor(name: str, x, dtypes: tuple, dtype_names: str) -> None:
+    """A TypeError naming ``name`` unless ``x`` is a torch tensor on a CUDA (or meta) device
+    with one of ``dtypes``: checked before a custom op is entered, whose dispatcher would
+    otherwise answer a CPU tensor with its own long error."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor on a CUDA device, got "
+                        f"{type(x).__module__}.{type(x).__name__}")
+    if x.device.type not in _DEVICE_TYPES:
+        raise TypeError(f"{name} must be a CUDA tensor (ptxattn's kernels run on the GPU), got "
+                        f"a tensor on {x.device}; move it with {name}.cuda()")
+    if x.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {dtype_names}, got {x.dtype}")
+
+
+def _check_16bit(**tensors) -> None:
+    for name, x in tensors.items():
+        _check_tensor(name, x, _SIXTEEN_BIT, "float16 or bfloat16")
+
+
+def _check_optional(dtype: torch.dtype, **tensors) -> None:
+    """Each of ``tensors`` that is not None: a CUDA tensor of ``dtype``."""
+    for name, x in tensors.items():
+        if x is not None:
+            _check_tensor(name, x, (dtype,), str(dtype).removeprefix("torch."))
 
 
 def _lse_shape(q: torch.Tensor) -> tuple[int, int, int]:
@@ -120,16 +163,63 @@ attention_fwd.register_autograd(_attention_backward, setup_context=_attention_se
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               softmax_scale: Optional[float] = None, return_lse: bool = False,
               deterministic: bool = False, backend: Optional[str] = None):
-    """softmax(softmax_scale * q k^T) v, differentiable in q, k and v.
+    """Scaled dot-product attention, ``softmax(softmax_scale * q k^T) v``, differentiable.
 
-    q (batch, seqlen_q, heads_q, head_dim), k and v (batch, seqlen_k, heads_kv, head_dim): CUDA
-    tensors of float16 or bfloat16, as :func:`ptxattn.attention` takes them (unit stride in
-    head_dim, other strides free, heads_q a multiple of heads_kv; bottom-right aligned
-    ``causal``; ``softmax_scale`` 1/sqrt(head_dim) by default). Returns the output (batch,
-    seqlen_q, heads_q, head_dim), and with ``return_lse`` also the float32 log-sum-exp (batch,
-    heads_q, seqlen_q), which carries no gradient. ``deterministic`` makes the gradients
-    bit-identical from run to run; ``backend`` picks the kernel family as in ptxattn.attention.
+    ``ptxattn.attention`` as the custom op ``ptxattn::attention_fwd``, its backward
+    ``ptxattn::attention_bwd`` (``ptxattn.attention_backward``) joined by
+    ``register_autograd``: gradients flow to q, k and v, and torch.compile traces forward and
+    backward into one graph. Runs on torch's current stream; the outputs come from torch's
+    caching allocator. Layout rules as ``ptxattn.attention`` states them (unit stride in
+    head_dim, 16-byte aligned base and batch/seqlen/heads strides, otherwise free).
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        Queries, (batch, seqlen_q, heads_q, head_dim), float16 or bfloat16, on a CUDA device;
+        head_dim 64, 128 or 256.
+    k, v : torch.Tensor
+        Keys and values, (batch, seqlen_k, heads_kv, head_dim), q's dtype and device; heads_q a
+        multiple of heads_kv (GQA/MQA).
+    causal : bool, default False
+        Masks key j from query i unless j <= i + seqlen_k - seqlen_q (bottom-right aligned).
+    softmax_scale : float, optional
+        The scale of the scores; 1 / sqrt(head_dim) by default.
+    return_lse : bool, default False
+        Also return the log-sum-exp.
+    deterministic : bool, default False
+        Makes the gradients bit-identical from run to run.
+    backend : {'hopper', 'portable'}, optional
+        The kernel family, as in ``ptxattn.attention``.
+
+    Returns
+    -------
+    out : torch.Tensor
+        (batch, seqlen_q, heads_q, head_dim) in q's dtype.
+    lse : torch.Tensor
+        Only with ``return_lse``: float32 (batch, heads_q, seqlen_q), natural log; it carries
+        no gradient.
+
+    Raises
+    ------
+    TypeError
+        q, k or v not a torch tensor, not on a CUDA device (a CPU tensor), or not float16 or
+        bfloat16; then, inside the op, every TypeError of ``ptxattn.attention``.
+    ValueError
+        As ``ptxattn.attention`` raises it (shapes, strides, head_dim, devices, options).
+
+    Examples
+    --------
+    >>> import torch, ptxattn.torch
+    >>> q = torch.randn(2, 1024, 16, 128, device="cuda", dtype=torch.bfloat16,
+    ...                 requires_grad=True)
+    >>> k, v = (torch.randn(2, 1024, 4, 128, device="cuda", dtype=torch.bfloat16,
+    ...                     requires_grad=True) for _ in range(2))
+    >>> out = ptxattn.torch.attention(q, k, v, causal=True)
+    >>> out.float().square().mean().backward()
+    >>> q.grad.shape, k.grad.shape
+    (torch.Size([2, 1024, 16, 128]), torch.Size([2, 1024, 4, 128]))
     """
+    _check_16bit(q=q, k=k, v=v)
     out, lse = attention_fwd(q, k, v, causal, softmax_scale, deterministic, backend)
     return (out, lse) if return_lse else out
 
@@ -202,13 +292,72 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
                      return_lse: bool = False, check_contents: bool = True,
                      backend: Optional[str] = None):
-    """:func:`ptxattn.attention_varlen` on CUDA tensors, as a custom op (forward only).
+    """``ptxattn.attention_varlen`` on CUDA tensors, as a custom op (forward only).
 
-    q (total_q, heads_q, head_dim), k and v (total_k, heads_kv, head_dim) packed back to back;
-    cu_seqlens_q/k int32 (batch + 1,) cumulative lengths; every option as there (no ``out``:
-    the output comes from torch's allocator). Returns the output like q and, with
-    ``return_lse``, the float32 log-sum-exp (heads_q, total_q). A backward through it raises.
+    The custom op ``ptxattn::attention_varlen_fwd``, traceable by torch.compile. It has no
+    backward yet: it runs on tensors that require grad, but a backward through it raises
+    torch's "no autograd formula" error (under torch.compile when compiling), never a silent
+    zero gradient. Runs on torch's current stream; the output comes from torch's caching
+    allocator, the lse from CuPy's pool. Every option is ``ptxattn.attention_varlen``'s, with
+    its rules; there is no ``out``.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        Queries, (total_q, heads_q, head_dim), float16 or bfloat16, on a CUDA device, the
+        sequences packed back to back.
+    k, v : torch.Tensor
+        Keys and values, (total_k, heads_kv, head_dim), q's dtype.
+    cu_seqlens_q, cu_seqlens_k : torch.Tensor
+        int32 (batch + 1,) cumulative lengths, from 0, on q's device.
+    max_seqlen_q, max_seqlen_k : int
+        Bounds on the sequences' lengths.
+    causal : bool, default False
+        Bottom-right aligned per sequence.
+    softmax_scale : float, optional
+        1 / sqrt(head_dim) by default.
+    window : tuple of (int, int), default (-1, -1)
+        (left, right) keys around each sequence's diagonal; -1 is unbounded.
+    softcap : float, default 0.0
+        When > 0, the scaled scores s become softcap * tanh(s / softcap).
+    sinks : torch.Tensor, optional
+        float32 (heads_q,): logits that join every row's softmax denominator.
+    return_lse : bool, default False
+        Also return the log-sum-exp.
+    check_contents : bool, default True
+        Copy the cu_seqlens to the host to check them (a synchronization).
+    backend : {'hopper', 'portable'}, optional
+        The kernel family.
+
+    Returns
+    -------
+    out : torch.Tensor
+        Like q, (total_q, heads_q, head_dim).
+    lse : torch.Tensor
+        Only with ``return_lse``: float32 (heads_q, total_q), natural log, sinks included.
+
+    Raises
+    ------
+    TypeError
+        q, k, v not float16 or bfloat16 CUDA tensors, the cu_seqlens not int32 CUDA tensors,
+        ``sinks`` not a float32 CUDA tensor; then, inside the op, every TypeError of
+        ``ptxattn.attention_varlen``.
+    ValueError
+        As ``ptxattn.attention_varlen`` raises it.
+
+    Examples
+    --------
+    >>> cu_seqlens = torch.tensor([0, 5, 5, 16], dtype=torch.int32, device="cuda")
+    >>> q = torch.randn(16, 32, 128, device="cuda", dtype=torch.bfloat16)
+    >>> k, v = (torch.randn(16, 8, 128, device="cuda", dtype=torch.bfloat16)
+    ...         for _ in range(2))
+    >>> out = ptxattn.torch.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, 11, 11,
+    ...                                      causal=True)
     """
+    _check_16bit(q=q, k=k, v=v)
+    _check_tensor("cu_seqlens_q", cu_seqlens_q, (torch.int32,), "int32")
+    _check_tensor("cu_seqlens_k", cu_seqlens_k, (torch.int32,), "int32")
+    _check_optional(torch.float32, sinks=sinks)
     out, lse = attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, causal, softmax_scale, tuple(window), softcap,
                                     sinks, check_contents, backend)
@@ -224,17 +373,86 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            softmax_scale: Optional[float] = None, num_splits: int = 0,
                            return_lse: bool = False, check_contents: bool = True,
                            backend: Optional[str] = None):
-    """:func:`ptxattn.attention_with_kvcache` on CUDA tensors, as a custom op (forward only).
+    """``ptxattn.attention_with_kvcache`` on CUDA tensors, as a custom op (forward only).
 
-    q (batch, seqlen_q, heads_q, head_dim); a contiguous cache (batch, seqlen_cache, heads_kv,
-    head_dim) or a paged one (num_pages, page_size, heads_kv, head_dim) with an int32 (batch,
-    max_pages) ``block_table``; ``cache_seqlens`` an int or an int32 (batch,) tensor;
-    ``k_new``/``v_new`` (batch, seqlen_new, heads_kv, head_dim) are written into k_cache and
-    v_cache in place, visible to the caller, also under torch.compile. Every option as there (no
-    ``out``: the output comes from torch's allocator). Returns the output like q and, with
-    ``return_lse``, the float32 log-sum-exp (batch, heads_q, seqlen_q). A backward through it
-    raises.
+    The custom op ``ptxattn::attention_with_kvcache_fwd``, traceable by torch.compile, which
+    declares k_cache and v_cache mutated: ``k_new`` and ``v_new`` are written into them in
+    place, visible to the caller, also under torch.compile (the caches change only when k_new
+    and v_new are given). It has no backward yet: a backward through it raises torch's "no
+    autograd formula" error. Runs on torch's current stream; the output comes from torch's
+    caching allocator, the lse from CuPy's pool. Every option is
+    ``ptxattn.attention_with_kvcache``'s, with its rules; there is no ``out``.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        Queries, (batch, seqlen_q, heads_q, head_dim), float16 or bfloat16, on a CUDA device.
+    k_cache, v_cache : torch.Tensor
+        A contiguous cache, (batch, seqlen_cache, heads_kv, head_dim), or a paged one,
+        (num_pages, page_size, heads_kv, head_dim) with ``block_table``; q's dtype.
+    cache_seqlens : int or torch.Tensor
+        Each sequence's filled length: one int, or an int32 (batch,) CUDA tensor.
+    block_table : torch.Tensor, optional
+        For a paged cache: int32 (batch, max_pages), each sequence's pages in order.
+    k_new, v_new : torch.Tensor, optional
+        (batch, seqlen_new, heads_kv, head_dim), appended at cache_seqlens before attending.
+    causal : bool, default True
+        Aligns the queries with the last keys (bottom-right).
+    window : tuple of (int, int), default (-1, -1)
+        (left, right) keys around that diagonal; -1 is unbounded.
+    softcap : float, default 0.0
+        When > 0, the scaled scores s become softcap * tanh(s / softcap).
+    sinks : torch.Tensor, optional
+        float32 (heads_q,): logits that join every row's softmax denominator.
+    softmax_scale : float, optional
+        1 / sqrt(head_dim) by default.
+    num_splits : int, default 0
+        Key splits a sequence: 0 as many as fill the GPU, 1 none.
+    return_lse : bool, default False
+        Also return the log-sum-exp.
+    check_contents : bool, default True
+        Copy cache_seqlens and block_table to the host to check them (a synchronization).
+    backend : {'hopper', 'portable'}, optional
+        The kernel family.
+
+    Returns
+    -------
+    out : torch.Tensor
+        Like q, (batch, seqlen_q, heads_q, head_dim).
+    lse : torch.Tensor
+        Only with ``return_lse``: float32 (batch, heads_q, seqlen_q), natural log, sinks
+        included.
+
+    Raises
+    ------
+    TypeError
+        q, the caches, k_new or v_new not float16 or bfloat16 CUDA tensors; a tensor
+        ``cache_seqlens`` or ``block_table`` not an int32 CUDA tensor; ``sinks`` not a float32
+        CUDA tensor; then, inside the op, every TypeError of ``ptxattn.attention_with_kvcache``.
+    ValueError
+        As ``ptxattn.attention_with_kvcache`` raises it.
+
+    Examples
+    --------
+    >>> k_cache = torch.zeros(4, 4096, 8, 128, device="cuda", dtype=torch.bfloat16)
+    >>> v_cache = torch.zeros_like(k_cache)
+    >>> lengths = torch.tensor([100, 7, 250, 31], dtype=torch.int32, device="cuda")
+    >>> q = torch.randn(4, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    >>> k_new, v_new = (torch.randn(4, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    ...                 for _ in range(2))
+    >>> out = ptxattn.torch.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
+    ...                                            k_new=k_new, v_new=v_new)
+    >>> lengths += 1
     """
+    _check_16bit(q=q, k_cache=k_cache, v_cache=v_cache)
+    if isinstance(cache_seqlens, torch.Tensor):
+        _check_tensor("cache_seqlens", cache_seqlens, (torch.int32,), "int32")
+    _check_optional(torch.int32, block_table=block_table)
+    _check_optional(torch.float32, sinks=sinks)
+    if k_new is not None:
+        _check_16bit(k_new=k_new)
+    if v_new is not None:
+        _check_16bit(v_new=v_new)
     tensor = isinstance(cache_seqlens, torch.Tensor)
     out, lse = attention_with_kvcache_fwd(
         q, k_cache, v_cache, cache_seqlens if tensor else None, 0 if tensor else cache_seqlens,
@@ -283,19 +501,64 @@ class _RingAttention(torch.autograd.Function):
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group,
                    causal: bool = False, softmax_scale: Optional[float] = None,
                    return_lse: bool = False, deterministic: bool = False):
-    """This rank's shard of softmax(softmax_scale * q k^T) v over a sequence sharded across the
-    ranks of ``group``, differentiable in q, k and v (context parallelism).
+    """This rank's shard of attention over a sequence sharded across the ranks of ``group``.
 
-    q (batch, seqlen_q, heads_q, head_dim), k and v (batch, seqlen_k, heads_kv, head_dim): this
-    rank's shards, CUDA tensors of float16 or bfloat16, every rank's of the same shapes;
-    causal needs zigzag shards (``ptxattn.distributed.zigzag_shard``). ``group``: a
-    torch.distributed process group on the NCCL backend (or a ptxattn.distributed.Transport).
-    Every rank of the group calls it together, and runs the backward together. Returns the
-    output shard and, with ``return_lse``, the float32 log-sum-exp over the whole sequence
-    (batch, heads_q, seqlen_q), which carries no gradient. dk and dv are this rank's K/V's
-    gradients, summed over every rank's queries. ``deterministic`` as in :func:`attention`.
-    Import ptxattn.distributed before creating the process group: it sets NCCL_NVLS_ENABLE=0
-    (and torch's multicast off), which NCCL reads when it creates a communicator.
+    Context parallelism, differentiable in q, k and v: ``ptxattn.distributed.ring_attention``
+    and ``ring_attention_backward`` as one ``torch.autograd.Function``, not a custom op (its
+    process group is no schema type), so it runs eagerly: torch.compile breaks the graph
+    around it. It runs on torch's current stream, its K/V exchanges on torch's NCCL stream;
+    its outputs come from CuPy's pool. Every rank of the group calls it together, and runs
+    the backward together. Import ptxattn.distributed before creating the process group: it
+    sets NCCL_NVLS_ENABLE=0 (and torch's multicast off), which NCCL reads when it creates a
+    communicator.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        This rank's query shard, (batch, seqlen_q, heads_q, head_dim), float16 or bfloat16, on
+        a CUDA device; every rank's of the same shape.
+    k, v : torch.Tensor
+        This rank's key and value shards, (batch, seqlen_k, heads_kv, head_dim).
+    group : torch.distributed.ProcessGroup or ptxattn.distributed.Transport
+        A process group on the NCCL backend (or a Transport).
+    causal : bool, default False
+        Needs zigzag shards (``ptxattn.distributed.zigzag_shard``) of one sequence,
+        seqlen_q == seqlen_k; non-causal attention takes any sharding.
+    softmax_scale : float, optional
+        1 / sqrt(head_dim) by default.
+    return_lse : bool, default False
+        Also return the log-sum-exp.
+    deterministic : bool, default False
+        Makes the gradients bit-identical from run to run.
+
+    Returns
+    -------
+    out : torch.Tensor
+        This rank's output shard, like q.
+    lse : torch.Tensor
+        Only with ``return_lse``: float32 (batch, heads_q, seqlen_q), over the whole
+        sequence; it carries no gradient.
+
+    Raises
+    ------
+    TypeError
+        q, k or v not float16 or bfloat16 CUDA tensors; ``group`` of another kind; then every
+        TypeError of ``ptxattn.distributed.ring_attention``.
+    ValueError
+        As ``ptxattn.distributed.ring_attention`` raises it (a causal call on shards that are
+        not zigzag shards of one even length, a group not on the NCCL backend, ...).
+
+    Examples
+    --------
+    >>> import torch.distributed as dist
+    >>> import ptxattn.distributed as cp, ptxattn.torch
+    >>> dist.init_process_group("nccl")
+    >>> rank, world = dist.get_rank(), dist.get_world_size()
+    >>> q, k, v = (cp.zigzag_shard(x, world, rank).requires_grad_()
+    ...            for x in (q_all, k_all, v_all))   # each rank's shards of the whole
+    >>> out = ptxattn.torch.ring_attention(q, k, v, group=dist.group.WORLD, causal=True)
+    >>> out.float().square().mean().backward()   # dk, dv summed over every rank's queries
     """
+    _check_16bit(q=q, k=k, v=v)
     out, lse = _RingAttention.apply(q, k, v, group, causal, softmax_scale, deterministic)
     return (out, lse) if return_lse else out

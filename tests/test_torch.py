@@ -4,7 +4,9 @@ CPU (fake and meta tensors, no GPU): the fakes give the real ops' shapes, dtypes
 autograd reaches the backward op, torch.library.opcheck accepts every op's registration, and
 torch.compile traces forward and backward with fullgraph=True. The serving ops (varlen, KV cache):
 the same, plus the cache op's schema naming k_cache and v_cache as mutated, and a gradient through
-either raising (they have no backward), eagerly and under torch.compile.
+either raising (they have no backward), eagerly and under torch.compile. Every Python function
+refuses a CPU tensor, a tensor of another dtype or no tensor with a TypeError naming the
+argument, before any op is entered.
 
 GPU: values and gradients against torch SDPA and against FP32 attention, bf16, causal or not,
 GQA. Tolerance, the rule of tests/test_attention.py and tests/test_backward.py (whose checks are
@@ -217,6 +219,67 @@ def test_compile_traces_the_serving_ops_in_one_graph():
         return packed.float().sum() + decoded.float().sum()
 
     assert step(_varlen_args("meta"), _kvcache_args("meta"), 5).shape == ()
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks before the ops: a TypeError naming the argument, not the dispatcher's error
+
+
+def _bf16_zeros(*shape, device="meta", dtype=torch.bfloat16):
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _on_cpu(x):
+    """Zeros like the meta tensor ``x``, on the CPU (a meta tensor has no data to copy)."""
+    return torch.zeros_like(x, device="cpu")
+
+
+@pytest.mark.parametrize("q, message", [
+    (torch.zeros((1, 128, 2, 64), dtype=torch.bfloat16, device="cpu"),
+     r"q must be a CUDA tensor \(ptxattn's kernels run on the GPU\), got a tensor on cpu"),
+    (torch.zeros((1, 128, 2, 64), dtype=torch.float32, device="meta"),
+     "q must have dtype float16 or bfloat16, got torch.float32"),
+    (np.zeros((1, 128, 2, 64), dtype=np.float16), "q must be a torch.Tensor on a CUDA device"),
+], ids=["cpu", "float32", "numpy"])
+def test_attention_refuses_a_cpu_tensor_or_another_dtype_by_name(q, message):
+    k = v = _bf16_zeros(1, 128, 2, 64)
+    with pytest.raises(TypeError, match=message):
+        ptxattn.torch.attention(q, k, v)
+    with pytest.raises(TypeError, match=message):
+        ptxattn.torch.ring_attention(q, k, v, group=None)
+
+
+def test_attention_names_k_and_v_on_the_cpu():
+    q = _bf16_zeros(1, 128, 2, 64)
+    cpu = _bf16_zeros(1, 128, 2, 64, device="cpu")
+    with pytest.raises(TypeError, match="k must be a CUDA tensor"):
+        ptxattn.torch.attention(q, cpu, q)
+    with pytest.raises(TypeError, match="v must be a CUDA tensor"):
+        ptxattn.torch.attention(q, q, cpu)
+
+
+def test_serving_functions_check_their_tensors_before_the_ops():
+    q, k, v, cu_q, cu_k, max_q, max_k, *_ = _varlen_args("meta")
+    with pytest.raises(TypeError, match="cu_seqlens_k must be a CUDA tensor"):
+        ptxattn.torch.attention_varlen(q, k, v, cu_q, _on_cpu(cu_k), max_q, max_k)
+    with pytest.raises(TypeError, match="cu_seqlens_q must have dtype int32, got torch.int64"):
+        ptxattn.torch.attention_varlen(q, k, v, cu_q.long(), cu_k, max_q, max_k)
+    with pytest.raises(TypeError, match="sinks must have dtype float32"):
+        ptxattn.torch.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k,
+                                       sinks=_bf16_zeros(q.shape[1]))
+
+    q, k_cache, v_cache, lengths, _, table, k_new, v_new, *_ = _kvcache_args("meta")
+    with pytest.raises(TypeError, match="q must be a CUDA tensor"):
+        ptxattn.torch.attention_with_kvcache(_on_cpu(q), k_cache, v_cache, cache_seqlens=5)
+    with pytest.raises(TypeError, match="cache_seqlens must be a CUDA tensor"):
+        ptxattn.torch.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=_on_cpu(lengths),
+                                             block_table=table)
+    with pytest.raises(TypeError, match="block_table must have dtype int32"):
+        ptxattn.torch.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
+                                             block_table=table.long())
+    with pytest.raises(TypeError, match="v_new must be a CUDA tensor"):
+        ptxattn.torch.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
+                                             block_table=table, k_new=k_new, v_new=_on_cpu(v_new))
 
 
 # ---------------------------------------------------------------------------------------------
