@@ -39,14 +39,6 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const TensorMap* map, MBa
         ::"r"(smem_addr(dst)), "l"(map), "r"(bar.addr()), "r"(c0), "r"(c1) : "memory");
 }
 
-__device__ __forceinline__ void tma_load_3d(void* dst, const TensorMap* map, MBarrier& bar,
-                                            int c0, int c1, int c2) {
-    asm volatile(
-        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
-        " [%0], [%1, {%3, %4, %5}], [%2];"
-        ::"r"(smem_addr(dst)), "l"(map), "r"(bar.addr()), "r"(c0), "r"(c1), "r"(c2) : "memory");
-}
-
 __device__ __forceinline__ void tma_load_4d(void* dst, const TensorMap* map, MBarrier& bar,
                                             int c0, int c1, int c2, int c3) {
     asm volatile(
