@@ -14,8 +14,8 @@ is installed, so every install on a machine (or an image) shares the entries. An
 by that key (``<key>.cubin``), and ``index.tsv`` beside them names the kernel of each. Each entry
 carries a SHA-256 of its payload, so a truncated or corrupt entry is detected and rebuilt rather
 than loaded. Processes that want the same missing entry take turns on a per-entry file lock,
-removed once the entry is published, so it is compiled once. Where the directory cannot be written, compiled kernels stay in memory, with one
-:class:`CacheWarning`.
+removed once the entry is published, so it is compiled once. Where the directory cannot be
+written, compiled kernels stay in memory, with one :class:`CacheWarning`.
 """
 
 from __future__ import annotations
@@ -363,7 +363,7 @@ def check_source(text: str, name: str, arch: str) -> None:
 _compiled: dict[tuple[KernelSpec, str], CompiledKernel] = {}
 _lock = threading.Lock()
 # Where this process got kernels from beyond _compiled: "nvrtc" (compiled) and "disk" (read from
-# the cache), counted for `python -m ptxattn.kernels --warm`'s report and the tests.
+# the cache), counted for `python -m ptxattn kernels --warm`'s report and the tests.
 compile_counts: collections.Counter[str] = collections.Counter()
 # Cache directories a lock or write failed in (warned about once): not tried again.
 _unwritable_dirs: set[Path] = set()

@@ -8,8 +8,8 @@ is imported as ``ptxattn_before``, so both versions run in the same process on t
 timed in alternating rounds (ptxattn.tools.timing.time_ms_interleaved): the way to show that a
 restructure costs no speed. Both run the built-in tile schedules (PTXATTN_TUNE_TABLE=builtin),
 so that a tuning table on this machine does not make the comparison one of schedules; --tuned
-lets the current checkout read its tables. Rows are the profiler's (ptxattn/tools/profile.py); each family (Hopper
-bf16, Hopper FP8 with head scales, portable) is called through its launcher module in both
+lets the current checkout read its tables. Rows are the profiler's (ptxattn/tools/profile.py);
+each family (Hopper bf16, Hopper FP8 with head scales, portable) is called through its entry point in both
 versions. Prints TFLOP/s of both and the ratio after / before.
 """
 

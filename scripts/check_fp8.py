@@ -10,8 +10,8 @@
    normal and outlier inputs).
 4. Throughput: FP8 attention (inputs quantized once, outside the timing, with per-(batch, head)
    descales and with per-block ones) and our own bf16 kernel on the same shapes in the same
-   process, timed with ptxattn.tools.timing (the profiler's timer and FLOP count); prints TFLOP/s and the
-   FP8 / bf16 ratio.
+   process, timed with ptxattn.tools.timing (the profiler's timer and FLOP count); prints TFLOP/s
+   and the FP8 / bf16 ratio.
 5. --sweep: candidate FP8 tile configurations (keys per tile, stages, persistent grid or not),
    each checked for correctness on a small problem, then timed.
 Exits non-zero if a smoke or sweep correctness case fails.

@@ -2,8 +2,8 @@
 
     PYTHONPATH=$PWD python3 scripts/check_portable.py [--tiles D:M,N,W,S,B ...] [--skip-grid]
 
-Accuracy: every case runs the portable forward (ptxattn/launchers/portable_forward.py) against ptxattn.reference in FP32 and passes when its
-max error is at most twice that of the same math done naively in the input precision, plus the
+Accuracy: every case runs the portable forward (ptxattn/launchers/portable_forward.py) against
+ptxattn.reference in FP32 and passes when its max error is at most twice that of the same math done naively in the input precision, plus the
 rounding noise of one output value (the rule tests/test_attention.py applies). Throughput: bf16,
 the table's tile and every --tiles candidate, beside torch SDPA's FlashAttention-2 backend in the
 same process, median of CUDA-event-timed runs after warm-up.

@@ -17,8 +17,9 @@
 // before (P and dS then alternate between two buffers).
 // The order of the walk and of the deterministic sums is BwdWalk's (tile_scheduler.cuh).
 //
-// The launcher (ptxattn/portable.py) instantiates attn_bwd_mma_sync<BwdMmaSyncConfig<...>> by
-// name; every runtime argument is in BwdParams (params.cuh).
+// The launcher (ptxattn/launchers/portable_backward.py) instantiates
+// attn_bwd_mma_sync<BwdMmaSyncConfig<...>> by name; every runtime argument is in BwdParams
+// (params.cuh).
 #include "mainloops/bwd_mma_sync.cuh"
 #include "roles/params.cuh"
 

@@ -15,10 +15,10 @@
 //   warpgroups 1-2 the consumers: 64 keys each, the step's five GEMMs, dQ added into the FP32
 //                 accumulator, and at the end dK and dV staged in shared memory and written by
 //                 TMA stores (mainloops/bwd_sm90.cuh).
-// The launcher (ptxattn/hopper_backward.py) instantiates attn_bwd_sm90<BwdSm90Config<...>> by
-// name; every runtime argument is in BwdParams (params.cuh), whose q/k/v/dout maps are 4-d with
-// coordinates (d, head, row, batch) and boxes of 64 columns x kBlockM (q, dout) or 128 (k, v)
-// rows; rows past the end load as zeros.
+// The launcher (ptxattn/launchers/hopper_backward.py) instantiates
+// attn_bwd_sm90<BwdSm90Config<...>> by name; every runtime argument is in BwdParams (params.cuh),
+// whose q/k/v/dout maps are 4-d with coordinates (d, head, row, batch) and boxes of 64 columns x
+// kBlockM (q, dout) or 128 (k, v) rows; rows past the end load as zeros.
 #include "mainloops/bwd_sm90.cuh"
 #include "roles/params.cuh"
 #include "roles/tile_scheduler.cuh"

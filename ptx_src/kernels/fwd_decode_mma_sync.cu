@@ -1,15 +1,15 @@
 // Attention over a KV cache on mma.sync tensor cores (sm_80+): decoding, speculative decoding
 // and chunked prefill, with split-KV.
 //
-// A block is (a tile of GQA-packed query rows, kv head, sequence) and one split of the key
-// blocks those rows see: the query heads of a kv head share the tile (kv_cache.cuh), so K and V
-// are read once for all of them, and when (tiles x kv heads x sequences) cannot fill the GPU the
-// keys are split over num_splits blocks (the launcher, ptxattn/decode.py, picks the count). The
-// keys come from a contiguous or paged cache, up to the sequence's filled length (seqused_k),
-// masked bottom-right causal and by a window (mask.cuh), after an optional softcap. The warps
-// split each stage's keys and merge their softmax states at the end (mainloops/decode_mma_sync.cuh).
-// With one split the block writes the normalised output (and LSE, sinks folded in); with
-// several it writes its partial state in float32 for combine.cu.
+// A block is (a tile of GQA-packed query rows, kv head, sequence) and one split of the key blocks
+// those rows see: the query heads of a kv head share the tile (kv_cache.cuh), so K and V are read
+// once for all of them, and when (tiles x kv heads x sequences) cannot fill the GPU the keys are
+// split over num_splits blocks (the launcher, ptxattn/launchers/portable_decode.py, picks the
+// count). The keys come from a contiguous or paged cache, up to the sequence's filled length
+// (seqused_k), masked bottom-right causal and by a window (mask.cuh), after an optional softcap.
+// The warps split each stage's keys and merge their softmax states at the end
+// (mainloops/decode_mma_sync.cuh). With one split the block writes the normalised output (and LSE,
+// sinks folded in); with several it writes its partial state in float32 for combine.cu.
 //
 // Every runtime argument is in FwdParams (params.cuh): q (batch, seqlen_q, heads_q, D), or
 // (total_q, heads_q, D) with cu_seqlens_q; k and v caches per kv_cache.cuh; out like q.

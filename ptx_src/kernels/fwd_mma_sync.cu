@@ -8,10 +8,10 @@
 // stages the normalised output in each warp's own Q rows and stores it in 16-byte chunks
 // (epilogue.cuh).
 //
-// The launcher (ptxattn/portable.py) instantiates attn_fwd_mma_sync<MmaSyncConfig<...>> by
-// name; every runtime argument is in FwdParams (params.cuh): q (B, Sq, Hq, D), k and v
-// (B, Sk, Hkv, D), out like q, through their pointers and element strides (unit stride in D,
-// 16-byte aligned rows).
+// The launcher (ptxattn/launchers/portable_forward.py) instantiates
+// attn_fwd_mma_sync<MmaSyncConfig<...>> by name; every runtime argument is in FwdParams
+// (params.cuh): q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D), out like q, through their pointers and
+// element strides (unit stride in D, 16-byte aligned rows).
 #include "roles/block_info.cuh"
 #include "roles/epilogue.cuh"
 #include "mainloops/fwd_mma_sync.cuh"

@@ -15,14 +15,14 @@
 // Q K^T, and the output leaves through a TMA store (or, where shared memory has no room to stage
 // it, from registers), so nothing waits for it to drain.
 //
-// The launcher (ptxattn/hopper.py) instantiates attn_fwd_sm90<Sm90Config<...>> by name; every
-// runtime argument is in FwdParams (params.cuh). Global layouts: q (B, Sq, Hq, D); k, v
-// (B, Sk, Hkv, D), read through 4-d tensor maps with coordinates (d, head, row, batch) and a box
-// of one swizzle span of columns; rows past the end are zero-filled. out (B, Sq, Hq, D) through
-// out_map (a box of 64 rows x 64 columns, 128-byte swizzle; staged builds) or its strides.
-// The serving build (Sm90Config::kServing; ptxattn/prefill.py) reads a packed varlen batch as one
-// batch of all its rows, q (1, total_q, Hq, D) and k, v (1, total_k, Hkv, D), each sequence's
-// rows located by cu_seqlens, and KV caches (B, capacity, Hkv, D) up to each seqused_k.
+// The launcher (ptxattn/launchers/hopper_forward.py) instantiates attn_fwd_sm90<Sm90Config<...>> by
+// name; every runtime argument is in FwdParams (params.cuh). Global layouts: q (B, Sq, Hq, D); k, v
+// (B, Sk, Hkv, D), read through 4-d tensor maps with coordinates (d, head, row, batch) and a box of
+// one swizzle span of columns; rows past the end are zero-filled. out (B, Sq, Hq, D) through
+// out_map (a box of 64 rows x 64 columns, 128-byte swizzle; staged builds) or its strides. The
+// serving build (Sm90Config::kServing; ptxattn/launchers/hopper_forward.py) reads a packed varlen
+// batch as one batch of all its rows, q (1, total_q, Hq, D) and k, v (1, total_k, Hkv, D), each
+// sequence's rows located by cu_seqlens, and KV caches (B, capacity, Hkv, D) up to each seqused_k.
 #include "roles/epilogue.cuh"
 #include "mainloops/fwd_sm90.cuh"
 #include "roles/params.cuh"
@@ -44,10 +44,10 @@ attn_fwd_sm90(const __grid_constant__ FwdParams p) {
     Pipeline<Cfg::kStages>& vt =
         *reinterpret_cast<Pipeline<Cfg::kStages>*>(smem + Mainloop::kVtBarrierOffset);
     const int splits = Mainloop::splits(p);
-    // Causal L2 sections in alternating order (tile_scheduler.cuh) where the tiles are long: at
-    // 32 query blocks and more, +2.2-2.6%; at 16 (seqlen 2048), head_dim 64 lost 1%
-    // (docs/hopper-tuning.md, session 38). Not in serving builds, whose tiles' lengths follow
-    // their sequences (and whose head_dim 64 producer then spills).
+    // Causal L2 sections in alternating order (tile_scheduler.cuh) where the tiles are long: at 32
+    // query blocks and more, +2.2-2.6%; at 16 (seqlen 2048), head_dim 64 lost 1% (H100 SXM,
+    // 2026-11-27; docs/design/scheduling.md#alternating-section-order). Not in serving builds,
+    // whose tiles' lengths follow their sequences (and whose head_dim 64 producer then spills).
     constexpr int kAlternateMinBlocks = 32;
     const TileOrder order{p.num_m_blocks, p.batch * p.heads_q * splits, p.section_heads,
                           p.heads_q * splits,
@@ -81,7 +81,8 @@ attn_fwd_sm90(const __grid_constant__ FwdParams p) {
     warpgroup_reg_alloc<Cfg::kConsumerRegs>();
     // 16-bit builds take the warpgroup index as warp-uniform (warpgroup_index: Q's descriptors in
     // uniform registers, +0.3-2.8% on an H100); FP8 builds ran 2-3% slower with it at head_dim 64
-    // and no faster elsewhere, and the backward no faster (docs/hopper-tuning.md, session 37).
+    // and no faster elsewhere, and the backward no faster (H100 SXM, 2026-11-27;
+    // docs/design/pipelines.md#warpgroup-index).
     const int wg = (Cfg::kFp8 ? static_cast<int>(threadIdx.x / 128) : warpgroup_index()) - 1;
     const int lane = threadIdx.x % 32;
     const int row_in_tile = wg * Cfg::kRowsPerConsumer + ((threadIdx.x % 128) / 32) * 16 + lane / 4;

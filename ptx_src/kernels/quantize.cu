@@ -1,7 +1,7 @@
 // GPU quantizers from bf16 / fp16 to the block-scaled operand formats of fwd_blockscaled.cu.
-// ptxattn/quant.py holds NumPy encoders that compute the same bits; every floating-point step
-// here is an explicitly rounded IEEE operation (__fmul_rn, __fdiv_rn, no contraction) so that
-// the two agree bit for bit.
+// ptxattn/quant/blockscaled.py holds NumPy encoders that compute the same bits; every
+// floating-point step here is an explicitly rounded IEEE operation (__fmul_rn, __fdiv_rn, no
+// contraction) so that the two agree bit for bit.
 //
 // MXFP8 (e4m3 + one UE8M0 per 32 elements): the block scale is the smallest power of two 2^e
 // with amax / 2^e <= 448, so the block never saturates; e = -127 (byte 0) for blocks whose amax

@@ -1,4 +1,4 @@
-// Quantizers bf16/fp16 -> FP8 e4m3 for the FP8 attention path (ptxattn/fp8.py drives them).
+// Quantizers bf16/fp16 -> FP8 e4m3 for the FP8 attention path (ptxattn/quant/fp8.py drives them).
 //
 // Input x (B, S, H, D) of 16-bit floats with element strides (unit stride in D). One warp owns
 // one row x[b, s, h, :]; lane l holds the kPerLane = D / 32 consecutive values l * kPerLane ..,

@@ -76,21 +76,22 @@ struct BwdMmaSyncConfig {
     // Deterministic sums: only the warp that takes the turns waits at their two meetings, the
     // others arrive on named barriers (bar.arrive) and go on: with dQ in several passes and
     // overlapping steps (sm_90+, head_dim 256), 1.02-1.05x deterministic, level by default;
-    // at head_dims 64 and 128 0.98-1.00x (docs/hopper-tuning.md, session 36).
+    // at head_dims 64 and 128 0.98-1.00x (H100 SXM, 2026-11-26;
+    // docs/design/backward.md#portable-deterministic-mode).
     static constexpr bool kTurnWarpAlone = OverlapSteps && kDqPasses > 1;
     // Deferred turns leave the waiting warp arriving on kTurnWarpAlone's barrier and never
     // waiting on one; compute-sanitizer's racecheck then reports P's stores against phase 2's
-    // reads of P (not analysed; docs/hopper-tuning.md, session 38).
+    // reads of P (not analysed; docs/design/backward.md#portable-deterministic-mode).
     static_assert(!(DeferredTurns && kTurnWarpAlone), "deferred turns without kTurnWarpAlone");
     static constexpr int kScoreWarpRows = ScoreWarpRows;
     static constexpr int kDkvWarpRows = DkvWarpRows;
     static constexpr int kDqWarpRows = DqWarpRows;
 
     static constexpr int kRowBytes = HeadDim * 2;  // Q, K, V, dO tiles
-    // With overlapping steps (sm_90+), one thread loads a step's Q and dO by TMA (SWIZZLE_128B,
-    // a box per slab of the tiles) and its row values by bulk copies, all completing on the
-    // stage's full mbarrier: the other threads' LSU queues then hold only the dQ adds, which the
-    // refill's copies waited behind (docs/hopper-tuning.md, session 35). The tiles need the
+    // With overlapping steps (sm_90+), one thread loads a step's Q and dO by TMA (SWIZZLE_128B, a
+    // box per slab of the tiles) and its row values by bulk copies, all completing on the stage's
+    // full mbarrier: the other threads' LSU queues then hold only the dQ adds, which the refill's
+    // copies waited behind (docs/design/backward.md#portable-overlapping-steps). The tiles need the
     // 1024-byte alignment of the swizzle atom: aligning the base, which is 16-byte aligned, may
     // cost 1008 bytes (kAlignSlack); every tile before the score tiles is a multiple of 1024.
     static constexpr int kAlignSlack = OverlapSteps ? 1024 - 16 : 0;
@@ -280,7 +281,8 @@ struct BwdMmaSyncMainloop {
 
     // The same with dS's A fragments loaded already (load_ds), for dQ in several passes, which
     // all read the same rows of dS: loaded once a step instead of once a pass, they also leave
-    // each pass's first mma waiting only for K (head_dim 256: +1-3.5%, docs/hopper-tuning.md).
+    // each pass's first mma waiting only for K (head_dim 256: +1-3.5%,
+    // docs/design/backward.md#portable-against-flashattention-2).
     using DsFragments = uint32_t[Cfg::kBlockN / 16][Cfg::kDqRows / 16][4];
 
     static __device__ __forceinline__ void load_ds(DsFragments& a, uint32_t ds_tile, int row0,
@@ -323,7 +325,8 @@ struct BwdMmaSyncMainloop {
         // 16-byte chunk a lane: stored from registers, 4 bytes of a row at a time, they cost 1-3%
         // (seqlen 2048). Head_dim 64 keeps the stores from registers: with the staging, ptxas moved
         // address arithmetic of the walk from uniform to vector registers (60 more IMADs a step) and
-        // the non-causal rows lost 3-4% (docs/hopper-tuning.md, session 30).
+        // the non-causal rows lost 3-4% (H100 SXM, 2026-11-26;
+        // docs/design/backward.md#portable-against-flashattention-2).
         uint16_t* dk_head = static_cast<uint16_t*>(p.dk) + batch * p.dk_stride_b +
                             kv_head * p.dk_stride_h;
         uint16_t* dv_head = static_cast<uint16_t*>(p.dv) + batch * p.dv_stride_b +
@@ -561,7 +564,8 @@ struct BwdMmaSyncMainloop {
             if constexpr (kDeferredTurns) {
                 // Every warp is past the last step's adds: thread 0 passes its turn. Passed right
                 // after the adds instead, it cost a block barrier, and the release's MEMBAR.GPU held
-                // the waiting thread's warp 0.4-1 us (docs/hopper-tuning.md, sessions 27 and 38).
+                // the waiting thread's warp 0.4-1 us (docs/design/backward.md#deterministic-turns,
+                // docs/design/backward.md#portable-deterministic-mode).
                 if (tid == 0 && passing != nullptr) pass_turn(passing);
             }
 
@@ -599,7 +603,7 @@ struct BwdMmaSyncMainloop {
                     // The walk is made again rather than kept in registers (kept, fp16 head_dim 128
                     // spilled). The block's last thread waits: thread 0 issues the TMA refills of
                     // overlapping steps, and waiting for turns as well cost it 1-4%
-                    // (docs/hopper-tuning.md, session 35).
+                    // (docs/design/backward.md#portable-deterministic-mode).
                     const auto wait_for_turn = [&] {
                         const BwdWalk turns = BwdWalk::make(blockIdx.x, gridDim.x, p.num_m_blocks,
                                                             Cfg::kCausal, true, p.dq_turn_group);

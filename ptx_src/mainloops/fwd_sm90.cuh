@@ -14,7 +14,8 @@
 // schedule the tuner may pick) each block runs Q K^T, the softmax and P V in turn, and P lives
 // only from the softmax to its P V, in registers S has given up. The consumer warpgroups run
 // free of each other, so one's softmax overlaps the others' GEMMs (ordering them strictly, as
-// FlashAttention-3 does with named barriers, cost 2-12% on an H100; docs/hopper-tuning.md).
+// FlashAttention-3 does with named barriers, cost 2-12% on an H100;
+// docs/design/pipelines.md#consumers-run-free).
 // Key blocks are visited from the last to the first (block_info.cuh), so the masked blocks come
 // first and the rest run mask-free.
 //
@@ -456,9 +457,9 @@ struct Sm90Mainloop {
         uint32_t q[kQInRegisters ? kQRegs : 1];  // kQInRegisters: this tile's Q as A fragments
         uint32_t p[kPRegs];  // P of the block whose P V is pending, as A fragments
         // FP8 keeps the exact running max. With a stale one (softmax.cuh lets a row's max grow by
-        // 2^8 before its reference moves), a row's dominant probability is 2^d for a fractional
-        // d, which e4m3 rounds by up to 6%, while the row sum adds the unrounded value (3x the
-        // naive FP8 error on rows one key dominates; docs/hopper-tuning.md, session 9). With the
+        // 2^8 before its reference moves), a row's dominant probability is 2^d for a fractional d,
+        // which e4m3 rounds by up to 6%, while the row sum adds the unrounded value (3x the naive
+        // FP8 error on rows one key dominates; docs/design/softmax.md#exact-running-max). With the
         // exact max it is 1, which e4m3 holds exactly.
         OnlineSoftmax<1, kFp8 ? 0 : 8> softmax;
         Ring ring;
@@ -479,7 +480,7 @@ struct Sm90Mainloop {
         // The tile's per-row and per-head values: the FP8 descales and the thread's first row.
         // Descales are read with __ldg (ld.global.nc): a plain ld.global may not move across the
         // barrier and wgmma-wait asm, and pinned there it moved the P V wait ahead of the
-        // softmax, costing FP8 head_dim 128 up to 10% (docs/hopper-tuning.md, session 13).
+        // softmax, costing FP8 head_dim 128 up to 10% (docs/design/pipelines.md#the-p-v-wait).
         __device__ __forceinline__ void start_tile(const FwdParams& p, const TileWork& tile,
                                                    int row_in_tile) {
             work = &tile;
@@ -505,12 +506,12 @@ struct Sm90Mainloop {
         }
 
         // kQInRegisters: this warpgroup's Q tile from shared memory into the A fragments of the
-        // e4m3 wgmma (wgmma_fp8.cuh), once per tile, so that Q K^T reads only K from shared
-        // memory, which the FP8 kernel keeps about as busy as the tensor cores (+0.2-2.6% at
-        // head_dim 128; docs/hopper-tuning.md). ldmatrix.x4 of the 8-row x 16-byte matrices
-        // (rows 0-7, chunk c), (8-15, c), (0-7, c+1), (8-15, c+1) of the warp's 16 rows gives
-        // a0..a3 of the k-step whose 32 bytes are chunks c, c+1. Q is then free, and the
-        // producer may load the next tile's.
+        // e4m3 wgmma (wgmma_fp8.cuh), once per tile, so that Q K^T reads only K from shared memory,
+        // which the FP8 kernel keeps about as busy as the tensor cores (+0.2-2.6% at head_dim 128;
+        // docs/design/fp8.md#q-in-registers). ldmatrix.x4 of the 8-row x 16-byte matrices (rows
+        // 0-7, chunk c), (8-15, c), (0-7, c+1), (8-15, c+1) of the warp's 16 rows gives a0..a3 of
+        // the k-step whose 32 bytes are chunks c, c+1. Q is then free, and the producer may load
+        // the next tile's.
         __device__ __forceinline__ void load_q() {
             constexpr int kStepsPerSlab = kSlabRowBytes / 32;
             const int row = wg * kRowsPerConsumer + ((threadIdx.x % 128) / 32) * 16 + x4_row(lane);
@@ -588,11 +589,11 @@ struct Sm90Mainloop {
         }
 
         // The block info is rebuilt from the parameters where it is used rather than kept in the
-        // consumer: values kept live through the mainloop cost FP8 head_dim 128, which runs at
-        // the register cap, up to 10% (docs/hopper-tuning.md, session 12).
+        // consumer: values kept live through the mainloop cost FP8 head_dim 128, which runs at the
+        // register cap, up to 10% (docs/design/measurement.md#restructures-and-ptxas-scheduling).
         // Serving builds without a left window (most prefill calls) mask with window_left a
-        // constant -1, so the left test folds away: run for every element it made the masked
-        // step 707 instructions against the fixed-length build's 635.
+        // constant -1, so the left test folds away: run for every element it made the masked step
+        // 707 instructions against the fixed-length build's 635.
         __device__ __forceinline__ void mask(const FwdParams& p, float (&s)[kBlockN / 2],
                                              int n_block) const {
             const SeqMask seq_mask = block_info(p, lens(p)).mask;

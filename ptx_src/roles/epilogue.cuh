@@ -116,7 +116,8 @@ __device__ __forceinline__ void store_staged_rows(const uint8_t* smem, TileOffse
 // memory, 1024-byte aligned), kRoundCols columns at a time: where shared memory has no room for
 // the whole tile (head_dim 256 with two stages of 64-key tiles), in rounds, each waiting until
 // the one before has been read. (Stored straight from registers instead, the 4-byte stores of
-// 16-byte row pieces cost bf16 head_dim 256 11-27% of its time; docs/hopper-tuning.md.)
+// 16-byte row pieces cost bf16 head_dim 256 11-27% of its time;
+// docs/design/pipelines.md#output-epilogue.)
 // `barrier_id` is a named barrier for the warpgroup's 128 threads.
 template <int kCols, bool kBf16, int kRoundCols = kCols>
 struct StagedTmaStore {

@@ -14,7 +14,7 @@
 // kStages - 1 groups ahead of the stage's own K/V copies, so no copy waits on a global load of
 // the table. Loaded just before the copies, those loads queued behind the stream of copies
 // already in flight: at one block an SM a paged cache read 35% below a contiguous one
-// (docs/hopper-tuning.md, sessions 20 and 22).
+// (H100 SXM, 2026-11-25; docs/design/serving.md#block-table-loads).
 //
 // PackedRows: the q heads that share a kv head run in one tile, so K and V are read once for all
 // of them. Row r of the tile is token r / group of q head kv_head * group + r % group; the

@@ -3,11 +3,13 @@
 // mirrors this layout field for field (tests/test_params.py compiles a check of every offset).
 //
 // Each family reads the fields it needs: the Hopper and block-scaled kernels load through the
-// tensor maps, the portable kernel through the pointers and strides. Strides are in elements,
+// tensor maps, the portable kernels through the pointers and strides. Strides are in elements,
 // 64-bit, per (batch, seqlen, head); head_dim has unit stride. The mask is described by
-// `causal` and the window (mask.cuh): the block-scaled kernel reads `causal`, the others take it
-// as a template parameter; the window and `cu_seqlens_*` (per-sequence lengths, block_info.cuh;
-// null for fixed-length batches) are hooks that no kernel reads yet.
+// `causal` and the window (mask.cuh): the block-scaled and decode kernels read `causal`, the
+// others take it as a template parameter; the serving kernels (the decode kernel, the Hopper
+// serving build) read the window and the per-sequence lengths `cu_seqlens_*` and `seqused_k`
+// (block_info.cuh's SeqLens; null for fixed-length batches), which the fixed-length kernels
+// leave alone.
 #pragma once
 #include "ptx/common.cuh"
 #include "ptx/tma.cuh"
@@ -16,7 +18,7 @@ namespace ptxattn {
 
 struct alignas(64) FwdParams {
     // TMA descriptors (sm_90+ kernels): 4-d maps over (batch, seqlen, heads, head_dim), or the
-    // layouts ptxattn/hopper.py and ptxattn/blockscaled.py document.
+    // layouts ptxattn/launchers/hopper_forward.py and launchers/blockscaled.py document.
     TensorMap q_map;
     TensorMap k_map;
     TensorMap v_map;

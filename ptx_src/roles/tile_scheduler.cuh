@@ -13,7 +13,7 @@
 // to short ones that read few key blocks. Longest-first throughout, every block leaves the
 // short end of one section for the long end of the next within a few microseconds, and all of
 // them wait on DRAM for the same new K and V (GQA causal 4 x 4096 x 32/8: +2.4%;
-// docs/hopper-tuning.md, session 38).
+// H100 SXM, 2026-11-27; docs/design/scheduling.md#alternating-section-order).
 //
 // A scheduler gives each thread block a sequence of tiles, ending with one at or past
 // num_tiles(). GridTiles: one block per tile (tile = blockIdx.x), its indices through next(n)

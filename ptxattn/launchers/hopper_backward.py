@@ -1,5 +1,5 @@
-"""Launcher of the Hopper (sm_90a) backward kernel, ``ptx_src/kernels/bwd_sm90.cu``, between the pre- and
-postprocess every backward family shares (launchers/backward_prepost.py).
+"""Launcher of the Hopper (sm_90a) backward kernel, ``ptx_src/kernels/bwd_sm90.cu``, between the
+pre- and postprocess every backward family shares (launchers/backward_prepost.py).
 
 A block owns 128 keys (64 at head_dim 256) of one (batch, kv head) and walks the query tiles (64,
 80 or 128 rows) that see them, for every q head sharing its kv head, so dK and dV are complete in

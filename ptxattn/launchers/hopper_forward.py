@@ -42,7 +42,8 @@ BOX_COLS = 64           # head_dim columns per TMA box (128 bytes of 16-bit data
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """Tuned per (head_dim, causal) on an H100 SXM, bf16, batch*seqlen = 16384, seqlen 2048 and
-    8192 (scripts/check_hopper.py --sweep; docs/hopper-tuning.md has the last sweep).
+    8192 (scripts/check_hopper.py --sweep; docs/design/scheduling.md#persistent-grid has the
+    sweep).
 
     block_n, stages: keys per K/V tile and ring depth. Registers per consumer thread grow with
       head_dim / 2 (O) + 3/4 * block_n (S in fp32, P in 16 bits); shared memory is
@@ -100,7 +101,8 @@ SCHEDULES = {
 # FP8: block_n is 64 or a multiple of 32 from 128 (V is transposed into regions of 128 keys).
 # Shared memory: (block_m + 2 * stages * block_n) * head_dim bytes for Q, K, V plus the Vt ring.
 SCHEDULES_FP8 = {  # from scripts/check_fp8.py --sweep and its throughput table on an H100
-    # head_dim 64 non-causal: two stages since the role split (+1-5% over three, docs/hopper-tuning.md).
+    # head_dim 64 non-causal: two stages since the role split (+1-5% over three,
+    # docs/design/scheduling.md#tuning-table).
     (64, False): Schedule(128, 2, persistent=True, l2_sections=False, consumers=3),
     (64, True): Schedule(128, 3, persistent=True, l2_sections=True, consumers=3),
     (128, False): Schedule(192, 2, persistent=True, l2_sections=False, q_in_registers=True),
@@ -299,7 +301,8 @@ def register_check_source(configs) -> str:
 
 
 def tune_key(dtype: str) -> tuple[str, str]:
-    """(family, dtype) of the tuning tables' keys for inputs of ``dtype`` (launchers/tune_table.py)."""
+    """(family, dtype) of the tuning tables' keys (launchers/tune_table.py) for inputs of
+    ``dtype``."""
     return ("hopper-fp8", "e4m3") if dtype == FP8 else ("hopper", dtype)
 
 
@@ -315,7 +318,7 @@ def _schedule(dtype: str, head_dim: int, causal: bool, seqlen_k: int | None,
             tables = ", ".join(map(str, tune_table.table_paths(ARCHS[0])))
             return ValueError(f"the tuning table's schedule {tuned!r} for {tune_key(dtype)}, "
                               f"head_dim {head_dim}, causal={causal} (tables: {tables}) "
-                              f"{problem}; write a new table with python -m ptxattn.tune")
+                              f"{problem}; write a new table with python -m ptxattn tune")
         try:
             schedule = Schedule(**tuned)
         except TypeError as err:

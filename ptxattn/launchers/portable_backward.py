@@ -80,7 +80,8 @@ _VECTOR_RED = tuple(a for a in _SMEM_163K if archs.get(a).capability >= (9, 0))
 _SCALAR_RED_163K = tuple(a for a in _SMEM_163K if a not in _VECTOR_RED)
 
 # (head_dim, causal) -> [(archs, tile)], chosen with .diag-style sweeps on the H100 (bf16,
-# batch * seqlen = 16k, seqlen 2048 and 8192; docs/hopper-tuning.md has the numbers). dK and dV
+# batch * seqlen = 16k, seqlen 2048 and 8192; docs/design/backward.md#portable-warp-grids has the
+# numbers). dK and dV
 # live in registers: 8 warps over 128 keys x 128 columns is 128 floats a thread, the most that
 # leaves room for S and dP, and 128-key blocks halve the dQ atomics per FLOP against 64-key ones
 # (the kernel is bound by them and by shared-memory wavefronts). The warp grids are the ones that
@@ -95,7 +96,8 @@ _SCALAR_RED_163K = tuple(a for a in _SMEM_163K if a not in _VECTOR_RED)
 # 232,448 (head_dim 64, all a block may have, so the kernel must keep no static shared memory),
 # 231,944 and 231,424 bytes.
 # The smaller tiles of sm_80 and the 99 KB archs were timed on the H100 only (its vector adds;
-# docs/hopper-tuning.md). Head dim 256 needs more shared memory than the 99 KB of sm_86/89/120
+# docs/design/backward.md#portable-warp-grids). Head dim 256 needs more shared memory than the
+# 99 KB of sm_86/89/120
 # allow for any tile of whole mma fragments.
 # Causal head_dim 256 on sm_90+ keeps dQ over 4 x 2 warps: its 2 x 4 spills with the
 # deterministic sums' named barriers (BwdMmaSyncConfig::kTurnWarpAlone), and measured 0.98-1.00x
@@ -119,7 +121,8 @@ BWD_TILES: dict[tuple[int, bool], list[tuple[tuple[str, ...], BwdTile]]] = {
 
 # Where deterministic sums pass each dQ turn at the next step's barrier (a build of its own,
 # tiles with overlapping steps only): bwd_mma_sync.cu. Against passing it after the adds
-# (docs/hopper-tuning.md, session 38): head_dim 128 1.016-1.036, GQA 1.003-1.035; head_dim 64
+# (H100 SXM, 2026-11-27; docs/design/backward.md#portable-deterministic-mode): head_dim 128
+# 1.016-1.036, GQA 1.003-1.035; head_dim 64
 # non-causal 1.015, causal 0.970-0.977 (its turns follow each other within a step or two);
 # head_dim 256 1.004-1.014, but racecheck flags its waiting warp's named barrier then, and
 # without that barrier 0.983-0.998.

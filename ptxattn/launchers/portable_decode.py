@@ -71,7 +71,7 @@ _SMEM_99K = tuple(a for a in ARCHS if archs.get(a).smem_per_block < 160 * 1024)
 # head_dim -> [(archs, tile)]: 64-key stages over 4 warps, and as deep a ring as two blocks per
 # SM (one for head_dim 256) leave room for. On the H100 (head_dim 128, 32/8 heads) this tile
 # read 3015 and 2918 GB/s at batch 64 x 8192 and 8 x 32768 keys; 128-key stages over 8 warps
-# 3028 and 2881, 2-warp and 2-stage tiles 2-8% less (docs/hopper-tuning.md).
+# 3028 and 2881, 2-warp and 2-stage tiles 2-8% less (docs/design/serving.md#split-kv-decode).
 TILES: dict[int, list[tuple[tuple[str, ...], DecodeTile]]] = {
     64: [(_SMEM_200K + _SMEM_163K, DecodeTile(64, 4, 4, 2)), (_SMEM_99K, DecodeTile(64, 4, 3, 2))],
     128: [(_SMEM_200K, DecodeTile(64, 4, 3, 2)), (_SMEM_163K, DecodeTile(64, 4, 4, 1)),

@@ -55,8 +55,9 @@ def choose_splits(tiles: int, key_blocks: int, slots: int) -> int:
     times blocks per SM): 1 when the tiles fill most slots; else the fewest splits whose waves
     are at least 85% as full as the best count's (FlashAttention's rule), no split holding less
     than one block. (One-token decode with few tiles counts one block an SM instead,
-    splits_one_wave: session 15 saw 2918 and then 2053 GB/s that way at batch 8 x 32768, session
-    19 2896-2970 in four runs.)"""
+    splits_one_wave: this rule counted that way read 2918 and then 2053 GB/s at batch 8 x 32768
+    on an H100 SXM, 2026-11-24, and the one-wave count 2896-2970 in four runs, 2026-11-25;
+    docs/design/serving.md#decode-split-counts.)"""
     if tiles >= 0.8 * slots or key_blocks <= 1:
         return 1
     candidates = range(1, min(MAX_SPLITS, key_blocks) + 1)

@@ -1,20 +1,20 @@
 """Tables of tuned tile schedules: their format, where they live, and the order they are read in.
 
-``python -m ptxattn.tune`` measures tile schedules on a GPU and writes the winners into a table;
-the Hopper launcher (``hopper_forward.variant``) takes its schedule from the first table that has the
-call's key, in this order:
+``python -m ptxattn tune`` measures tile schedules on a GPU and writes the winners into a table;
+the Hopper launcher (``hopper_forward.variant``) takes its schedule from the first table that has
+the call's key, in this order:
 
 1. the file ``$PTXATTN_TUNE_TABLE`` names (the value ``builtin``: no table at all, the built-in
    schedules for every call, as an A/B of kernel code wants);
 2. the user's own: ``<compile cache>/tuned/<arch>.json`` (``runtime.cache_dir()``), which
-   ``python -m ptxattn.tune`` writes when given no ``--output``;
+   ``python -m ptxattn tune`` writes when given no ``--output``;
 3. the one shipped with the package, ``ptxattn/tuned/<arch>.json``;
 
-and otherwise from the schedules built into the launcher (``hopper_forward.SCHEDULES``). Each table is
-read once per process, on the first call that needs it. A ``$PTXATTN_TUNE_TABLE`` that names no
+and otherwise from the schedules built into the launcher (``hopper_forward.SCHEDULES``). Each
+table is read once per process, on the first call that needs it. A ``$PTXATTN_TUNE_TABLE`` that names no
 file, or a table that cannot be read, is an error naming it; except the user's own, which is
 skipped with a warning, so that a table a newer ptxattn no longer reads blocks neither calls nor
-``python -m ptxattn.tune``, which writes a new one.
+``python -m ptxattn tune``, which writes a new one.
 
 A key is (arch, family, dtype, head_dim, causal, bucket). Families: "hopper" (16-bit inputs,
 dtype "bfloat16" or "float16") and "hopper-fp8" (e4m3 inputs, dtype "e4m3" whatever the output
@@ -25,13 +25,13 @@ of 16384.
 A table is JSON::
 
     {"version": 1, "arch": "sm_90a", "device": "NVIDIA H100 80GB HBM3", "measured": true,
-     "command": "python -m ptxattn.tune --quick ...",
+     "command": "python -m ptxattn tune --quick ...",
      "entries": [{"family": "hopper", "dtype": "bfloat16", "head_dim": 128, "causal": false,
                   "bucket": "medium", "schedule": {"block_n": 128, "stages": 2, ...},
                   "tflops": 690.3, ...}, ...]}
 
-``schedule`` holds the fields of ``hopper_forward.Schedule``; the tuner adds what it measured beside it
-(``tune.py`` documents those fields), which lookups ignore.
+``schedule`` holds the fields of ``hopper_forward.Schedule``; the tuner adds what it measured
+beside it (``tools/tune.py`` documents those fields), which lookups ignore.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def bucket(seqlen_k: int | None) -> str:
 
 
 def user_path(arch: str) -> Path:
-    """Where ``python -m ptxattn.tune`` writes a user's own table by default: beside the kernels
+    """Where ``python -m ptxattn tune`` writes a user's own table by default: beside the kernels
     of the compile cache, so it goes where they go (a container image, a shared directory)."""
     return runtime.cache_dir() / "tuned" / f"{arch}.json"
 
@@ -98,7 +98,7 @@ def read(path: Path) -> dict:
     problem = _format_problem(table)
     if problem:
         raise ValueError(f"tile schedule table {path}: {problem}; write a new one with "
-                         f"python -m ptxattn.tune")
+                         f"python -m ptxattn tune")
     return table
 
 

@@ -26,7 +26,8 @@ def time_ms_interleaved(fns: dict, warmup: int = 3, repeats: int = 15,
     would hand each its own, and turns in a fixed order (even reversed every other round) hand
     each function the same neighbours every round. On a power-capped H100 the same kernel
     timed beside a peer read up to 8% slower than in the next place of such turns
-    (docs/hopper-tuning.md, session 33); shuffled turns give every function every neighbour."""
+    (docs/design/measurement.md#timing-turns-shuffled); shuffled turns give every function every
+    neighbour."""
     import cupy
 
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
@@ -114,8 +115,8 @@ def energy_per_call_interleaved(fns: dict, nvml, window_s: float = 2.0, rounds: 
     the functions take their windows in shuffled turns (as time_ms_interleaved), ``rounds``
     times, and each field is the median over them. NVML's counter moves in steps, and a
     power-capped GPU's clock settles in tenths of a second, so windows are seconds long (windows
-    of 1.5 s on the H100 read up to 718 W under its 700 W cap: docs/hopper-tuning.md,
-    session 34)."""
+    of 1.5 s on the H100 read up to 718 W under its 700 W cap, 2026-11-26:
+    docs/design/measurement.md#energy-per-call)."""
     import cupy
 
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
