@@ -7,7 +7,7 @@ setmaxnreg on sm_90a; block-scaled mma.sync on sm_120a and sm_121a), and a CUBIN
 built for one of them runs only on GPUs of exactly that compute capability, so every supported
 capability has its own entry here.
 
-Kernel families (the launcher modules ptxattn/<family>.py): "portable" (mma.sync, cp.async)
+Kernel families (their launchers in ptxattn/launchers/): "portable" (mma.sync, cp.async)
 runs everywhere from sm_80; "hopper" (wgmma + TMA, also the FP8 path) only on sm_90a;
 "blockscaled" natively where block-scaled mma.sync exists (sm_120a, sm_121a) and, as an exact
 but slow emulation of that instruction, on sm_90a. Which family an attention call gets is

@@ -30,7 +30,7 @@ along head_dim. Quantizing ``q R`` and ``k R`` (same R) leaves ``q k^T`` unchang
 outlier channels over the whole row, so FP8 rounds the product's terms more evenly; v is not
 rotated and the attention call is the same as without rotation.
 
-Accuracy (RMSE against FP32, measured by tests/test_fp8.py and reported in the README): on
+Accuracy (RMSE against FP32, measured by tests/test_fp8.py, docs/guide/fp8.md): on
 standard normal inputs the three schemes agree; with 0.1% large outliers per-block + rotation is
 clearly the most accurate.
 

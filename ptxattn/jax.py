@@ -25,8 +25,8 @@ these declarations were checked against), refuses another major version (an ABI 
 that it is not safe to capture in a CUDA graph (ptxattn allocates workspace from CuPy's memory
 pool on each call), so XLA calls it on every execution. Work goes through CuPy's pool, which
 shares the GPU with XLA's own allocator: by default XLA takes 75% of the memory up front
-(XLA_PYTHON_CLIENT_MEM_FRACTION), and the temporary lse and the backward's workspace (README:
-``B*Hq*Sq*(D+1)*4`` bytes) come out of the rest.
+(XLA_PYTHON_CLIENT_MEM_FRACTION), and the backward's workspace (about ``B*Hq*Sq*(D+2)*4``
+bytes, docs/guide/backward.md) comes out of the rest.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ GPU (sm_90a runs the emulation build, sm_120a the native one): the block-scaled 
 fragments, scales and selectors against the model; whole kernels against an FP32 reference of
 the dequantized inputs.
 
-``python tests/test_blockscaled.py`` prints the error report of docs/blockscaled.md.
+``python tests/test_blockscaled.py`` prints the error report of docs/guide/blockscaled.md.
 """
 
 import dataclasses

@@ -506,7 +506,7 @@ def test_causal_rows_that_see_no_key(rng):
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU: accuracy of the quantization schemes (the README table comes from this test)
+# GPU: accuracy of the quantization schemes (docs/guide/fp8.md's table comes from this test)
 
 SCHEMES = {"per-tensor": ("tensor", False), "per-block": ("block", False),
            "per-block + Hadamard": ("block", True)}

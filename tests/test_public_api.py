@@ -27,9 +27,6 @@ ENTRY_POINTS = ("attention", "attention_backward", "attention_varlen", "attentio
                 "merge_attention_states", "fp8_attention", "blockscaled_attention")
 
 # Names whose docstrings live in ptxattn/distributed/transports.py, not yet in numpy style.
-PENDING = {("ptxattn.distributed", name)
-           for name in ("Transport", "NcclTransport", "TorchTransport", "transport_for")}
-
 
 def _module(name: str):
     framework = MODULES[name]
@@ -121,14 +118,7 @@ def test_every_name_in_all_exists(module_name):
 def test_public_names_have_numpy_docstrings(module_name):
     module = _module(module_name)
     problems = [problem for name in _documented_names(module_name, module)
-                if (module_name, name) not in PENDING for problem in _problems(module, name)]
-    assert not problems, "\n".join(problems)
-
-
-@pytest.mark.xfail(reason="transports.py's docstrings are not numpy-style yet", strict=False)
-def test_pending_transport_docstrings():
-    module = _module("ptxattn.distributed")
-    problems = [problem for _, name in sorted(PENDING) for problem in _problems(module, name)]
+                for problem in _problems(module, name)]
     assert not problems, "\n".join(problems)
 
 

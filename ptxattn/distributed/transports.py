@@ -11,21 +11,40 @@ _GROUP_KINDS = ("a torch.distributed ProcessGroup (NCCL backend), a "
                 "cupy.cuda.nccl.NcclCommunicator or a ptxattn.distributed.Transport")
 
 
-
 class Transport:
-    """Moves a ring exchange's arrays between processes: ``start(sends, recvs)`` sends each of
-    ``sends`` to rank (rank + 1) mod world_size and receives each of ``recvs`` from rank
-    (rank - 1) mod world_size, after the work queued so far on CuPy's current stream, and returns
-    a handle whose ``wait()`` makes that stream wait for the transfer (:data:`DONE` where there
-    is nothing to wait for). ``device`` is the GPU a transport is bound to, None if any. Subclass
-    it to wrap another transport (scripts/profile_distributed.py times the schedule with the
-    sends skipped)."""
+    """How a ring exchange's arrays move between the processes of a ring.
+
+    ``start(sends, recvs)`` sends each of ``sends`` to rank (rank + 1) mod world_size and
+    receives each of ``recvs`` from rank (rank - 1) mod world_size, after the work queued so far
+    on CuPy's current stream, and returns a handle whose ``wait()`` makes that stream wait for
+    the transfer (:data:`DONE` where there is nothing to wait for). Subclass it to carry the
+    ring over another library, or to wrap a transport (scripts/profile_distributed.py times the
+    schedule with the sends skipped).
+
+    Attributes
+    ----------
+    rank : int
+        This process's place in the ring.
+    world_size : int
+        The number of ranks.
+    device : int or None
+        The CuPy device the transport is bound to, None if any.
+
+    Examples
+    --------
+    >>> class Skipping(ptxattn.distributed.Transport):
+    ...     def __init__(self, rank, world_size):
+    ...         self.rank, self.world_size = rank, world_size
+    ...     def start(self, sends, recvs):
+    ...         return ptxattn.distributed.DONE
+    """
 
     rank: int
     world_size: int
     device: int | None = None
 
     def start(self, sends: tuple, recvs: tuple):
+        """Posts one exchange (the class docstring); returns its handle."""
         raise NotImplementedError
 
 
@@ -59,8 +78,25 @@ def _side_stream(device: int):
 
 
 class NcclTransport(Transport):
-    """The ring over a CuPy NCCL communicator: one NCCL group of sends and receives per exchange
-    (as bytes), on a side stream that waits for the compute stream's work so far."""
+    """The ring over a CuPy NCCL communicator.
+
+    Each exchange is one NCCL group of sends and receives (as bytes), on a side stream that
+    waits for the compute stream's work so far; its handle makes the compute stream wait for the
+    transfer. Rank, world size and device are the communicator's.
+
+    Parameters
+    ----------
+    comm : cupy.cuda.nccl.NcclCommunicator
+        The communicator of the ring's ranks (NCCL from the ``nvidia-nccl-cu13`` wheel,
+        ``pip install ptxattn[nccl]``).
+
+    Examples
+    --------
+    >>> from cupy.cuda import nccl
+    >>> comm = nccl.NcclCommunicator(world_size, unique_id, rank)
+    >>> transport = ptxattn.distributed.NcclTransport(comm)
+    >>> out = ptxattn.distributed.ring_attention(q, k, v, group=transport, causal=True)
+    """
 
     def __init__(self, comm):
         self._comm = comm
@@ -86,10 +122,28 @@ class NcclTransport(Transport):
 
 
 class TorchTransport(Transport):
-    """The ring over a torch.distributed process group (NCCL backend): each exchange one
-    ``batch_isend_irecv`` of byte views of the arrays, issued with CuPy's current stream as
-    torch's current one, so that torch's NCCL stream waits for the work queued so far and the
-    handle's wait() makes that stream wait for the transfer."""
+    """The ring over a torch.distributed process group on the NCCL backend.
+
+    Each exchange is one ``batch_isend_irecv`` of byte views of the arrays, issued with CuPy's
+    current stream as torch's current one, so that torch's NCCL stream waits for the work queued
+    so far and the handle's wait() makes that stream wait for the transfer.
+
+    Parameters
+    ----------
+    group : torch.distributed.ProcessGroup
+        The ring's ranks, in group rank order.
+
+    Raises
+    ------
+    ValueError
+        When the group's backend is not NCCL.
+
+    Examples
+    --------
+    >>> import torch.distributed as dist
+    >>> dist.init_process_group("nccl")
+    >>> transport = ptxattn.distributed.TorchTransport(dist.group.WORLD)
+    """
 
     def __init__(self, group):
         import torch.distributed as dist
@@ -148,8 +202,30 @@ def _bytes(x):
 
 
 def transport_for(group) -> Transport:
-    """The Transport of ``group``: a torch.distributed ProcessGroup (NCCL backend), a
-    cupy.cuda.nccl.NcclCommunicator, or a Transport (returned as it is)."""
+    """The :class:`Transport` that carries a ring over ``group``.
+
+    Parameters
+    ----------
+    group : torch.distributed.ProcessGroup, cupy.cuda.nccl.NcclCommunicator or Transport
+        A process group on the NCCL backend (a :class:`TorchTransport`), a CuPy NCCL
+        communicator (a :class:`NcclTransport`), or a Transport, returned as it is.
+
+    Returns
+    -------
+    Transport
+        What ring_attention and ring_attention_backward post their exchanges on.
+
+    Raises
+    ------
+    TypeError
+        When ``group`` is none of those.
+
+    Examples
+    --------
+    >>> transport = ptxattn.distributed.transport_for(torch.distributed.group.WORLD)
+    >>> transport.rank, transport.world_size
+    (0, 2)
+    """
     if isinstance(group, Transport):
         return group
     kind = type(group)
