@@ -210,17 +210,18 @@ def flops(cfg: dict) -> float:
 
 
 def ptxattn_runners(arch: str) -> dict:
+    """Each 16-bit backend's fixed-length forward that runs on ``arch`` (its dispatch route)."""
     import ptxattn
-    from ptxattn import api
+    from ptxattn import dispatch
 
     runners = {}
-    for name in api.BACKENDS:
-        module = api.backend_module(name)
-        if arch in module.ARCHS:
-            runners[f"ptxattn-{name}"] = (
-                module.HEAD_DIMS, None,
-                lambda q, k, v, causal, name=name: ptxattn.attention(q, k, v, causal=causal,
-                                                                      backend=name))
+    for route in dispatch.TABLE:
+        if (route.call == "forward" and "bfloat16" in route.formats and arch in route.archs
+                and f"ptxattn-{route.backend}" not in runners):
+            runners[f"ptxattn-{route.backend}"] = (
+                route.head_dims, None,
+                lambda q, k, v, causal, name=route.backend: ptxattn.attention(
+                    q, k, v, causal=causal, backend=name))
     return runners
 
 
