@@ -124,14 +124,14 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
                                           out=out, lse=lse, window=window, softcap=softcap,
                                           sinks=sinks)
     arch = runtime.device_arch(problem.device)
-    dispatch.select(arch, problem.format, problem.head_dim, features=problem.features,
-                    backend=backend)  # refuses the call before anything is allocated
+    route = dispatch.select(arch, problem.format, problem.head_dim, features=problem.features,
+                            backend=backend)  # refuses the call before anything is allocated
     with cupy.cuda.Device(problem.device):
         if out is None:
             out = cupy.empty(problem.out_shape, dtype=problem.out_dtype)
         if lse is None:
             lse = cupy.empty(problem.lse_shape, dtype=cupy.float32)
-        dispatch.forward(arch, problem, q, k, v, out, lse, backend=backend, sinks=sinks)
+        dispatch.forward(route, problem, q, k, v, out, lse, sinks=sinks)
     return (out, lse) if return_lse else out
 
 

@@ -133,7 +133,7 @@ def blockscaled_attention(q, k, v, q_scale, k_scale, v_scale, *,
         if out is None:
             out = cupy.empty((p.batch, p.seqlen_q, p.heads_q, p.head_dim), "bfloat16")
         lse = cupy.empty((p.batch, p.heads_q, p.seqlen_q), cupy.float32)
-        dispatch.forward(arch, p, q, k, v, out, lse, q_scale=q_scale, k_scale=k_scale,
+        dispatch.forward(route, p, q, k, v, out, lse, q_scale=q_scale, k_scale=k_scale,
                          v_scale=v_scale, q_tensor_scale=q_tensor_scale,
                          k_tensor_scale=k_tensor_scale)
     return out, lse

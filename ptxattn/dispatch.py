@@ -8,7 +8,8 @@ route of TABLE that fits a call, so the order of TABLE is the order of preferenc
 16-bit inputs go to the Hopper kernel unless the portable one is asked for by name.
 
 Fixed-length calls with a window, a softcap or sinks run on a serving build (the fixed-length
-kernels take none of them): :func:`forward` sends them there, over the whole of k and v.
+kernels take none of them): select() gives them a serving route, and :func:`forward` calls its
+launcher's serve() over the whole of k and v.
 
 Needs no GPU: the caller passes the arch (``runtime.device_arch(device_id)``).
 """
@@ -147,19 +148,14 @@ def _select(table: tuple[Route, ...], arch: str, input_format: str, head_dim: in
                                  for route in fitting))
 
 
-def forward(arch: str, problem, q, k, v, out, lse, *, backend: str | None = None,
-            sinks=None, **operands) -> Route:
+def forward(route: Route, problem, q, k, v, out, lse, *, sinks=None, **operands) -> None:
     """Runs the forward of a fixed-length ``problem`` (AttentionProblem.from_16bit, from_fp8 or
-    from_blockscaled) on the route select() picks for it, into ``out`` and ``lse``; returns
-    the route. ``operands`` are what the input format adds (FP8's descales, the block scales).
-    A call with a window, a softcap or sinks runs on a serving route, its keys all of k and v:
-    the fixed-length kernels take none of the three."""
-    route = select(arch, problem.format, problem.head_dim, features=problem.features,
-                   backend=backend)
+    from_blockscaled) into ``out`` and ``lse`` on ``route``, what select() picked for it.
+    ``operands`` are what the input format adds (FP8's descales, the block scales). A call with
+    a window, a softcap or sinks has a serving route, whose keys are then all of k and v (no
+    seqused_k: the serving kernels take seqlen_k for every sequence): the fixed-length kernels
+    take none of the three."""
     if route.call == "serve":
-        import cupy
-        seqused_k = cupy.full(problem.batch, problem.seqlen_k, dtype=cupy.int32)
-        route.launcher.serve(problem, q, k, v, out, lse, seqused_k=seqused_k, sinks=sinks)
+        route.launcher.serve(problem, q, k, v, out, lse, sinks=sinks)
     else:
         route.launcher.forward(problem, q, k, v, out, lse, **operands)
-    return route

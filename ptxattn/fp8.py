@@ -141,7 +141,7 @@ def attention(q, k, v, *, q_descale, k_descale, v_descale, causal: bool = False,
                                   v_descale=v_descale, causal=causal, softmax_scale=softmax_scale,
                                   out_dtype=out_dtype, out=out)
     arch = runtime.device_arch(p.device)
-    dispatch.select(arch, p.format, p.head_dim, features=p.features)  # before any allocation
+    route = dispatch.select(arch, p.format, p.head_dim, features=p.features)  # before allocating
     with cupy.cuda.Device(p.device):
         descales = (descale_operand(q_descale, p.batch, p.heads_q, p.seqlen_q),
                     descale_operand(k_descale, p.batch, p.heads_kv, p.seqlen_k),
@@ -149,7 +149,7 @@ def attention(q, k, v, *, q_descale, k_descale, v_descale, causal: bool = False,
         if out is None:
             out = cupy.empty(p.out_shape, dtype=p.out_dtype)
         lse = cupy.empty(p.lse_shape, dtype=cupy.float32)
-        dispatch.forward(arch, p, q.bytes, k.bytes, v.bytes, out, lse, descales=descales)
+        dispatch.forward(route, p, q.bytes, k.bytes, v.bytes, out, lse, descales=descales)
     return (out, lse) if return_lse else out
 
 

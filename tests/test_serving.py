@@ -398,6 +398,23 @@ def test_attention_with_a_window_alone(rng):
     _check_kvcache(q, k, v, [300, 300], out, lse, causal=True, window=(64, -1))
 
 
+def test_attention_with_sinks_and_few_query_rows(rng):
+    """Fixed-length calls of a few query rows with sinks or a window take the decode kernel
+    (dispatch's "decode" feature), over all of k and v, called twice on the same arrays (the
+    second launch prepared once)."""
+    import cupy
+    import ptxattn
+
+    q = _random((3, 5, 8, 64), rng)
+    k = _random((3, 700, 2, 64), rng, scale=2.0)
+    v = _random((3, 700, 2, 64), rng)
+    sinks = cupy.asarray(rng.standard_normal(8, dtype=np.float32))
+    for masks in (dict(causal=True, sinks=sinks), dict(causal=False, window=(100, 20))):
+        for _ in range(2):
+            out, lse = ptxattn.attention(q, k, v, return_lse=True, **masks)
+            _check_kvcache(q, k, v, [700, 700, 700], out, lse, **masks)
+
+
 def test_attention_with_window_softcap_sinks(rng):
     import cupy
     import ptxattn
