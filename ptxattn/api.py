@@ -63,8 +63,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         device, its memory apart from q's, k's and v's.
     lse : CUDA array, optional
         The buffer to write the log-sum-exp into: float32, C-contiguous, (batch, heads_q,
-        seqlen_q), on q's device. Not taken with window, softcap or sinks (use
-        ``return_lse``).
+        seqlen_q), on q's device.
     backend : {'hopper', 'portable'}, optional
         The kernel family: 'hopper' (sm_90a: wgmma and TMA) or 'portable' (mma.sync, sm_80
         and newer). By default the first that runs the call on the current GPU, which is
@@ -98,8 +97,8 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         A shape (not 4-d, empty, k and v unlike, batch or head_dim unlike q's, heads_q not a
         multiple of heads_kv, ``out``, ``lse`` or ``sinks`` of the wrong shape); head_dim not
         64, 128 or 256; a stride or alignment above; arrays on different devices; ``out`` or
-        ``lse`` overlapping an input; a bad ``softmax_scale``, ``window`` or ``softcap``;
-        ``lse`` with a window, softcap or sinks; an unknown ``backend``; or a GPU, head_dim or
+        ``lse`` overlapping an input; a bad ``softmax_scale``, ``window`` or ``softcap``; an
+        unknown ``backend``; or a GPU, head_dim or
         option that no kernel (of the chosen backend) runs (the message names what runs where).
 
     Examples
@@ -137,17 +136,19 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
 
 @framework_arrays
 def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False,
-                       softmax_scale: float | None = None, deterministic: bool = False,
-                       dq=None, dk=None, dv=None, backend: str | None = None):
-    """The gradients of ``ptxattn.attention`` with respect to q, k and v.
+                       softmax_scale: float | None = None, window=(-1, -1),
+                       softcap: float = 0.0, sinks=None, deterministic: bool = False,
+                       dq=None, dk=None, dv=None, dsinks=None, backend: str | None = None):
+    """The gradients of ``ptxattn.attention`` with respect to q, k and v (and the sinks).
 
     ``out`` and ``lse`` are what ``attention(q, k, v, causal=..., softmax_scale=...,
-    return_lse=True)`` returned for these inputs, with the same ``causal`` and
-    ``softmax_scale``. Arrays, kinds of array, layouts and streams as in the forward (every 16-bit
+    window=..., softcap=..., sinks=..., return_lse=True)`` returned for these inputs, with the
+    same options. Arrays, kinds of array, layouts and streams as in the forward (every 16-bit
     array non-empty, 4-d, unit stride in head_dim, 16-byte aligned base and batch/seqlen/heads
     strides). The gradients are computed with FP32 accumulation and come back in the input
-    dtype. With GQA, dk and dv are summed over the q heads that share a k/v head. Calls with a
-    window, a softcap or sinks have no backward.
+    dtype. With GQA, dk and dv are summed over the q heads that share a k/v head. The window,
+    causal mask and softcap are the forward's (the same mask code), and key blocks no query
+    sees are skipped, so a window's backward takes time in proportion to the pairs it sees.
 
     Parameters
     ----------
@@ -165,6 +166,12 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False,
         As in the forward (bottom-right aligned).
     softmax_scale : float, optional
         As in the forward; 1 / sqrt(head_dim) by default.
+    window : tuple of (int, int), default (-1, -1)
+        As in the forward.
+    softcap : float, default 0.0
+        As in the forward.
+    sinks : CUDA array, optional
+        As in the forward: float32 (heads_q,). Its gradient is returned too.
     deterministic : bool, default False
         Makes the gradients bit-identical from run to run: dQ's sum over key blocks then runs
         in a fixed order.
@@ -172,6 +179,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False,
         Buffers to write the gradients into: the shapes and dtype of q, k and v, laid out by
         the same rules, on q's device, overlapping no input. They may interleave (slices of one
         packed buffer) but not share a byte.
+    dsinks : CUDA array, optional
+        With ``sinks``: the buffer for their gradient, float32 (heads_q,), contiguous.
     backend : {'hopper', 'portable'}, optional
         As in the forward: on Hopper 'hopper' (the default there) or 'portable'.
 
@@ -179,16 +188,20 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False,
     -------
     dq, dk, dv : tuple of array
         The gradients, like q, k and v (``dq``, ``dk``, ``dv`` themselves if given).
+    dsinks : array
+        Only with ``sinks``: float32 (heads_q,), the gradient summed over the batch and the
+        rows (``dsinks`` itself if given), the fourth element of the tuple.
 
     Raises
     ------
     TypeError
         As in the forward, and: ``dout``, ``out``, ``dq``, ``dk`` or ``dv`` not of q's dtype;
-        ``lse`` not float32; ``deterministic`` not a bool.
+        ``lse`` or ``dsinks`` not float32; ``deterministic`` not a bool.
     ValueError
         As in the forward, and: ``dout`` or ``out`` not of q's shape; ``lse`` not (batch,
         heads_q, seqlen_q) or without unit stride along seqlen_q; a gradient buffer of the
-        wrong shape, overlapping an input, or sharing memory with another gradient buffer.
+        wrong shape, overlapping an input, or sharing memory with another gradient buffer;
+        ``dsinks`` without ``sinks``.
 
     Examples
     --------
@@ -200,21 +213,33 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False,
     >>> dq, dk, dv = ptxattn.attention_backward(dout, q, k, v, out, lse, causal=True)
     >>> dq.shape == q.shape and dk.dtype == k.dtype
     True
+
+    A sliding window with sinks, as gpt-oss trains:
+
+    >>> sinks = cupy.zeros(16, dtype=cupy.float32)
+    >>> out, lse = ptxattn.attention(q, k, v, causal=True, window=(127, 0), sinks=sinks,
+    ...                              return_lse=True)
+    >>> dq, dk, dv, dsinks = ptxattn.attention_backward(
+    ...     dout, q, k, v, out, lse, causal=True, window=(127, 0), sinks=sinks)
     """
     import cupy
 
     from . import dispatch, runtime
 
     problem = AttentionProblem.from_backward(dout, q, k, v, out, lse, causal=causal,
-                                             softmax_scale=softmax_scale,
-                                             deterministic=deterministic, dq=dq, dk=dk, dv=dv)
+                                             softmax_scale=softmax_scale, window=window,
+                                             softcap=softcap, sinks=sinks,
+                                             deterministic=deterministic, dq=dq, dk=dk, dv=dv,
+                                             dsinks=dsinks)
     route = dispatch.select(runtime.device_arch(problem.device), problem.format,
-                            problem.head_dim, features=problem.features | {"backward"},
+                            problem.head_dim, features=problem.backward_features,
                             backend=backend)
     with cupy.cuda.Device(problem.device):
         dq = cupy.empty(q.shape, dtype=q.dtype) if dq is None else dq
         dk = cupy.empty(k.shape, dtype=k.dtype) if dk is None else dk
         dv = cupy.empty(v.shape, dtype=v.dtype) if dv is None else dv
-        route.launcher.backward(problem, dout, q, k, v, out, lse, dq, dk, dv,
-                                deterministic=deterministic)
-    return dq, dk, dv
+        workspace = route.launcher.backward(problem, dout, q, k, v, out, lse, dq, dk, dv,
+                                            deterministic=deterministic, sinks=sinks)
+        if sinks is None:
+            return dq, dk, dv
+        return dq, dk, dv, workspace.dsinks(problem, out=dsinks)

@@ -34,6 +34,8 @@ FORWARD = frozenset({"causal", "gqa"})
 SERVING = FORWARD | {"window", "softcap", "sinks", "varlen", "kvcache", "paged", "decode"}
 PREFILL = FORWARD | {"window", "sinks", "varlen", "kvcache"}
 FEATURES = FORWARD | SERVING | {"backward"}
+# The gradients: of fixed-length and packed calls, with the forward's window, softcap and sinks.
+BACKWARD = FORWARD | {"backward", "window", "softcap", "sinks", "varlen"}
 # What only the serving builds take of a fixed-length call.
 SERVING_OPTIONS = frozenset({"window", "softcap", "sinks"})
 SIXTEEN_BIT = ("bfloat16", "float16")
@@ -67,10 +69,10 @@ TABLE: tuple[Route, ...] = (
     Route("hopper", "hopper", SIXTEEN_BIT, (64, 128, 256), hopper_forward, call="serve",
           features=PREFILL),
     Route("hopper", "hopper", SIXTEEN_BIT, (64, 128, 256), hopper_backward, call="backward",
-          features=FORWARD | {"backward"}),
+          features=BACKWARD),
     Route("portable", "portable", SIXTEEN_BIT, (64, 128, 256), portable_forward),
     Route("portable", "portable", SIXTEEN_BIT, (64, 128, 256), portable_backward,
-          call="backward", features=FORWARD | {"backward"}),
+          call="backward", features=BACKWARD),
     Route("portable", "portable", SIXTEEN_BIT, (64, 128, 256), portable_decode, call="serve",
           features=SERVING),
     Route("hopper", "hopper", ("e4m3",), (64, 128, 256), hopper_forward),
@@ -138,6 +140,8 @@ def _select(table: tuple[Route, ...], arch: str, input_format: str, head_dim: in
         dims = sorted({d for route in routes for d in route.head_dims})
         raise ValueError(f"head_dim must be one of {dims} for {input_format} inputs on {arch}, "
                          f"got {head_dim} ({supported})")
+    # a backward route takes the calls for gradients, and only those
+    fitting = [route for route in fitting if ("backward" in features) == (route.call == "backward")]
     for route in fitting:
         if set(features) <= route.features:
             return route

@@ -67,6 +67,10 @@ _BWD_FIELDS = [
     ("softmax_scale", ctypes.c_float), ("scale_log2", ctypes.c_float),
     ("causal", ctypes.c_int32), ("num_m_blocks", ctypes.c_int32),
     ("seqlen_q_rounded", ctypes.c_int32), ("dq_turn_group", ctypes.c_int32),
+    ("window_left", ctypes.c_int32), ("window_right", ctypes.c_int32),
+    ("softcap_scale", ctypes.c_float),
+    ("cu_seqlens_q", _P), ("cu_seqlens_k", _P), ("row_padding", ctypes.c_int32),
+    ("sinks", _P), ("dsink_rows", _P),
 ]
 _COMBINE_FIELDS = [
     ("parts", _P), ("lse_parts", _P), ("out", _P), ("lse", _P), ("sinks", _P),
@@ -122,9 +126,10 @@ class FwdParams(_Params):
 
 
 class BwdParams(_Params):
-    """``BwdParams`` by value."""
+    """``BwdParams`` by value; the window defaults to unbounded (-1)."""
 
     _fields_ = _padded_fields(_BWD_FIELDS)
+    _defaults = {"window_left": -1, "window_right": -1}
 
 
 class CombineParams(_Params):

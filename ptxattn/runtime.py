@@ -746,6 +746,7 @@ class PreparedLaunch:
         config.numAttrs = 0
         self._config = config
         self._kernel = kernel
+        self.grid = tuple(int(g) for g in _dim3(grid))
 
     def __call__(self) -> None:
         _check(_driver().cuLaunchKernelEx(self._config, self._kernel.function,

@@ -1,7 +1,8 @@
 """The serving entry points, exported as ``ptxattn.attention_varlen``,
-``ptxattn.attention_with_kvcache`` and ``ptxattn.merge_attention_states``: attention over
-variable-length batches and over KV caches (contiguous or paged, with new keys appended in
-place), and the merge of partial attention states.
+``ptxattn.attention_varlen_backward``, ``ptxattn.attention_with_kvcache`` and
+``ptxattn.merge_attention_states``: attention over variable-length batches (and its gradients)
+and over KV caches (contiguous or paged, with new keys appended in place), and the merge of
+partial attention states.
 
 Each checks its call once (ptxattn/problem/), picks a route (ptxattn/dispatch.py) and launches it
 (ptxattn/launchers/; the merge runs kernels/combine.cu through ptxattn/launchers/split_kv.py).
@@ -17,7 +18,8 @@ from .interop import framework_arrays
 from .problem import (AttentionProblem, check_kvcache_contents, check_positive_strides,
                       check_varlen_contents, dtype_of)
 
-__all__ = ["attention_with_kvcache", "attention_varlen", "merge_attention_states"]
+__all__ = ["attention_with_kvcache", "attention_varlen", "attention_varlen_backward",
+           "merge_attention_states"]
 
 
 def __dir__():
@@ -187,7 +189,8 @@ def _append(k_cache, v_cache, k_new, v_new, lengths, block_table) -> None:
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                      *, causal: bool = False, softmax_scale: float | None = None,
                      window=(-1, -1), softcap: float = 0.0, sinks=None, return_lse: bool = False,
-                     out=None, check_contents: bool = True, backend: str | None = None):
+                     out=None, lse=None, check_contents: bool = True,
+                     backend: str | None = None):
     """Attention over a batch of sequences of their own lengths, packed back to back.
 
     Sequence b holds rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q and rows cu_seqlens_k[b]
@@ -228,6 +231,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     out : CUDA array, optional
         The buffer to write the output into: q's shape and dtype, laid out as q, its memory
         apart from every input's.
+    lse : CUDA array, optional
+        The buffer to write the log-sum-exp into: float32, C-contiguous, (heads_q, total_q),
+        apart from every input's.
     check_contents : bool, default True
         Copy the cu_seqlens to the host (a synchronization) to check them against the token
         counts and the maxima. Pass False in a hot loop whose values are known good.
@@ -240,7 +246,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
         The output like q, (total_q, heads_q, head_dim): ``out`` itself if given.
     lse : array
         Only with ``return_lse``: float32 (heads_q, total_q), natural log, sinks included;
-        -inf for a row that sees no key.
+        -inf for a row that sees no key (``lse`` itself if given). What
+        ``attention_varlen_backward`` takes.
 
     Raises
     ------
@@ -276,7 +283,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
 
     problem = AttentionProblem.from_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-        window=window, softcap=softcap, sinks=sinks, softmax_scale=softmax_scale, out=out)
+        window=window, softcap=softcap, sinks=sinks, softmax_scale=softmax_scale, out=out,
+        lse=lse)
     route = dispatch.select(runtime.device_arch(problem.device), problem.format,
                             problem.head_dim, features=problem.features, backend=backend)
     with cupy.cuda.Device(problem.device):
@@ -284,10 +292,99 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
             check_varlen_contents(problem, cu_seqlens_q, cu_seqlens_k, k.shape[0])
         if out is None:
             out = cupy.empty(q.shape, dtype=problem.out_dtype)
-        lse = cupy.empty((problem.heads_q, problem.total_q), dtype=cupy.float32)
+        if lse is None:
+            lse = cupy.empty((problem.heads_q, problem.total_q), dtype=cupy.float32)
         route.launcher.serve(problem, q[None], k[None], v[None], out[None], lse[None],
                              cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, sinks=sinks)
     return (out, lse) if return_lse else out
+
+
+@framework_arrays
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                              max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
+                              softmax_scale: float | None = None, window=(-1, -1),
+                              softcap: float = 0.0, sinks=None, deterministic: bool = False,
+                              dq=None, dk=None, dv=None, dsinks=None,
+                              check_contents: bool = True, backend: str | None = None):
+    """The gradients of ``ptxattn.attention_varlen`` with respect to q, k and v (and the sinks).
+
+    ``out`` and ``lse`` are what ``attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
+    max_seqlen_q, max_seqlen_k, ..., return_lse=True)`` returned, with the same options. Layouts,
+    kinds of array and streams as there: q, k, v, out and dout 3-d, packed back to back. Each
+    sequence's gradients are its own: a sequence with no keys gets dq = 0, one with no queries
+    dk = dv = 0. The kernels, accumulation and ``deterministic`` are ``attention_backward``'s.
+
+    Parameters
+    ----------
+    dout : CUDA array
+        The gradient of the loss with respect to ``out``: q's shape and dtype.
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+        The forward's arguments.
+    out : CUDA array
+        The forward's output, like q.
+    lse : CUDA array
+        The forward's log-sum-exp: float32 (heads_q, total_q), unit stride along total_q.
+    causal, softmax_scale, window, softcap, sinks
+        As in the forward.
+    deterministic : bool, default False
+        Makes the gradients bit-identical from run to run.
+    dq, dk, dv : CUDA array, optional
+        Buffers for the gradients, the shapes and dtype of q, k and v, overlapping no input.
+    dsinks : CUDA array, optional
+        With ``sinks``: the buffer for their gradient, float32 (heads_q,), contiguous.
+    check_contents : bool, default True
+        Check the cu_seqlens on the host first, as the forward does (a synchronization).
+    backend : {'hopper', 'portable'}, optional
+        The kernel family.
+
+    Returns
+    -------
+    dq, dk, dv : tuple of array
+        The gradients, like q, k and v (the buffers themselves if given).
+    dsinks : array
+        Only with ``sinks``: float32 (heads_q,), summed over every sequence's rows, the fourth
+        element of the tuple.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As ``attention_varlen`` and ``attention_backward`` raise them, for the arrays here.
+
+    Examples
+    --------
+    >>> import cupy, ptxattn
+    >>> cu_seqlens = cupy.array([0, 5, 5, 16], dtype=cupy.int32)
+    >>> q, k, v = (cupy.random.standard_normal((16, 8, 128)).astype("bfloat16")
+    ...            for _ in range(3))
+    >>> out, lse = ptxattn.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, 11, 11,
+    ...                                     causal=True, return_lse=True)
+    >>> dq, dk, dv = ptxattn.attention_varlen_backward(
+    ...     cupy.ones_like(out), q, k, v, out, lse, cu_seqlens, cu_seqlens, 11, 11, causal=True)
+    """
+    import cupy
+
+    from . import dispatch, runtime
+
+    problem = AttentionProblem.from_varlen_backward(
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap, sinks=sinks,
+        deterministic=deterministic, dq=dq, dk=dk, dv=dv, dsinks=dsinks)
+    route = dispatch.select(runtime.device_arch(problem.device), problem.format,
+                            problem.head_dim, features=problem.backward_features,
+                            backend=backend)
+    with cupy.cuda.Device(problem.device):
+        if check_contents:
+            check_varlen_contents(problem, cu_seqlens_q, cu_seqlens_k, k.shape[0])
+        dq = cupy.empty(q.shape, dtype=q.dtype) if dq is None else dq
+        dk = cupy.empty(k.shape, dtype=k.dtype) if dk is None else dk
+        dv = cupy.empty(v.shape, dtype=v.dtype) if dv is None else dv
+        workspace = route.launcher.backward(
+            problem, dout[None], q[None], k[None], v[None], out[None], lse[None], dq[None],
+            dk[None], dv[None], deterministic=deterministic, cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_k=cu_seqlens_k, sinks=sinks)
+        if sinks is None:
+            return dq, dk, dv
+        return dq, dk, dv, workspace.dsinks(problem, out=dsinks)
 
 
 MERGE_DTYPES = ("float16", "bfloat16", "float32")

@@ -167,10 +167,23 @@ def test_backward_calls_run_hopper_on_sm_90a_and_portable_otherwise():
                            backend="portable").launcher.__name__ == (
         "ptxattn.launchers.portable_backward")
     assert dispatch.select("sm_80", "bfloat16", 128, features={"backward"}).call == "backward"
-    with pytest.raises(ValueError, match=r"with backward, softcap at head_dim 128 does not run "
+    for features in ({"backward", "window", "causal"}, {"backward", "softcap"},
+                     {"backward", "sinks", "gqa"}, {"backward", "varlen"}):
+        for arch, launcher in (("sm_90a", "hopper_backward"), ("sm_80", "portable_backward")):
+            route = dispatch.select(arch, "bfloat16", 64, features=features)
+            assert route.launcher.__name__ == f"ptxattn.launchers.{launcher}", features
+    with pytest.raises(ValueError, match=r"with backward, kvcache at head_dim 128 does not run "
                                          r"on sm_90a"):
-        dispatch.select("sm_90a", "bfloat16", 128, features={"backward", "softcap"},
+        dispatch.select("sm_90a", "bfloat16", 128, features={"backward", "kvcache"},
                         backend="hopper")
+
+
+def test_forward_calls_never_take_a_backward_route():
+    """The backward routes handle the serving options too; a forward call with them still goes
+    to a forward or serving route, and a backward call never to a forward one."""
+    for features in ({"softcap"}, {"window", "sinks"}, {"varlen", "softcap"}):
+        assert dispatch.select("sm_90a", "bfloat16", 128, features=features).call != "backward"
+    assert dispatch.select("sm_90a", "bfloat16", 128, features={"backward"}).call == "backward"
 
 
 def test_a_route_lacking_a_feature_is_passed_over(monkeypatch):

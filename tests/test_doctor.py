@@ -134,7 +134,8 @@ def test_doctor_json_lists_each_gpu_with_its_arch_and_routes(driver, monkeypatch
     assert (h100["name"], h100["compute_capability"], h100["arch"]) == (
         "NVIDIA H100 80GB HBM3", "9.0", "sm_90a")
     portable = {"family": "portable", "emulated": False, "formats": ["bfloat16", "float16"],
-                "head_dims": [64, 128, 256], "features": ["backward", "causal", "gqa"]}
+                "head_dims": [64, 128, 256],
+                "features": ["backward", "causal", "gqa", "sinks", "softcap", "varlen", "window"]}
     assert portable in h100["routes"]
     assert any(r["family"] == "blockscaled" and r["emulated"] for r in h100["routes"])
     assert v100["arch"] is None and v100["routes"] == [] and "ptxattn needs" in v100["error"]

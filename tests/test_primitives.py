@@ -418,7 +418,7 @@ BWD_WALK_CASES = [(1000, 1000, 132), (2048, 1024, 132), (300, 1100, 132), (1024,
 
 
 def _bwd_walk(kernel, block_m, block_n, seqlen_q, seqlen_k, causal, deterministic, group,
-              q_per_kv):
+              q_per_kv, window=(-1, -1)):
     """Runs bwd_walk_probe: (n_block per block, steps per block as (head, tile, turn) rows),
     after checking that BwdSteps::Cursor visits the same (head, tile) at every step."""
     import cupy
@@ -430,7 +430,7 @@ def _bwd_walk(kernel, block_m, block_n, seqlen_q, seqlen_k, causal, deterministi
     runtime.launch(kernel, (math.ceil(blocks / 128),), (128,),
                    [np.int32(seqlen_q), np.int32(seqlen_k), np.int32(causal),
                     np.int32(deterministic), np.int32(group), np.int32(q_per_kv), np.int32(cap),
-                    n_block, counts, steps])
+                    np.int32(window[0]), np.int32(window[1]), n_block, counts, steps])
     counts = counts.get()
     assert (counts <= cap).all(), f"step counts {counts.tolist()} over {cap}"
     steps = steps.get()
@@ -440,11 +440,16 @@ def _bwd_walk(kernel, block_m, block_n, seqlen_q, seqlen_k, causal, deterministi
     return n_block.get(), [steps[b, :counts[b], :3] for b in range(blocks)]
 
 
-def _visible_tiles(n, block_m, block_n, seqlen_q, seqlen_k, causal):
+def _visible_tiles(n, block_m, block_n, seqlen_q, seqlen_k, causal, window=(-1, -1)):
     """The query tiles holding a row that sees a key of block n (mask.cuh's rule)."""
     rows = np.arange(seqlen_q)
-    last_key_seen = rows + seqlen_k - seqlen_q if causal else np.full(seqlen_q, seqlen_k - 1)
-    sees = last_key_seen >= n * block_n
+    left, right = window[0], 0 if causal else window[1]
+    diagonal = rows + seqlen_k - seqlen_q
+    last_key_seen = np.minimum(seqlen_k - 1, diagonal + right) if right >= 0 else seqlen_k - 1
+    first_key_seen = np.maximum(0, diagonal - left) if left >= 0 else np.zeros(seqlen_q)
+    block_keys = (n * block_n, min(seqlen_k, (n + 1) * block_n) - 1)
+    sees = ((last_key_seen >= block_keys[0]) & (first_key_seen <= block_keys[1])
+            & (first_key_seen <= last_key_seen))
     return sorted(set((rows[sees] // block_m).tolist()))
 
 
@@ -476,27 +481,31 @@ def _run_turns(walks, capacity):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("window", [(-1, -1), (300, 0), (100, 200), (-1, 50), (50, -1), (3, 5)],
+                         ids=lambda w: f"window{w[0]}_{w[1]}")
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 @pytest.mark.parametrize("block_m,block_n", BWD_WALK_SHAPES)
 @pytest.mark.parametrize("seqlen_q,seqlen_k,group", BWD_WALK_CASES)
-def test_bwd_walk_visits_and_turns(seqlen_q, seqlen_k, group, block_m, block_n, causal):
+def test_bwd_walk_visits_and_turns(seqlen_q, seqlen_k, group, block_m, block_n, causal, window):
     """Every key block of the backward visits each query tile that sees its keys once per q
     head; with deterministic sums the blocks' turns at each tile are 0, 1, 2, ..., the adds
     finish with `group` blocks resident (the launcher passes the SM count), and with every
     block resident and moving in lockstep no block ever waits where BwdWalk promises it: causal
     with no more keys than queries (with more, the blocks left of the diagonal all start at
     tile 0), non-causal with the blocks in one group and at least as many tiles (otherwise a
-    group waits for the one before, or the walk falls back to index order)."""
+    group waits for the one before, or the walk falls back to index order). Windows skip the
+    tiles no row of which sees the block, and keep the turns unique and free of deadlock."""
     kernel = _load(bwd_walk_spec(block_m, block_n))
     blocks = math.ceil(seqlen_k / block_n)
     num_m = math.ceil(seqlen_q / block_m)
     q_per_kv = 2
     for deterministic in (False, True):
         n_block, walks = _bwd_walk(kernel, block_m, block_n, seqlen_q, seqlen_k, causal,
-                                   deterministic, group, q_per_kv)
+                                   deterministic, group, q_per_kv, window)
         assert sorted(n_block.tolist()) == list(range(blocks))
         for b, steps in enumerate(walks):
-            visible = _visible_tiles(n_block[b], block_m, block_n, seqlen_q, seqlen_k, causal)
+            visible = _visible_tiles(n_block[b], block_m, block_n, seqlen_q, seqlen_k, causal,
+                                     window)
             for head in range(q_per_kv):
                 mine = steps[steps[:, 0] == head]
                 assert sorted(mine[:, 1].tolist()) == visible, \
@@ -512,6 +521,8 @@ def test_bwd_walk_visits_and_turns(seqlen_q, seqlen_k, group, block_m, block_n, 
             assert sorted(got) == list(range(len(got))), f"head {head} tile {tile}: turns {got}"
         _run_turns(walks, capacity=group)
         lockstep_waits = _run_turns(walks, capacity=blocks)
+        if window != (-1, -1):
+            continue
         if seqlen_q >= seqlen_k if causal else blocks <= min(group, num_m):
             assert not lockstep_waits, f"blocks waited in lockstep rounds {lockstep_waits[:8]}"
 

@@ -37,10 +37,17 @@ attn_bwd_sm90(const __grid_constant__ BwdParams p) {
     Barriers& bars = *reinterpret_cast<Barriers*>(smem + Mainloop::kBarrierOffset);
     const int kv_head = blockIdx.y;
     const int batch = blockIdx.z;
-    const typename Mainloop::Info info(p.seqlen_q, p.seqlen_k, Cfg::kCausal);
-    const BwdWalk walk = BwdWalk::make(blockIdx.x, gridDim.x, p.num_m_blocks, Cfg::kCausal,
+    const BwdSeq seq = BwdSeq::of(p, batch);
+    // The grid covers the longest sequence's keys; a packed sequence's end before this block.
+    const int n_blocks = ceil_div(seq.lens.seqlen_k, Mainloop::kBlockN);
+    if (static_cast<int>(blockIdx.x) >= n_blocks) return;
+    const typename Mainloop::Info info(seq.lens.seqlen_q, seq.lens.seqlen_k, Cfg::kCausal,
+                                       p.window_left, p.window_right);
+    const bool banded = !Cfg::kCausal && (p.window_left >= 0 || p.window_right >= 0);
+    const BwdWalk walk = BwdWalk::make(blockIdx.x, n_blocks,
+                                       ceil_div(seq.lens.seqlen_q, Cfg::kBlockM), Cfg::kCausal,
                                        Cfg::kDeterministic, p.dq_turn_group,
-                                       Cfg::kStaggeredWalk);
+                                       Cfg::kStaggeredWalk, banded);
     const BwdSteps steps = BwdSteps::make(info, walk, p.q_per_kv);
 
     if (threadIdx.x == 0) {
@@ -53,12 +60,12 @@ attn_bwd_sm90(const __grid_constant__ BwdParams p) {
     if (threadIdx.x < 128) {
         warpgroup_reg_dealloc<Cfg::kProducerRegs>();
         if (threadIdx.x == 0) {
-            Mainloop::load(p, smem, bars, steps, walk.n_block, kv_head, batch);
+            Mainloop::load(p, smem, bars, steps, walk.n_block, kv_head, seq);
         } else if (Cfg::kDqWriter && threadIdx.x / 32 == 1) {
-            Mainloop::template write_dq<0>(p, smem, info, walk, steps, kv_head, batch);
+            Mainloop::template write_dq<0>(p, smem, info, walk, steps, kv_head, batch, seq);
         } else if (threadIdx.x / 32 == 2) {
             if constexpr (Cfg::kDqWriter && Mainloop::kWriterWarps > 1) {
-                Mainloop::template write_dq<1>(p, smem, info, walk, steps, kv_head, batch);
+                Mainloop::template write_dq<1>(p, smem, info, walk, steps, kv_head, batch, seq);
             }
         }
         return;
@@ -68,8 +75,8 @@ attn_bwd_sm90(const __grid_constant__ BwdParams p) {
     const int thread = threadIdx.x;
     typename Mainloop::Consumer consumer{smem, bars, thread / 128 - 1, (thread % 128) / 32,
                                          thread % 32};
-    consumer.run(p, info, walk, steps, kv_head, batch);
-    consumer.store(p, walk.n_block, kv_head, batch);
+    consumer.run(p, info, walk, steps, kv_head, seq);
+    consumer.store(p, walk.n_block, kv_head, seq);
 }
 
 }  // namespace ptxattn

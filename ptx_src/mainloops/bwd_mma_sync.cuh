@@ -315,7 +315,7 @@ struct BwdMmaSyncMainloop {
     static __device__ __forceinline__ void store_dkv(
         const BwdParams& p, uint8_t* smem, float (&dk)[Cfg::kDkvRows / 16][Cfg::kDkvCols / 8][4],
         float (&dv)[Cfg::kDkvRows / 16][Cfg::kDkvCols / 8][4], int first_key, int kv_head,
-        int batch, int warp, int lane) {
+        const BwdSeq& seq, int warp, int lane) {
         using Mainloop = BwdMmaSyncMainloop;
         constexpr int kBlockN = Cfg::kBlockN;
         const int dkv_key0 = (warp % Cfg::kDkvWarpRows) * Cfg::kDkvRows;
@@ -327,10 +327,12 @@ struct BwdMmaSyncMainloop {
         // address arithmetic of the walk from uniform to vector registers (60 more IMADs a step) and
         // the non-causal rows lost 3-4% (H100 SXM, 2026-11-26;
         // docs/design/backward.md#portable-against-flashattention-2).
-        uint16_t* dk_head = static_cast<uint16_t*>(p.dk) + batch * p.dk_stride_b +
-                            kv_head * p.dk_stride_h;
-        uint16_t* dv_head = static_cast<uint16_t*>(p.dv) + batch * p.dv_stride_b +
-                            kv_head * p.dv_stride_h;
+        // Keys from the sequence's first (packed: its offset), up to its seqlen_k.
+        const int seqlen_k = seq.lens.seqlen_k;
+        uint16_t* dk_head = static_cast<uint16_t*>(p.dk) + seq.batch_coord * p.dk_stride_b +
+                            kv_head * p.dk_stride_h + seq.lens.offset_k * p.dk_stride_s;
+        uint16_t* dv_head = static_cast<uint16_t*>(p.dv) + seq.batch_coord * p.dv_stride_b +
+                            kv_head * p.dv_stride_h + seq.lens.offset_k * p.dv_stride_s;
         if constexpr (Cfg::kHeadDim >= 128) {
 #pragma unroll
             for (int m = 0; m < Cfg::kDkvRows / 16; ++m) {
@@ -352,18 +354,18 @@ struct BwdMmaSyncMainloop {
             constexpr int kWarpKeys = kBlockN / Cfg::kWarps;
             const auto row_chunks = [](int row, int chunk) { return KVTile::offset(row, chunk); };
             store_staged_rows<kWarpKeys, KVTile::kChunksPerRow>(
-                smem, row_chunks, dk_head, p.dk_stride_s, first_key, warp * kWarpKeys, p.seqlen_k,
+                smem, row_chunks, dk_head, p.dk_stride_s, first_key, warp * kWarpKeys, seqlen_k,
                 lane);
             store_staged_rows<kWarpKeys, KVTile::kChunksPerRow>(
                 smem + Cfg::kKVTileBytes, row_chunks, dv_head, p.dv_stride_s, first_key,
-                warp * kWarpKeys, p.seqlen_k, lane);
+                warp * kWarpKeys, seqlen_k, lane);
         } else {
 #pragma unroll
             for (int m = 0; m < Cfg::kDkvRows / 16; ++m) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int key = first_key + dkv_key0 + 16 * m + (lane >> 2) + 8 * h;
-                    if (key >= p.seqlen_k) continue;
+                    if (key >= seqlen_k) continue;
 #pragma unroll
                     for (int j = 0; j < Cfg::kDkvCols / 8; ++j) {
                         const int col = dkv_d0 + 8 * j + 2 * (lane & 3);
@@ -395,10 +397,18 @@ struct BwdMmaSyncMainloop {
         const int warp = tid >> 5;
         const int kv_head = blockIdx.y;
         const int batch = blockIdx.z;
+        const BwdSeq seq = BwdSeq::of(p, batch);
+        // The grid covers the longest sequence's keys; a packed sequence's end before this block.
+        const int n_blocks = ceil_div(seq.lens.seqlen_k, kBlockN);
+        if (static_cast<int>(blockIdx.x) >= n_blocks) return;
+        const int m_blocks = ceil_div(seq.lens.seqlen_q, kBlockM);
+        const bool banded = !Cfg::kCausal && (p.window_left >= 0 || p.window_right >= 0);
 
-        const BlockInfo<kBlockM, kBlockN> info(p.seqlen_q, p.seqlen_k, Cfg::kCausal);
-        const BwdWalk walk = BwdWalk::make(blockIdx.x, gridDim.x, p.num_m_blocks, Cfg::kCausal,
-                                           p.dq_semaphore != nullptr, p.dq_turn_group);
+        const BlockInfo<kBlockM, kBlockN> info(seq.lens.seqlen_q, seq.lens.seqlen_k, Cfg::kCausal,
+                                               p.window_left, p.window_right);
+        const BwdWalk walk = BwdWalk::make(blockIdx.x, n_blocks, m_blocks, Cfg::kCausal,
+                                           p.dq_semaphore != nullptr, p.dq_turn_group, false,
+                                           banded);
         const int n_block = walk.n_block;
         const BwdSteps walk_steps = BwdSteps::make(info, walk, p.q_per_kv);
         const int steps = walk_steps.count;
@@ -425,20 +435,21 @@ struct BwdMmaSyncMainloop {
 
         Mainloop::template load_rows<kBlockN>(
             k_tile,
-            static_cast<const uint16_t*>(p.k) + batch * p.k_stride_b + kv_head * p.k_stride_h +
-                first_key * p.k_stride_s,
-            p.k_stride_s, p.seqlen_k - first_key, tid);
+            static_cast<const uint16_t*>(p.k) + seq.batch_coord * p.k_stride_b +
+                kv_head * p.k_stride_h + (seq.lens.offset_k + first_key) * p.k_stride_s,
+            p.k_stride_s, seq.lens.seqlen_k - first_key, tid);
         Mainloop::template load_rows<kBlockN>(
             v_tile,
-            static_cast<const uint16_t*>(p.v) + batch * p.v_stride_b + kv_head * p.v_stride_h +
-                first_key * p.v_stride_s,
-            p.v_stride_s, p.seqlen_k - first_key, tid);
+            static_cast<const uint16_t*>(p.v) + seq.batch_coord * p.v_stride_b +
+                kv_head * p.v_stride_h + (seq.lens.offset_k + first_key) * p.v_stride_s,
+            p.v_stride_s, seq.lens.seqlen_k - first_key, tid);
 
         // Q and dO of the step at `cursor` into ring stage `stage`; the cursor moves to the next.
         // (The walk as a cursor, without head()'s and m_block()'s divisions at every step, leaves
         // head_dim 128 the registers for FlashAttention-2's warp grid without spills.) By TMA
         // (overlapping steps), only thread 0 calls it: rows past seqlen_q arrive zero-filled, as the
-        // map ends there.
+        // map ends there (packed sequences: the next sequence's rows, whose P is 0, as their
+        // padded workspace rows give LSE +inf).
         const auto load_step = [&](BwdSteps::Cursor& cursor, int stage) {
             const int head = cursor.head;
             const int row0 = cursor.m_block * kBlockM;
@@ -452,11 +463,12 @@ struct BwdMmaSyncMainloop {
 #pragma unroll
                 for (int slab = 0; slab < QTile::kSlabs; ++slab) {
                     uint8_t* const q_slab = tile + slab * QTile::kSlabBytes;
-                    tma_load_4d(q_slab, &p.q_map, full, 64 * slab, head, row0, batch);
-                    tma_load_4d(q_slab + Cfg::kQTileBytes, &p.dout_map, full, 64 * slab, head, row0,
-                                batch);
+                    tma_load_4d(q_slab, &p.q_map, full, 64 * slab, head, seq.lens.offset_q + row0,
+                                seq.batch_coord);
+                    tma_load_4d(q_slab + Cfg::kQTileBytes, &p.dout_map, full, 64 * slab, head,
+                                seq.lens.offset_q + row0, seq.batch_coord);
                 }
-                const int padded_row = (batch * p.heads_q + head) * p.seqlen_q_rounded + row0;
+                const int64_t padded_row = seq.workspace_row(p, head, row0);
                 uint8_t* const values = smem + (values_dst - k_tile);
                 bulk_load(values, p.lse_log2 + padded_row, 4 * kBlockM, full);
                 bulk_load(values + 4 * kBlockM, p.dpsum + padded_row, 4 * kBlockM, full);
@@ -465,16 +477,16 @@ struct BwdMmaSyncMainloop {
             }
             Mainloop::template load_rows<kBlockM>(
                 q_dst,
-                static_cast<const uint16_t*>(p.q) + batch * p.q_stride_b + head * p.q_stride_h +
-                    row0 * p.q_stride_s,
-                p.q_stride_s, p.seqlen_q - row0, tid);
+                static_cast<const uint16_t*>(p.q) + seq.batch_coord * p.q_stride_b +
+                    head * p.q_stride_h + (seq.lens.offset_q + row0) * p.q_stride_s,
+                p.q_stride_s, seq.lens.seqlen_q - row0, tid);
             Mainloop::template load_rows<kBlockM>(
                 q_dst + Cfg::kQTileBytes,
-                static_cast<const uint16_t*>(p.dout) + batch * p.dout_stride_b +
-                    head * p.dout_stride_h + row0 * p.dout_stride_s,
-                p.dout_stride_s, p.seqlen_q - row0, tid);
+                static_cast<const uint16_t*>(p.dout) + seq.batch_coord * p.dout_stride_b +
+                    head * p.dout_stride_h + (seq.lens.offset_q + row0) * p.dout_stride_s,
+                p.dout_stride_s, seq.lens.seqlen_q - row0, tid);
             Mainloop::load_row_values(values_dst, p.lse_log2, p.dpsum,
-                                      (batch * p.heads_q + head) * p.seqlen_q_rounded + row0, tid);
+                                      seq.workspace_row(p, head, row0), tid);
             walk_steps.next(cursor);
         };
         BwdSteps::Cursor loading = walk_steps.start(kv_head, p.q_per_kv);
@@ -530,7 +542,6 @@ struct BwdMmaSyncMainloop {
             // lies past seqlen_q has +inf and 0, so P = 0), each read once its GEMM is done (shared
             // memory's latency needs no hiding; read ahead, head_dim 128 spilled).
             const uint32_t row_values = row_values_ring + stage * Cfg::kRowValuesBytes;
-            const int64_t row_base = (static_cast<int64_t>(batch) * p.heads_q + head) * p.seqlen_q;
             // Phase 1: S -> P, then dP -> dS, each into shared memory as 16-bit values.
             typename Mainloop::ScorePairs pairs;
             {
@@ -538,7 +549,9 @@ struct BwdMmaSyncMainloop {
                 Mainloop::gemm_abt(s, q_tile, k_tile, score_row0, score_col0, lanes);
                 float lse_log2[Cfg::kScoreRows / 16][2];
                 Mainloop::read_row_values(lse_log2, row_values, score_row0, lane);
-                if (n_block >= info.n_right_masked(m_block)) {
+                // The softcap before the mask, as in the forward: masked scores stay -inf.
+                if (p.softcap_scale != 0.0f) apply_softcap(s, p.softcap_scale);
+                if (info.needs_mask(m_block, n_block)) {
                     apply_mask<16>(s, info.mask, first_row + score_row0 + (lane >> 2),
                                    first_key + score_col0 + 2 * (lane & 3), AccumulatorColumns{});
                 }
@@ -551,7 +564,14 @@ struct BwdMmaSyncMainloop {
                 Mainloop::gemm_abt(dp, do_tile, v_tile, score_row0, score_col0, lanes);
                 float dpsum[Cfg::kScoreRows / 16][2];
                 Mainloop::read_row_values(dpsum, row_values + 4 * kBlockM, score_row0, lane);
-                score_gradient<Cfg::kBf16>(dp, pairs, dpsum);
+                if (p.softcap_scale != 0.0f) {
+                    float lse_log2[Cfg::kScoreRows / 16][2];
+                    Mainloop::read_row_values(lse_log2, row_values, score_row0, lane);
+                    score_gradient_softcapped<Cfg::kBf16>(dp, pairs, dpsum, lse_log2,
+                                                          SoftcapSlope{__frcp_rn(p.scale_log2)});
+                } else {
+                    score_gradient<Cfg::kBf16>(dp, pairs, dpsum);
+                }
                 Mainloop::pack_scores(pairs, dp);
             }
             Mainloop::store_scores(ds_tile + score_buffer, pairs, score_row0, score_col0, lane);
@@ -580,7 +600,7 @@ struct BwdMmaSyncMainloop {
             }
 
             // Phase 3: dQ += dS K into the FP32 accumulator.
-            float* dq_rows = p.dq_accum + (row_base + first_row) * Cfg::kHeadDim;
+            float* dq_rows = p.dq_accum + seq.workspace_row(p, head, first_row) * Cfg::kHeadDim;
             int* turn = p.dq_semaphore == nullptr
                             ? nullptr
                             : p.dq_semaphore + (static_cast<int64_t>(batch) * p.heads_q + head) *
@@ -605,9 +625,11 @@ struct BwdMmaSyncMainloop {
                     // overlapping steps, and waiting for turns as well cost it 1-4%
                     // (docs/design/backward.md#portable-deterministic-mode).
                     const auto wait_for_turn = [&] {
-                        const BwdWalk turns = BwdWalk::make(blockIdx.x, gridDim.x, p.num_m_blocks,
-                                                            Cfg::kCausal, true, p.dq_turn_group);
-                        wait_turn(turn, turns.turn(m_block, info.n_max(m_block)));
+                        const BwdWalk turns =
+                            BwdWalk::make(blockIdx.x, n_blocks, m_blocks, Cfg::kCausal, true,
+                                          p.dq_turn_group, false, banded);
+                        wait_turn(turn, turns.turn(m_block, info.n_min(m_block),
+                                                   info.n_max(m_block)));
                     };
                     if constexpr (Cfg::kTurnWarpAlone) {
                         if (warp == Cfg::kWarps - 1) {
@@ -627,7 +649,7 @@ struct BwdMmaSyncMainloop {
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
                         const int row = dq_row0 + 16 * m + (lane >> 2) + 8 * h;
-                        if (first_row + row >= p.seqlen_q) continue;
+                        if (first_row + row >= seq.lens.seqlen_q) continue;
 #pragma unroll
                         for (int j = 0; j < Cfg::kDqPassCols / 8; ++j) {
                             float* dst = dq_rows + row * Cfg::kHeadDim + d0 + 8 * j + 2 * (lane & 3);
@@ -661,7 +683,7 @@ struct BwdMmaSyncMainloop {
             if (tid == 0) pass_turn(passing);
         }
 
-        store_dkv(p, smem, dk, dv, first_key, kv_head, batch, warp, lane);
+        store_dkv(p, smem, dk, dv, first_key, kv_head, seq, warp, lane);
     }
 };
 

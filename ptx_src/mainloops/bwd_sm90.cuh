@@ -268,7 +268,7 @@ struct BwdSm90Mainloop {
     // The producer thread: K and V of the block, then (Q, dO) of every step.
     static __device__ __forceinline__ void load(const BwdParams& p, uint8_t* smem, Barriers& bars,
                                                 const BwdSteps& steps, int n_block, int kv_head,
-                                                int batch) {
+                                                const BwdSeq& seq) {
         tma_prefetch(&p.q_map);
         tma_prefetch(&p.k_map);
         tma_prefetch(&p.v_map);
@@ -277,9 +277,9 @@ struct BwdSm90Mainloop {
 #pragma unroll
         for (int j = 0; j < kSlabs; ++j) {
             tma_load_4d(smem + kKOffset + j * kKVSlabBytes, &p.k_map, bars.kv_full, 64 * j,
-                        kv_head, n_block * kBlockN, batch);
+                        kv_head, seq.lens.offset_k + n_block * kBlockN, seq.batch_coord);
             tma_load_4d(smem + kVOffset + j * kKVSlabBytes, &p.v_map, bars.kv_full, 64 * j,
-                        kv_head, n_block * kBlockN, batch);
+                        kv_head, seq.lens.offset_k + n_block * kBlockN, seq.batch_coord);
         }
         Ring ring;
 #pragma unroll 1
@@ -289,8 +289,7 @@ struct BwdSm90Mainloop {
             bars.q_do.producer_acquire(ring);
             MBarrier& full = bars.q_do.full_barrier(ring);
             full.arrive_expect_tx(2 * kQBytes + Cfg::kRowValuesBytes);
-            const int64_t padded_row =
-                (static_cast<int64_t>(batch) * p.heads_q + head) * p.seqlen_q_rounded + row;
+            const int64_t padded_row = seq.workspace_row(p, head, row);
             float* row_values = reinterpret_cast<float*>(smem + kRowValuesOffset +
                                                          ring.stage() * Cfg::kRowValuesBytes);
             bulk_load(row_values, p.lse_log2 + padded_row, kBlockM * 4, full);
@@ -299,22 +298,26 @@ struct BwdSm90Mainloop {
             uint8_t* do_tile = smem + kDoOffset + ring.stage() * kQBytes;
 #pragma unroll
             for (int j = 0; j < kSlabs; ++j) {
-                tma_load_4d(q_tile + j * kQSlabBytes, &p.q_map, full, 64 * j, head, row, batch);
-                tma_load_4d(do_tile + j * kQSlabBytes, &p.dout_map, full, 64 * j, head, row,
-                            batch);
+                tma_load_4d(q_tile + j * kQSlabBytes, &p.q_map, full, 64 * j, head,
+                            seq.lens.offset_q + row, seq.batch_coord);
+                tma_load_4d(do_tile + j * kQSlabBytes, &p.dout_map, full, 64 * j, head,
+                            seq.lens.offset_q + row, seq.batch_coord);
             }
         }
     }
 
-    // The TMA reduces of one staged round of a warpgroup's dQ (columns col0..) into the
-    // accumulator, by the issuing thread: a consumer's (reduce_dq) or the writer warp's.
+    // The TMA reduces of one staged round of a warpgroup's dQ (columns col0.., query rows
+    // row0.. of the sequence) into the accumulator, by the issuing thread: a consumer's
+    // (reduce_dq) or the writer warp's. The map is (batch_coord * heads_q + head, workspace row,
+    // column): rows past the sequence land in its padding.
     static __device__ __forceinline__ void issue_dq_reduce(const BwdParams& p,
                                                            const uint8_t* staging, int col0,
-                                                           int row0, int head, int batch) {
+                                                           int row0, int head,
+                                                           const BwdSeq& seq) {
 #pragma unroll
         for (int box = 0; box < Cfg::kDqRoundCols / 32; ++box) {
             tma_reduce_add_3d(&p.dq_accum_map, staging + box * kDqBoxStride, col0 + 32 * box,
-                              row0, batch * p.heads_q + head);
+                              seq.workspace_row0 + row0, seq.batch_coord * p.heads_q + head);
         }
     }
 
@@ -336,7 +339,7 @@ struct BwdSm90Mainloop {
     static __device__ __forceinline__ void write_dq(const BwdParams& p, uint8_t* smem,
                                                     const Info& info, const BwdWalk& walk,
                                                     const BwdSteps& steps, int kv_head,
-                                                    int batch) {
+                                                    int batch, const BwdSeq& seq) {
         constexpr bool kOwnLane = !Cfg::kSharedKeys && kWriterWarps > 1;
         constexpr int kRound = Cfg::kSharedKeys ? kWriter : 0;
         constexpr int kFirstLane = kOwnLane ? kWriter : 0;
@@ -351,7 +354,8 @@ struct BwdSm90Mainloop {
             const int turn =
                 ((batch * p.heads_q + head) * p.num_m_blocks + m_block) * kWriterWarps + kWriter;
             if (Cfg::kDeterministic && leader) {
-                wait_turn(p.dq_semaphore + turn, walk.turn(m_block, info.n_max(m_block)));
+                wait_turn(p.dq_semaphore + turn,
+                          walk.turn(m_block, info.n_min(m_block), info.n_max(m_block)));
             }
 #pragma unroll
             for (int w = kFirstLane; w < kFirstLane + kLanes; ++w) {
@@ -362,7 +366,7 @@ struct BwdSm90Mainloop {
                                     (Cfg::kDqSplitRows ? 0 : Cfg::kDqCols * w) +
                                         kRound * Cfg::kDqRoundCols,
                                     m_block * kBlockM + (Cfg::kDqSplitRows ? 64 * w : 0), head,
-                                    batch);
+                                    seq);
                     tma_store_commit();
                 }
             }
@@ -470,7 +474,7 @@ struct BwdSm90Mainloop {
         // One step: query tile m_block of q head `head` (its (Q, dO) in the ring's next slot).
         __device__ __forceinline__ void step(const BwdParams& p, const Info& info,
                                              const BwdWalk& walk, int head, int m_block,
-                                             int batch, int step_index) {
+                                             const BwdSeq& seq, int step_index) {
             const int query0 = m_block * kBlockM + 2 * (lane % 4);  // the thread's first column
             const int first_key = walk.n_block * kBlockN + key0() + 16 * warp + lane / 4;
             // The step's LSE log2 (then D) at the thread's columns 8 i + 2 t, + 1.
@@ -504,8 +508,12 @@ struct BwdSm90Mainloop {
             wgmma_wait<1>();
             wgmma_fence_operand(s);
 
-            // P^T, rounded to the A fragments of dV's GEMM.
-            if (walk.n_block >= info.n_right_masked(m_block)) {
+            // P^T, rounded to the A fragments of dV's GEMM; the softcap before the mask, as in the
+            // forward, so that masked scores stay -inf.
+            if (p.softcap_scale != 0.0f) {
+                apply_softcap(reinterpret_cast<float(&)[1][kBlockM / 8][4]>(s), p.softcap_scale);
+            }
+            if (info.needs_mask(m_block, walk.n_block)) {
                 apply_mask_transposed(reinterpret_cast<Tiles&>(s), info.mask, first_key, query0);
             }
             uint32_t pt[kBlockM / 4];
@@ -523,7 +531,17 @@ struct BwdSm90Mainloop {
             wgmma_fence_operand(dp);
             // dS^T = P^T (dP^T - D), as A fragments of dK's GEMM and, transposed, into dS.
             uint32_t dst[kBlockM / 4];
-            score_gradient_transposed<kBf16>(dst, reinterpret_cast<const Tiles&>(dp), pt, dpsum);
+            if (p.softcap_scale != 0.0f) {
+                // The LSE again, from shared memory: held from P's recompute, it would take
+                // registers through dV's GEMM.
+                const ColumnValues<false, kBlockM / 8> lse_again{row_values};
+                score_gradient_transposed_softcapped<kBf16>(
+                    dst, reinterpret_cast<const Tiles&>(dp), pt, dpsum, lse_again,
+                    SoftcapSlope{__frcp_rn(p.scale_log2)});
+            } else {
+                score_gradient_transposed<kBf16>(dst, reinterpret_cast<const Tiles&>(dp), pt,
+                                                 dpsum);
+            }
             // dS^T's 8x8 matrices (keys 16 warp + 8 h.., queries 8 i..) land transposed in this
             // warpgroup's slab of the step's dS buffer: stmatrix x4 number x takes i = 2x, 2x + 1.
             const uint32_t ds =
@@ -581,7 +599,7 @@ struct BwdSm90Mainloop {
             if constexpr (Cfg::kDqWriter) {
                 hand_dq_to_writer(dq, step_index == 0);
             } else {
-                reduce_dq(p, dq, m_block, head, batch);
+                reduce_dq(p, dq, m_block, head, seq);
             }
             wgmma_wait<0>();
             wgmma_fence_operand(dk);
@@ -604,7 +622,7 @@ struct BwdSm90Mainloop {
         // added into the accumulator by one TMA reduce a box, round by round; rows past
         // seqlen_q are clipped. (Deterministic sums are the writer warp's.)
         __device__ __forceinline__ void reduce_dq(const BwdParams& p, DqTiles& dq, int m_block,
-                                                  int head, int batch) const {
+                                                  int head, const BwdSeq& seq) const {
             static_assert(Cfg::kSharedKeys && !Cfg::kDeterministic,
                           "head_dim 256 only: the writer warp reduces the others' dQ and takes "
                           "the turns");
@@ -621,7 +639,7 @@ struct BwdSm90Mainloop {
                 named_barrier_sync(kDqBarrier + wg, 128);
                 if (dq_issuer()) {
                     issue_dq_reduce(p, staging, col0 + round * Cfg::kDqRoundCols,
-                                    m_block * kBlockM, head, batch);
+                                    m_block * kBlockM, head, seq);
                     tma_store_commit();
                 }
             }
@@ -745,8 +763,14 @@ struct BwdSm90Mainloop {
         // a few percent of its time.)
         // kSharedKeys has no dQ staging: once both warpgroups are past their last step, the
         // (Q, dO) ring's first stage is free (every load was waited for) and stages both.
+        // Packed sequences end before the arrays do, so the block that runs past its sequence's
+        // last key stores from registers, keys past it dropped (the forward's output likewise).
         __device__ __forceinline__ void store(const BwdParams& p, int n_block, int kv_head,
-                                              int batch) const {
+                                              const BwdSeq& seq) const {
+            if (p.cu_seqlens_k != nullptr && (n_block + 1) * kBlockN > seq.lens.seqlen_k) {
+                store_from_registers(p, n_block, kv_head, seq);
+                return;
+            }
             using Output = StagedTmaStore<Cfg::kDkvCols, kBf16>;
             using Rows = float[Cfg::kDkvCols / 8][4];
             uint8_t* staging;
@@ -763,18 +787,42 @@ struct BwdSm90Mainloop {
             const int col0 = Cfg::kSharedKeys ? wg * Cfg::kDkvCols : 0;
             const float dk_scale[2] = {p.softmax_scale, p.softmax_scale};
             const float dv_scale[2] = {1.0f, 1.0f};
+            const int first_row = seq.lens.offset_k + first_key;
             output.store(reinterpret_cast<const Rows&>(dk), dk_scale, &p.dk_map, kv_head,
-                         first_key, batch, col0);
+                         first_row, seq.batch_coord, col0);
             output.store(reinterpret_cast<const Rows&>(dv), dv_scale, &p.dv_map, kv_head,
-                         first_key, batch, col0);
+                         first_row, seq.batch_coord, col0);
             output.finish();
+        }
+
+        // store()'s direct path: the thread's rows 16 warp + lane / 4 (+ 8) of the warpgroup's
+        // keys, 4 bytes of a row at a time.
+        __device__ __forceinline__ void store_from_registers(const BwdParams& p, int n_block,
+                                                             int kv_head,
+                                                             const BwdSeq& seq) const {
+            using Rows = float[Cfg::kDkvCols / 8][4];
+            const int col0 = Cfg::kSharedKeys ? wg * Cfg::kDkvCols : 0;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int key = n_block * kBlockN + key0() + 16 * warp + lane / 4 + 8 * h;
+                if (key >= seq.lens.seqlen_k) continue;
+                const int64_t row = seq.lens.offset_k + key;
+                uint16_t* dk_row = static_cast<uint16_t*>(p.dk) + seq.batch_coord * p.dk_stride_b +
+                                   row * p.dk_stride_s + kv_head * p.dk_stride_h + col0;
+                uint16_t* dv_row = static_cast<uint16_t*>(p.dv) + seq.batch_coord * p.dv_stride_b +
+                                   row * p.dv_stride_s + kv_head * p.dv_stride_h + col0;
+                store_accumulator_row<kBf16>(dk_row, reinterpret_cast<const Rows&>(dk), h,
+                                             p.softmax_scale, lane);
+                store_accumulator_row<kBf16>(dv_row, reinterpret_cast<const Rows&>(dv), h, 1.0f,
+                                             lane);
+            }
         }
 
         // Every step of the block's walk, then nothing pending in the ring. K and V are waited for
         // even with no step, so no TMA load outlives the block.
         __device__ __forceinline__ void run(const BwdParams& p, const Info& info,
                                             const BwdWalk& walk, const BwdSteps& steps,
-                                            int kv_head, int batch) {
+                                            int kv_head, const BwdSeq& seq) {
 #pragma unroll
             for (int i = 0; i < Cfg::kDkvCols / 2; ++i) {
                 dk[i] = 0.0f;
@@ -789,7 +837,7 @@ struct BwdSm90Mainloop {
             BwdSteps::Cursor at = steps.start(kv_head, p.q_per_kv);
 #pragma unroll 1
             for (int i = 0; i < steps.count; ++i, steps.next(at)) {
-                step(p, info, walk, at.head, at.m_block, batch, i);
+                step(p, info, walk, at.head, at.m_block, seq, i);
             }
             if constexpr (Cfg::kDqWriter) {
                 if (steps.count > 0) wait_dq_staging_free();

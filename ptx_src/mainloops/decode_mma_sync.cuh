@@ -112,23 +112,6 @@ struct DecodeMainloop {
     }
 };
 
-// scores <- tanh(softcap_scale * scores): the logit softcap (params.cuh), tanh.approx.f32.
-template <int kRowGroups, int kTiles>
-__device__ __forceinline__ void apply_softcap(float (&s)[kRowGroups][kTiles][4], float scale) {
-#pragma unroll
-    for (int m = 0; m < kRowGroups; ++m) {
-#pragma unroll
-        for (int j = 0; j < kTiles; ++j) {
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                float t;
-                asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(s[m][j][c] * scale));
-                s[m][j][c] = t;
-            }
-        }
-    }
-}
-
 // The merge of the warps' softmax states (every warp saw other keys of the same rows): with
 // m_w a warp's reference max and l_w its row sum, M = max_w m_w and L = sum_w l_w 2^(m_w - M);
 // the output is sum_w o_w 2^(m_w - M) / L, summed in warp order so that it is deterministic,

@@ -11,9 +11,9 @@
 // then the unmasked ones, then (only with a left window) the left-masked ones.
 //
 // The backward walks the other way: a block of kBlockN keys visits the query tiles
-// [m_min(n_block), m_max()) that hold a row seeing one of its keys, and the same n_right_masked
-// test says which (tile, block) pairs need the mask. (Left windows are not handled there yet: no
-// backward kernel takes a window.)
+// [m_min(n_block), m_max(n_block)) that hold a row seeing one of its keys, and the same
+// n_right_masked and n_left_unmasked tests say which (tile, block) pairs need the mask
+// (needs_mask), so both directions skip and mask exactly the same pairs.
 //
 // Per-sequence lengths: a BlockInfo holds one sequence's lengths (fixed-length kernels make one
 // per block), so a varlen or KV-cache kernel makes one per tile from that sequence's (seqlen_q,
@@ -100,12 +100,54 @@ struct BlockInfo {
                    : max(0, n_block * kBlockN - mask.diag - mask.window_right) / kBlockM;
     }
 
-    // One past the last query tile (backward).
-    __device__ __forceinline__ int m_max() const { return ceil_div(seqlen_q, kBlockM); }
+    // One past the last query tile with a row that sees a key of block n_block (backward): the
+    // row last_key - diag + window_left sees key last_key last.
+    __device__ __forceinline__ int m_max(int n_block) const {
+        const int tiles = ceil_div(seqlen_q, kBlockM);
+        if (mask.window_left < 0) return tiles;
+        const int last_key = min((n_block + 1) * kBlockN, mask.seqlen_k) - 1;
+        const int last_row = last_key - mask.diag + mask.window_left;
+        return last_row < 0 ? 0 : min(tiles, last_row / kBlockM + 1);
+    }
 
     // Blocks below this one need the left-side mask (none without a left window).
     __device__ __forceinline__ int n_left_unmasked(int m_block) const {
         return mask.window_left < 0 ? 0 : ceil_div(mask.key_begin(last_row(m_block)), kBlockN);
+    }
+
+    // Whether some row of tile m_block may not see some key of block n_block.
+    __device__ __forceinline__ bool needs_mask(int m_block, int n_block) const {
+        return n_block >= n_right_masked(m_block) || n_block < n_left_unmasked(m_block);
+    }
+};
+
+// Where sequence `batch` of a backward call lives. In a fixed-length batch every sequence has the
+// call's lengths and its own batch index. Packed (BwdParams::cu_seqlens_q/k given), its rows start
+// at lens.offset_q / offset_k of arrays whose batch extent is 1, and its workspace rows (dpsum,
+// lse_log2, dsink_rows, dq_accum) at its padded offset, (cu_seqlens_q[b] + b row_padding) rounded
+// down to row_padding: from one sequence's offset to the next there are more than its rows, a
+// whole number of row_padding (the main kernel's query tile), so a tile read or added past the
+// sequence's end stays in its own padding.
+struct BwdSeq {
+    SeqLens lens;
+    int batch_coord;     // the batch index into the arrays and TMA maps: batch, or 0 when packed
+    int workspace_row0;  // the sequence's first workspace row of a head: 0, or its padded offset
+
+    __device__ __forceinline__ static BwdSeq of(const BwdParams& p, int batch) {
+        BwdSeq seq;
+        seq.lens = SeqLens::of(batch, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k);
+        const bool packed = p.cu_seqlens_q != nullptr;
+        seq.batch_coord = packed ? 0 : batch;
+        seq.workspace_row0 =
+            packed ? (seq.lens.offset_q + batch * p.row_padding) / p.row_padding * p.row_padding
+                   : 0;
+        return seq;
+    }
+
+    // The workspace row of query row `row` of head `head` (times head_dim in dq_accum).
+    __device__ __forceinline__ int64_t workspace_row(const BwdParams& p, int head, int row) const {
+        return (static_cast<int64_t>(batch_coord) * p.heads_q + head) * p.seqlen_q_rounded +
+               workspace_row0 + row;
     }
 };
 

@@ -176,6 +176,26 @@ struct alignas(64) BwdParams {
     int seqlen_q_rounded;  // rows per (batch, head) in dpsum, lse_log2 (backward.rounded_rows)
     int dq_turn_group;     // deterministic sums: key blocks that may wait on each other, at most
                            // the blocks the GPU holds at once (BwdWalk, tile_scheduler.cuh)
+
+    // The forward's mask and scores, read by the same block-info / mask code (block_info.cuh):
+    // window sizes, -1 = unbounded (the right one 0 when causal); the logit softcap as in
+    // FwdParams (softcap_scale = softmax_scale / softcap, and scale_log2 = softcap log2(e); 0 =
+    // off; softmax.cuh's SoftcapSlope).
+    int window_left;
+    int window_right;
+    float softcap_scale;
+    // Packed sequences (varlen), null for a fixed-length batch: sequence b holds rows
+    // cu_seqlens_q[b].. of q, out, dout, dq and the lse, and cu_seqlens_k[b].. of k, v, dk, dv
+    // (the arrays' batch extent 1); its workspace rows start at its padded offset (BwdSeq), where
+    // seqlen_q_rounded is the rows per head and row_padding the tile the offsets are rounded to.
+    const int* cu_seqlens_q;
+    const int* cu_seqlens_k;
+    int row_padding;
+    // Attention sinks (one float32 logit per q head, natural log), null = none: the preprocess
+    // writes each row's share of dL/dsink, -exp(sink - LSE) D, into dsink_rows (workspace rows,
+    // zeroed), which the launcher sums per head.
+    const float* sinks;
+    float* dsink_rows;
 };
 
 }  // namespace ptxattn

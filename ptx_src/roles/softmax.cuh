@@ -312,4 +312,82 @@ __device__ __forceinline__ void score_gradient_transposed(uint32_t (&ds)[2 * kTi
     }
 }
 
+// The backward under a logit softcap. The forward's score is softcap tanh(softmax_scale s /
+// softcap): the backward recomputes t = tanh(softcap_scale s) (apply_softcap, before the mask,
+// so that masked scores stay -inf) and P from t with scale_log2 = softcap log2(e) (BwdParams),
+// and dS takes the factor dt/d(softcap_scale s) = 1 - t^2 (softmax_scale is applied with dQ's
+// and dK's). t is not kept through dV's GEMM (its registers spill there): it is recovered from P
+// as dS's GEMMs see it, t = (log2 P + lse_log2) / (softcap log2(e)), off by at most 2^-8 /
+// (softcap ln 2) from the 16-bit rounding of P. Clamped to [-1, 1], a P of 0 (masked or
+// underflowed, log2 -inf) gives a factor of 0 rather than NaN.
+struct SoftcapSlope {
+    float inv_scale_log2;  // 1 / (softcap log2(e))
+
+    __device__ __forceinline__ float operator()(float p, float lse_log2) const {
+        float lg;
+        asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(lg) : "f"(p));
+        const float t = fminf(fmaxf((lg + lse_log2) * inv_scale_log2, -1.0f), 1.0f);
+        return (1.0f - t) * (1.0f + t);
+    }
+};
+
+// score_gradient under a softcap: dS = P (dP - dpsum) (1 - t^2), t from P and the row's LSE.
+template <bool kBf16, int kRowGroups, int kTiles>
+__device__ __forceinline__ void score_gradient_softcapped(
+    float (&dp)[kRowGroups][kTiles][4], const uint32_t (&p)[kRowGroups][kTiles][2],
+    const float (&dpsum)[kRowGroups][2], const float (&lse_log2)[kRowGroups][2],
+    SoftcapSlope slope) {
+#pragma unroll
+    for (int m = 0; m < kRowGroups; ++m) {
+#pragma unroll
+        for (int j = 0; j < kTiles; ++j) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float2 pair = unpack_f32x2<kBf16>(p[m][j][h]);
+                const float lse = lse_log2[m][h];
+                dp[m][j][2 * h] =
+                    pair.x * (dp[m][j][2 * h] - dpsum[m][h]) * slope(pair.x, lse);
+                dp[m][j][2 * h + 1] =
+                    pair.y * (dp[m][j][2 * h + 1] - dpsum[m][h]) * slope(pair.y, lse);
+            }
+        }
+    }
+}
+
+// score_gradient_transposed under a softcap (the Hopper backward's tiles).
+template <bool kBf16, int kTiles, class ColumnValues, class LseValues>
+__device__ __forceinline__ void score_gradient_transposed_softcapped(
+    uint32_t (&ds)[2 * kTiles], const float (&dp)[kTiles][4], const uint32_t (&p)[2 * kTiles],
+    ColumnValues dpsum_of, LseValues lse_log2_of, SoftcapSlope slope) {
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i) {
+        const float2 dpsum = dpsum_of(i);
+        const float2 lse = lse_log2_of(i);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float2 pair = unpack_f32x2<kBf16>(p[2 * i + h]);
+            ds[2 * i + h] = pack_f32x2<kBf16>(
+                pair.x * (dp[i][2 * h] - dpsum.x) * slope(pair.x, lse.x),
+                pair.y * (dp[i][2 * h + 1] - dpsum.y) * slope(pair.y, lse.y));
+        }
+    }
+}
+
+// scores <- tanh(softcap_scale * scores): the logit softcap (params.cuh), tanh.approx.f32.
+template <int kRowGroups, int kTiles>
+__device__ __forceinline__ void apply_softcap(float (&s)[kRowGroups][kTiles][4], float scale) {
+#pragma unroll
+    for (int m = 0; m < kRowGroups; ++m) {
+#pragma unroll
+        for (int j = 0; j < kTiles; ++j) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                float t;
+                asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(s[m][j][c] * scale));
+                s[m][j][c] = t;
+            }
+        }
+    }
+}
+
 }  // namespace ptxattn

@@ -152,7 +152,8 @@ struct PersistentTiles {
 //               visited by blocks [0, n_max(m)); block n starts at its diagonal tile, one or two
 //               tiles past block n + 1's first, and takes turn n_max(m) - 1 - n, so each block
 //               waits only for blocks of lower blockIdx.x, which the hardware launched earlier.
-//   non-causal: every block visits every tile. Key blocks form groups of `group` consecutive
+//   non-causal: every block visits every tile of its sequence (num_m_blocks: the sequence's
+//               tiles, num_n_blocks its key blocks). Key blocks form groups of `group` consecutive
 //               blocks (at most one per SM: a group is resident together); block l of a group
 //               of G starts at tile l r, r = num_m_blocks / G, and walks the tiles round from
 //               there, so at any step the group's blocks are at distinct tiles, and tile m's adds
@@ -162,8 +163,14 @@ struct PersistentTiles {
 //               (In index order block n would wait n steps at its first tile, and every block
 //               after it as long: a quarter to a half of a head's time.) With fewer tiles than
 //               the group's blocks, the tiles are walked from 0 in index order.
-// Without deterministic sums, blocks walk from their first tile in index order, or, non-causal
-// and asked to (`staggered`), round from the same staggered starts as above, so that at any
+//   banded:     a non-causal window (left, right or both): block n visits tiles [m_min(n),
+//               m_max(n)), key blocks [n_min(m), n_max(m)) visit tile m, and block n takes turn
+//               n - n_min(m) in index order; with a right window its first tile moves down with
+//               n, so it waits about as long as the band's tiles shift from one block to the next.
+//               (Causal windows walk as causal: turn n_max(m) - 1 - n still counts the blocks
+//               after n that visit m.)
+// Without deterministic sums, blocks walk from their first tile in index order, or, non-causal,
+// unbanded and asked to (`staggered`), round from the same staggered starts as above, so that at any
 // step the blocks of a head add into different tiles' dQ rather than all into tile 0, then all
 // into tile 1, ... (the Hopper kernel at head_dim 64: +5-7% at seqlen 16384; at 128 it cost 2%).
 struct BwdWalk {
@@ -177,7 +184,7 @@ struct BwdWalk {
 
     __device__ __forceinline__ static BwdWalk make(int block, int num_n_blocks, int num_m_blocks,
                                                    bool causal, bool deterministic, int group,
-                                                   bool staggered = false) {
+                                                   bool staggered = false, bool banded = false) {
         BwdWalk w{block, false, 0, 0, 0, 0, 0};
         if (causal) {
             if (deterministic) {
@@ -186,7 +193,7 @@ struct BwdWalk {
             }
             return w;
         }
-        if (!deterministic && !staggered) return w;
+        if (banded || (!deterministic && !staggered)) return w;
         w.group_base = block / group * group;
         w.group_rank = block - w.group_base;
         w.group_size = min(group, num_n_blocks - w.group_base);
@@ -197,11 +204,11 @@ struct BwdWalk {
         return w;
     }
 
-    // How many key blocks add into query tile m's dQ before this one; n_max: one past the last
-    // key block tile m visits.
-    __device__ __forceinline__ int turn(int m_block, int n_max) const {
+    // How many key blocks add into query tile m's dQ before this one; [n_min, n_max): the key
+    // blocks tile m visits.
+    __device__ __forceinline__ int turn(int m_block, int n_min, int n_max) const {
         if (reversed) return n_max - 1 - n_block;
-        if (spacing == 0) return n_block;
+        if (spacing == 0) return n_block - n_min;
         // Blocks 0..a of the group reach tile m at steps m - l r (later blocks first); the rest
         // after wrapping round, at m - l r + num_m_blocks, again later blocks first.
         const int a = min(m_block / spacing, group_size - 1);
@@ -224,7 +231,7 @@ struct BwdSteps {
     __device__ __forceinline__ static BwdSteps make(const Info& info, const BwdWalk& walk,
                                                     int q_per_kv) {
         const int m_first = info.m_min(walk.n_block);
-        const int m_count = max(0, info.m_max() - m_first);
+        const int m_count = max(0, info.m_max(walk.n_block) - m_first);
         return {m_first, m_count, m_count * q_per_kv, walk.rotation};
     }
     __device__ __forceinline__ int head(int step, int kv_head, int q_per_kv) const {

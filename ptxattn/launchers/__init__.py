@@ -41,10 +41,13 @@ class Launcher(Protocol):
         """Fixed-length attention of ``problem`` into ``out`` and ``lse``; ``operands`` are
         what the input format adds (FP8's descales, block-scaled scales)."""
 
-    def backward(self, problem, dout, q, k, v, out, lse, dq, dk, dv, *,
-                 deterministic: bool) -> object:
-        """The gradients of the forward into ``dq``, ``dk``, ``dv``; returns the workspace it
-        allocated (backward_prepost.Workspace), for its size."""
+    def backward(self, problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: bool,
+                 cu_seqlens_q=None, cu_seqlens_k=None, sinks=None) -> object:
+        """The gradients of the forward (AttentionProblem.from_backward or
+        from_varlen_backward) into ``dq``, ``dk``, ``dv``: 4-d arrays, packed sequences as
+        views of batch extent 1 with their cu_seqlens, lse (batch, heads_q, seqlen_q) (packed:
+        (1, heads_q, total_q)). Returns the workspace it allocated (backward_prepost.Workspace),
+        for its size and the sinks' gradient (Workspace.dsinks)."""
 
     def serve(self, problem, q, k, v, out, lse, *, seqused_k=None, block_table=None,
               cu_seqlens_q=None, cu_seqlens_k=None, sinks=None) -> None:

@@ -8,11 +8,13 @@ A backward call runs three kernels on one stream:
 2. the family's main kernel: dK and dV written, dQ summed into the accumulator;
 3. ``bwd_postprocess``: dq = softmax_scale * accumulator, in the input dtype.
 
-The workspace is the FP32 accumulator (batch * heads_q * seqlen_q * head_dim floats), dpsum and
-the LSE in log2 units (batch * heads_q * seqlen_q floats each, seqlen_q padded to ROW_PADDING and
-to whole query tiles, rounded_rows, so that a kernel may copy whole tiles of rows) and, for
-``deterministic=True``, turns_per_tile ints per (batch, head, query tile) (the Hopper kernel's
-writer warps take turns of their own): nothing of O(seqlen^2).
+The workspace is, per query row, the FP32 dQ accumulator (head_dim floats), dpsum and the LSE in
+log2 units, and with sinks each row's share of dL/dsink, all in one row layout: per (batch, head)
+seqlen_q rows padded to ROW_PADDING and to whole query tiles (rounded_rows), so that a kernel may
+copy or add whole tiles of rows; for packed sequences (varlen) per head every sequence's rows at
+its padded offset (BwdSeq in ptx_src/roles/block_info.cuh; packed_rows). For
+``deterministic=True`` it adds turns_per_tile ints per (batch, head, query tile) (the Hopper
+kernel's writer warps take turns of their own). Nothing is of O(seqlen^2).
 """
 
 from __future__ import annotations
@@ -51,6 +53,21 @@ def variants() -> list[runtime.KernelSpec]:
             for d in HEAD_DIMS]
 
 
+def packed_rows(problem, block_m: int) -> int:
+    """Workspace rows per head of a packed (varlen) call: sequence b's rows start at
+    (cu_seqlens_q[b] + b * block_m) rounded down to block_m, and the last one's padding ends
+    before total_q + batch * block_m."""
+    return -(-(problem.total_q + problem.batch * block_m) // block_m) * block_m
+
+
+def workspace_rows(problem, block_m: int) -> tuple[int, int]:
+    """(row sets, rows per set) of the workspace: (batch * heads_q, rounded_rows) for a
+    fixed-length call, (heads_q, packed_rows) for packed sequences."""
+    if "varlen" in problem.layouts:
+        return problem.heads_q, packed_rows(problem, block_m)
+    return problem.batch * problem.heads_q, rounded_rows(problem.seqlen_q, block_m)
+
+
 def rounded_rows(seqlen_q: int, block_m: int = ROW_PADDING) -> int:
     """Rows per (batch, head) of dpsum and lse_log2: seqlen_q padded to ROW_PADDING, and to whole
     query tiles of block_m rows (80 at the Hopper head_dim 128)."""
@@ -65,18 +82,19 @@ class Workspace:
     dpsum: object
     lse_log2: object
     dq_semaphore: object | None
+    dsink_rows: object | None  # with sinks: zeroed, each row's -exp(sink - LSE) D
+    rows: int                  # rows per (batch, head), or per head when packed
 
     @staticmethod
     def sizes(problem, block_m: int, deterministic: bool,
               turns_per_tile: int = 1) -> tuple[int, int, int]:
-        """Elements of the accumulator, of dpsum (and of lse_log2) and semaphores, for a main
-        kernel of block_m query rows a tile that takes turns_per_tile turns at each tile's dQ
-        (deterministic sums): all 4 bytes each."""
-        heads = problem.batch * problem.heads_q
-        semaphores = (heads * math.ceil(problem.seqlen_q / block_m) * turns_per_tile
-                      if deterministic else 0)
-        return (heads * problem.seqlen_q * problem.head_dim,
-                heads * rounded_rows(problem.seqlen_q, block_m), semaphores)
+        """Elements of the accumulator, of dpsum (and of lse_log2, and of dsink_rows with
+        sinks) and semaphores, for a main kernel of block_m query rows a tile that takes
+        turns_per_tile turns at each tile's dQ (deterministic sums): all 4 bytes each."""
+        sets, rows = workspace_rows(problem, block_m)
+        semaphores = (problem.batch * problem.heads_q * math.ceil(problem.seqlen_q / block_m)
+                      * turns_per_tile if deterministic else 0)
+        return sets * rows * problem.head_dim, sets * rows, semaphores
 
     @classmethod
     def allocate(cls, problem, block_m: int, deterministic: bool,
@@ -87,16 +105,28 @@ class Workspace:
         return cls(cupy.empty(accum, dtype=cupy.float32),
                    cupy.empty(padded_rows, dtype=cupy.float32),
                    cupy.empty(padded_rows, dtype=cupy.float32),
-                   cupy.zeros(semaphores, dtype=cupy.int32) if deterministic else None)
+                   cupy.zeros(semaphores, dtype=cupy.int32) if deterministic else None,
+                   cupy.zeros(padded_rows, dtype=cupy.float32) if problem.sinks else None,
+                   workspace_rows(problem, block_m)[1])
+
+    def dsinks(self, problem, out=None):
+        """dL/dsinks, float32 (heads_q,): the rows' shares summed per head, in a fixed order
+        (the same bits on every run)."""
+        import cupy
+        shares = self.dsink_rows.reshape(-1, problem.heads_q, self.rows)
+        return cupy.sum(shares, axis=(0, 2), out=out)
 
     @property
     def nbytes(self) -> int:
         return sum(x.nbytes for x in (self.dq_accum, self.dpsum, self.lse_log2,
-                                      self.dq_semaphore) if x is not None)
+                                      self.dq_semaphore, self.dsink_rows) if x is not None)
 
 
 def make_params(problem, dout, q, k, v, out, lse, dq, dk, dv, workspace: Workspace,
-                block_m: int) -> params.BwdParams:
+                block_m: int, *, cu_seqlens_q=None, cu_seqlens_k=None,
+                sinks=None) -> params.BwdParams:
+    """The BwdParams of a call: 4-d arrays (packed sequences as views of batch extent 1, with
+    their cu_seqlens), lse (batch, heads_q, seqlen_q) (packed: (1, heads_q, total_q))."""
     p = params.BwdParams(
         q=q, k=k, v=v, out=out, dout=dout, dq=dq, dk=dk, dv=dv, lse=lse,
         dq_accum=workspace.dq_accum, dpsum=workspace.dpsum, lse_log2=workspace.lse_log2,
@@ -106,10 +136,18 @@ def make_params(problem, dout, q, k, v, out, lse, dq, dk, dv, workspace: Workspa
         softmax_scale=problem.softmax_scale,
         scale_log2=problem.softmax_scale * math.log2(math.e), causal=int(problem.causal),
         num_m_blocks=math.ceil(problem.seqlen_q / block_m),
-        seqlen_q_rounded=rounded_rows(problem.seqlen_q, block_m),
+        seqlen_q_rounded=workspace_rows(problem, block_m)[1], row_padding=block_m,
+        window_left=problem.window[0], window_right=0 if problem.causal else problem.window[1],
+        cu_seqlens_q=0 if cu_seqlens_q is None else cu_seqlens_q,
+        cu_seqlens_k=0 if cu_seqlens_k is None else cu_seqlens_k,
+        sinks=0 if sinks is None else sinks,
+        dsink_rows=0 if workspace.dsink_rows is None else workspace.dsink_rows,
         # blocks that may wait on one another must fit on the GPU at once: one per SM is a
         # lower bound for every backward kernel
         dq_turn_group=runtime.sm_count(problem.device))
+    if problem.softcap > 0:  # the forward's scores: softcap tanh(softmax_scale s / softcap)
+        p.softcap_scale = problem.softmax_scale / problem.softcap
+        p.scale_log2 = problem.softcap * math.log2(math.e)
     for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("dq", dq),
                     ("dk", dk), ("dv", dv)):
         for dim, stride in zip("bsh", params.strides(x)):
@@ -125,7 +163,10 @@ def _row_grid(problem, rows_per_head: int) -> tuple[int]:
 
 def preprocess(problem, p: params.BwdParams) -> runtime.PreparedLaunch:
     kernel = runtime.load(_spec("preprocess", problem.format, problem.head_dim))
-    return runtime.PreparedLaunch(kernel, grid=_row_grid(problem, p.seqlen_q_rounded),
+    # every workspace row; packed, each sequence's rows padded to whole tiles (bwd_prepost.cu)
+    walked = (p.seqlen_q_rounded if "varlen" not in problem.layouts
+              else -(-problem.seqlen_q // p.row_padding) * p.row_padding)
+    return runtime.PreparedLaunch(kernel, grid=_row_grid(problem, walked),
                                   block=(_THREADS,), args=[p])
 
 
@@ -133,3 +174,12 @@ def postprocess(problem, p: params.BwdParams) -> runtime.PreparedLaunch:
     kernel = runtime.load(_spec("postprocess", problem.format, problem.head_dim))
     return runtime.PreparedLaunch(kernel, grid=_row_grid(problem, problem.seqlen_q),
                                   block=(_THREADS,), args=[p])
+
+
+def run(problem, p: params.BwdParams, main: runtime.PreparedLaunch | None) -> None:
+    """The preprocess, the family's main kernel (None when no block has a key: every packed
+    sequence empty of keys) and the postprocess, in order on the current stream. A launch of no
+    rows (packed sequences of no queries) is left out."""
+    for launch in (preprocess(problem, p), main, postprocess(problem, p)):
+        if launch is not None and min(launch.grid) > 0:
+            launch()

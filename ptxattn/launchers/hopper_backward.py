@@ -2,7 +2,7 @@
 pre- and postprocess every backward family shares (launchers/backward_prepost.py).
 
 A block owns 128 keys (64 at head_dim 256) of one (batch, kv head) and walks the query tiles (64,
-80 or 128 rows) that see them, for every q head sharing its kv head, so dK and dV are complete in
+80 or 128 rows) that see them (through the window, per sequence of a packed batch), for every q head sharing its kv head, so dK and dV are complete in
 its registers at the end and GQA needs no second reduction; dQ is summed into the FP32 accumulator
 across blocks by TMA reduces through a 3-d map of the accumulator. Q, dO, K and V arrive through
 4-d TMA maps (batch, seqlen, heads, head_dim) with boxes of 64 head_dim columns (128 bytes,
@@ -111,14 +111,19 @@ def variants() -> list[runtime.KernelSpec]:
             for deterministic in (False, True)]
 
 
-def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: bool):
-    """The gradients of the forward into dq, dk, dv; returns the workspace (for its size)."""
+def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: bool,
+             cu_seqlens_q=None, cu_seqlens_k=None, sinks=None):
+    """The gradients of the forward into dq, dk, dv; returns the workspace (for its size and
+    the sinks' gradient). Arrays are 4-d, packed sequences as views of batch extent 1 with their
+    cu_seqlens; the window, softcap and sinks are the problem's."""
     v_info = variant(problem.format, problem.head_dim, problem.causal, deterministic)
     kernel = runtime.load(v_info.spec())
     block_m = v_info.block_m
     ws = backward_prepost.Workspace.allocate(problem, block_m, deterministic,
                                              turns_per_tile=v_info.turns_per_tile)
-    p = backward_prepost.make_params(problem, dout, q, k, v, out, lse, dq, dk, dv, ws, block_m)
+    p = backward_prepost.make_params(problem, dout, q, k, v, out, lse, dq, dk, dv, ws, block_m,
+                                     cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                     sinks=sinks)
     swizzle = BOX_COLS * q.itemsize
     p.q_map = runtime.tensor_map(q, (1, block_m, 1, BOX_COLS), swizzle=swizzle)
     p.dout_map = runtime.tensor_map(dout, (1, block_m, 1, BOX_COLS), swizzle=swizzle)
@@ -127,12 +132,14 @@ def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: boo
     # dK and dV leave through TMA stores of each consumer warpgroup's 64 keys
     p.dk_map = runtime.tensor_map(dk, (1, 64, 1, BOX_COLS), swizzle=swizzle)
     p.dv_map = runtime.tensor_map(dv, (1, 64, 1, BOX_COLS), swizzle=swizzle)
-    # dQ sums: TMA reduces of [dq_rows x 32 float32] boxes, clipped at each sequence's end.
-    p.dq_accum_map = runtime.tensor_map(
-        ws.dq_accum.reshape(problem.batch * problem.heads_q, problem.seqlen_q, problem.head_dim),
-        (1, v_info.dq_rows, 32), swizzle=128)
+    # dQ sums: TMA reduces of [dq_rows x 32 float32] boxes into the workspace rows of each
+    # (batch, head), or of each head (packed sequences), whose padding takes the rows past a
+    # sequence's end.
+    sets, rows = backward_prepost.workspace_rows(problem, block_m)
+    p.dq_accum_map = runtime.tensor_map(ws.dq_accum.reshape(sets, rows, problem.head_dim),
+                                        (1, v_info.dq_rows, 32), swizzle=128)
     grid = (math.ceil(problem.seqlen_k / v_info.block_n), problem.heads_kv, problem.batch)
-    backward_prepost.preprocess(problem, p)()
-    runtime.PreparedLaunch(kernel, grid=grid, block=(THREADS,), args=[p])()
-    backward_prepost.postprocess(problem, p)()
+    main = (runtime.PreparedLaunch(kernel, grid=grid, block=(THREADS,), args=[p])
+            if grid[0] > 0 else None)
+    backward_prepost.run(problem, p, main)
     return ws

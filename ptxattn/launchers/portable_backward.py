@@ -171,19 +171,21 @@ def variants() -> list[runtime.KernelSpec]:
 
 
 def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: bool,
-             tile: BwdTile | None = None):
-    """The gradients of the forward into dq, dk, dv; returns the workspace (for its size)."""
+             cu_seqlens_q=None, cu_seqlens_k=None, sinks=None, tile: BwdTile | None = None):
+    """The gradients of the forward into dq, dk, dv; returns the workspace (for its size and
+    the sinks' gradient). Arrays are 4-d, packed sequences as views of batch extent 1 with their
+    cu_seqlens; the window, softcap and sinks are the problem's."""
     arch = runtime.device_arch()
     tile = tile or tile_for(problem.head_dim, problem.causal, arch)
     check_seq_strides(q=q, k=k, v=v, dout=dout)
-    padded_rows = problem.batch * problem.heads_q * backward_prepost.rounded_rows(
-        problem.seqlen_q, tile.block_m)
-    if padded_rows >= 2 ** 31:  # the kernel indexes dpsum and lse_log2 in 32 bits
+    sets, rows = backward_prepost.workspace_rows(problem, tile.block_m)
+    if sets * rows >= 2 ** 31:  # the kernel's row indices are 32-bit within a (batch, head)
         raise ValueError(f"batch * heads * seqlen_q must be below 2**31 for the portable "
-                         f"backward, got {padded_rows} (rows padded to whole tiles)")
+                         f"backward, got {sets * rows} (rows padded to whole tiles)")
     ws = backward_prepost.Workspace.allocate(problem, tile.block_m, deterministic)
     p = backward_prepost.make_params(problem, dout, q, k, v, out, lse, dq, dk, dv, ws,
-                                     tile.block_m)
+                                     tile.block_m, cu_seqlens_q=cu_seqlens_q,
+                                     cu_seqlens_k=cu_seqlens_k, sinks=sinks)
     if tile.overlap_steps:
         # boxes of a tile's rows x 64 columns (one 128-byte slab), coordinates (column, head,
         # row, batch); rows past seqlen_q arrive zero-filled
@@ -194,8 +196,7 @@ def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: boo
                                deterministic and _deferred_turns(problem.head_dim,
                                                                  problem.causal, tile)))
     grid = (math.ceil(problem.seqlen_k / tile.block_n), problem.heads_kv, problem.batch)
-    backward_prepost.preprocess(problem, p)()
-    runtime.PreparedLaunch(kernel, grid=grid, block=(32 * tile.warps,), args=[p])()
-    backward_prepost.postprocess(problem, p)()
+    main = (runtime.PreparedLaunch(kernel, grid=grid, block=(32 * tile.warps,), args=[p])
+            if grid[0] > 0 else None)
+    backward_prepost.run(problem, p, main)
     return ws
-

@@ -151,6 +151,12 @@ class AttentionProblem:
         return frozenset(needs) | self.layouts
 
     @property
+    def backward_features(self) -> frozenset[str]:
+        """What the gradients of the call need (dispatch.FEATURES): its features, few query rows
+        being no decode step there, and "backward"."""
+        return (self.features - {"decode"}) | {"backward"}
+
+    @property
     def out_shape(self) -> tuple[int, int, int, int]:
         return (self.batch, self.seqlen_q, self.heads_q, self.head_dim)
 
@@ -194,60 +200,43 @@ class AttentionProblem:
                       window=window, softcap=check_softcap(softcap),
                       sinks=check_sinks(sinks, dims[3], device), total_q=dims[0] * dims[1])
         if lse is not None:
-            if problem.features & dispatch.SERVING_OPTIONS:
-                raise ValueError("lse= is not taken with window, softcap or sinks; use "
-                                 "return_lse")
             check_lse(lse, problem.lse_shape, device, {**inputs, "out": out})
         return problem
 
     @classmethod
     @_memoized
     def from_backward(cls, dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale=None,
-                      deterministic: bool = False, dq=None, dk=None, dv=None
-                      ) -> "AttentionProblem":
-        """ptxattn.attention_backward's arguments: the forward's 16-bit q, k, v, its output and
-        float32 log-sum-exp (batch, heads_q, seqlen_q) with unit stride along seqlen_q, dout
-        like out (its own strides), and optional gradient buffers like q, k and v that overlap
-        no input nor each other."""
-        if not isinstance(deterministic, bool):
-            raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-        problem = cls.from_16bit(q, k, v, causal=causal, softmax_scale=softmax_scale)
-        fmt = problem.format
-        for name, x in (("out", out), ("dout", dout)):
-            if check_16bit(name, x) != fmt:
-                raise TypeError(f"{name} must have q's dtype {fmt}, got {x.dtype}")
-            check_rows(name, x)
-            if tuple(x.shape) != tuple(q.shape):
-                raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got "
-                                 f"{tuple(x.shape)}")
-            check_device(name, x, problem.device)
-        if dtype_of("lse", lse) != np.float32:
-            raise TypeError(f"lse must have dtype float32 (attention(..., return_lse=True)), got "
-                            f"{lse.dtype}")
-        if tuple(lse.shape) != problem.lse_shape:
-            raise ValueError(f"lse must have shape (batch, heads_q, seqlen_q) = "
-                             f"{problem.lse_shape}, got {tuple(lse.shape)}")
-        check_positive_strides("lse", lse)
-        if problem.seqlen_q > 1 and lse.strides[2] != lse.itemsize:
-            raise ValueError(f"lse must have unit stride along seqlen_q, got strides "
-                             f"{lse.strides} (bytes)")
-        check_device("lse", lse, problem.device)
-        inputs = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
-        grads = {}
-        for name, x, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-            if x is None:
-                continue
-            if check_16bit(name, x) != fmt:
-                raise TypeError(f"{name} must have q's dtype {fmt}, got {x.dtype}")
-            check_rows(name, x)
-            check_output(name, x, like.shape, problem.device, inputs,
-                         f"the shape of {'q' if like is q else 'k and v'}")
-            # Gradients may interleave (slices of one packed dqkv buffer) but not share a byte.
-            for other_name, other in grads.items():
-                if rows_overlap(x, other):
-                    raise ValueError(f"{name} must not share memory with {other_name}: both "
-                                     f"are written")
-            grads[name] = x
+                      window=(-1, -1), softcap=0.0, sinks=None, deterministic: bool = False,
+                      dq=None, dk=None, dv=None, dsinks=None) -> "AttentionProblem":
+        """ptxattn.attention_backward's arguments: the forward's 16-bit q, k, v, options, output
+        and float32 log-sum-exp (batch, heads_q, seqlen_q) with unit stride along seqlen_q, dout
+        like out (its own strides), and optional gradient buffers like q, k and v (and sinks)
+        that overlap no input nor each other."""
+        problem = cls.from_16bit(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                 window=window, softcap=softcap, sinks=sinks)
+        _check_backward_operands(problem, dout, q, k, v, out, lse, sinks, deterministic,
+                                 {"dq": dq, "dk": dk, "dv": dv, "dsinks": dsinks},
+                                 "(batch, heads_q, seqlen_q)", rank=4)
+        return problem
+
+    @classmethod
+    @_memoized
+    def from_varlen_backward(cls, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                             max_seqlen_q, max_seqlen_k, *, causal: bool = False,
+                             softmax_scale=None, window=(-1, -1), softcap=0.0, sinks=None,
+                             deterministic: bool = False, dq=None, dk=None, dv=None,
+                             dsinks=None) -> "AttentionProblem":
+        """ptxattn.attention_varlen_backward's arguments: attention_varlen's, its output and
+        float32 log-sum-exp (heads_q, total_q) with unit stride along total_q, dout like out,
+        and optional gradient buffers as from_backward's, 3-d as q, k and v."""
+        problem = cls.from_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, causal=causal, window=window, softcap=softcap,
+                                  sinks=sinks, softmax_scale=softmax_scale)
+        _check_backward_operands(problem, dout, q, k, v, out, lse, sinks, deterministic,
+                                 {"dq": dq, "dk": dk, "dv": dv, "dsinks": dsinks},
+                                 "(heads_q, total_q)", rank=3,
+                                 others={"cu_seqlens_q": cu_seqlens_q,
+                                         "cu_seqlens_k": cu_seqlens_k})
         return problem
 
     @classmethod
@@ -460,10 +449,11 @@ class AttentionProblem:
     @_memoized
     def from_varlen(cls, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                     causal: bool = False, window=(-1, -1), softcap=0.0, sinks=None,
-                    softmax_scale=None, out=None) -> "AttentionProblem":
+                    softmax_scale=None, out=None, lse=None) -> "AttentionProblem":
         """ptxattn.attention_varlen's arguments: q (total_q, heads_q, D), k and v (total_k,
-        heads_kv, D), int32 cumulative lengths of batch + 1 entries. ``batch`` is the number of
-        sequences, seqlen_q/k the given maxima."""
+        heads_kv, D), int32 cumulative lengths of batch + 1 entries, and optional out and lse
+        (heads_q, total_q) buffers. ``batch`` is the number of sequences, seqlen_q/k the given
+        maxima."""
         check_causal(causal)
         for name, x in (("q", q), ("k", k), ("v", v)):
             check_16bit(name, x)
@@ -497,8 +487,81 @@ class AttentionProblem:
             check_output("out", out, q.shape, device,
                          {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q,
                           "cu_seqlens_k": cu_seqlens_k, "sinks": sinks})
+        if lse is not None:
+            check_lse(lse, (heads_q, q.shape[0]), device,
+                      {"q": q, "k": k, "v": v, "out": out, "cu_seqlens_q": cu_seqlens_q,
+                       "cu_seqlens_k": cu_seqlens_k, "sinks": sinks}, "(heads_q, total_q)")
         return cls(fmt, cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k), heads_q,
                    heads_kv, head_dim, causal, softmax_scale_or_default(softmax_scale, head_dim),
                    fmt, device, window=check_window(window), softcap=check_softcap(softcap),
                    sinks=check_sinks(sinks, heads_q, device), total_q=q.shape[0],
                    layouts=frozenset({"varlen"}))
+
+
+def _check_backward_operands(problem: AttentionProblem, dout, q, k, v, out, lse, sinks,
+                             deterministic, grads: dict, lse_layout: str, rank: int,
+                             others: dict | None = None) -> None:
+    """What a backward entry point takes beyond its forward's arguments: dout and out like q,
+    the forward's float32 lse (lse_layout; unit stride along the rows), and the optional
+    gradient buffers dq, dk, dv like q, k, v and dsinks like sinks (float32, contiguous), each
+    written, so overlapping no input nor another gradient."""
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    fmt = problem.format
+
+    def rows_view(x):  # packed (3-d) arrays are checked as 4-d views of batch extent 1
+        return x if rank == 4 else x[None]
+
+    for name, x in (("out", out), ("dout", dout)):
+        if check_16bit(name, x) != fmt:
+            raise TypeError(f"{name} must have q's dtype {fmt}, got {x.dtype}")
+        if tuple(x.shape) != tuple(q.shape):
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got "
+                             f"{tuple(x.shape)}")
+        check_rows(name, rows_view(x))
+        check_device(name, x, problem.device)
+    lse_shape = (problem.lse_shape if rank == 4 else (problem.heads_q, problem.total_q))
+    if dtype_of("lse", lse) != np.float32:
+        raise TypeError(f"lse must have dtype float32 (the forward's, return_lse=True), got "
+                        f"{lse.dtype}")
+    if tuple(lse.shape) != lse_shape:
+        raise ValueError(f"lse must have shape {lse_layout} = {lse_shape}, got "
+                         f"{tuple(lse.shape)}")
+    check_positive_strides("lse", lse)
+    if lse_shape[-1] > 1 and lse.strides[-1] != lse.itemsize:
+        raise ValueError(f"lse must have unit stride along {'seqlen_q' if rank == 4 else 'total_q'}"
+                         f", got strides {lse.strides} (bytes)")
+    check_device("lse", lse, problem.device)
+    inputs = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, **(others or {})}
+    if sinks is not None:
+        inputs["sinks"] = sinks
+    written = {}
+    for name, x in grads.items():
+        if x is None:
+            continue
+        if name == "dsinks":
+            if sinks is None:
+                raise ValueError("dsinks is the gradient of sinks: pass it with sinks")
+            if dtype_of("dsinks", x) != np.float32:
+                raise TypeError(f"dsinks must have dtype float32, got {x.dtype}")
+            check_output("dsinks", x, (problem.heads_q,), problem.device, inputs,
+                         "(heads_q,)")
+            if not is_c_contiguous(x):
+                raise ValueError(f"dsinks must be contiguous, got strides {x.strides}")
+        else:
+            like = {"dq": q, "dk": k, "dv": v}[name]
+            if check_16bit(name, x) != fmt:
+                raise TypeError(f"{name} must have q's dtype {fmt}, got {x.dtype}")
+            if x.ndim != rank:
+                raise ValueError(f"{name} must have the shape {tuple(like.shape)}, got "
+                                 f"{tuple(x.shape)}")
+            check_rows(name, rows_view(x))
+            check_output(name, x, like.shape, problem.device, inputs,
+                         f"the shape of {'q' if like is q else 'k and v'}")
+        # Gradients may interleave (slices of one packed dqkv buffer) but not share a byte.
+        for other_name, other in written.items():
+            if rows_overlap(rows_view(x) if x.ndim == rank else x,
+                            rows_view(other) if other.ndim == rank else other):
+                raise ValueError(f"{name} must not share memory with {other_name}: both are "
+                                 f"written")
+        written[name] = x

@@ -191,14 +191,16 @@ def check_output(name: str, x, shape: tuple, device: int, inputs: dict,
     check_no_overlap(name, x, inputs)
 
 
-def check_lse(lse, shape: tuple, device: int, inputs: dict) -> None:
-    """A float32 C-contiguous (batch, heads_q, seqlen_q) buffer for the log-sum-exp, apart from
-    every array in ``inputs``: the kernels write one row of seqlen_q values per (batch, head)."""
+def check_lse(lse, shape: tuple, device: int, inputs: dict,
+              layout: str = "(batch, heads_q, seqlen_q)") -> None:
+    """A float32 C-contiguous buffer for the log-sum-exp of ``shape`` (``layout``: (batch,
+    heads_q, seqlen_q), or (heads_q, total_q) for packed sequences), apart from every array in
+    ``inputs``: the kernels write one row of values per (batch, head) or head."""
     dtype = dtype_of("lse", lse)
     if dtype != np.float32:
         raise TypeError(f"lse must have dtype float32, got {dtype}")
     if tuple(lse.shape) != tuple(shape):
-        raise ValueError(f"lse must have shape (batch, heads_q, seqlen_q) = {tuple(shape)}, got "
+        raise ValueError(f"lse must have shape {layout} = {tuple(shape)}, got "
                          f"{tuple(lse.shape)}")
     if not is_c_contiguous(lse):
         raise ValueError(f"lse must be C-contiguous, got strides {lse.strides} for shape "

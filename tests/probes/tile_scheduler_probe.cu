@@ -42,14 +42,18 @@ __device__ __forceinline__ void log_tiles(Take take, int num_tiles, int cap, int
 
 template <int kBlockM, int kBlockN>
 __global__ void bwd_walk_probe(int seqlen_q, int seqlen_k, int causal, int deterministic,
-                               int group, int q_per_kv, int cap, int* __restrict__ n_block,
+                               int group, int q_per_kv, int cap, int window_left,
+                               int window_right, int* __restrict__ n_block,
                                int* __restrict__ counts, int* __restrict__ steps) {
-    const BlockInfo<kBlockM, kBlockN> info(seqlen_q, seqlen_k, causal != 0);
+    const BlockInfo<kBlockM, kBlockN> info(seqlen_q, seqlen_k, causal != 0, window_left,
+                                           window_right);
     const int num_n_blocks = ceil_div(seqlen_k, kBlockN);
     const int block = blockIdx.x * blockDim.x + threadIdx.x;
     if (block >= num_n_blocks) return;
-    const BwdWalk walk = BwdWalk::make(block, num_n_blocks, info.m_max(), causal != 0,
-                                       deterministic != 0, group);
+    // As the backward kernels make it (bwd_sm90.cu, bwd_mma_sync.cuh).
+    const bool banded = causal == 0 && (window_left >= 0 || window_right >= 0);
+    const BwdWalk walk = BwdWalk::make(block, num_n_blocks, ceil_div(seqlen_q, kBlockM),
+                                       causal != 0, deterministic != 0, group, false, banded);
     const BwdSteps walk_steps = BwdSteps::make(info, walk, q_per_kv);
     n_block[block] = walk.n_block;
     counts[block] = walk_steps.count;
@@ -59,7 +63,7 @@ __global__ void bwd_walk_probe(int seqlen_q, int seqlen_k, int causal, int deter
         int* out = steps + (static_cast<int64_t>(block) * cap + s) * 5;
         out[0] = walk_steps.head(s, 0, q_per_kv);
         out[1] = m_block;
-        out[2] = walk.turn(m_block, info.n_max(m_block));
+        out[2] = walk.turn(m_block, info.n_min(m_block), info.n_max(m_block));
         out[3] = cursor.head;
         out[4] = cursor.m_block;
         walk_steps.next(cursor);
