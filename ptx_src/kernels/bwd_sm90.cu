@@ -37,17 +37,22 @@ attn_bwd_sm90(const __grid_constant__ BwdParams p) {
     Barriers& bars = *reinterpret_cast<Barriers*>(smem + Mainloop::kBarrierOffset);
     const int kv_head = blockIdx.y;
     const int batch = blockIdx.z;
-    const BwdSeq seq = BwdSeq::of(p, batch);
-    // The grid covers the longest sequence's keys; a packed sequence's end before this block.
-    const int n_blocks = ceil_div(seq.lens.seqlen_k, Mainloop::kBlockN);
-    if (static_cast<int>(blockIdx.x) >= n_blocks) return;
+    const BwdSeq seq = BwdSeq::of<Cfg::kOptions>(p, batch);
+    // The options build: the grid covers the longest sequence's keys, and a packed sequence's
+    // may end before this block; the window is the call's. Otherwise the grid is the call's
+    // and nothing is windowed.
+    const int n_blocks =
+        Cfg::kOptions ? ceil_div(seq.lens.seqlen_k, Mainloop::kBlockN) : int(gridDim.x);
+    if (Cfg::kOptions && static_cast<int>(blockIdx.x) >= n_blocks) return;
+    const int window_left = Cfg::kOptions ? p.window_left : -1;
+    const int window_right = Cfg::kOptions ? p.window_right : -1;
     const typename Mainloop::Info info(seq.lens.seqlen_q, seq.lens.seqlen_k, Cfg::kCausal,
-                                       p.window_left, p.window_right);
-    const bool banded = !Cfg::kCausal && (p.window_left >= 0 || p.window_right >= 0);
-    const BwdWalk walk = BwdWalk::make(blockIdx.x, n_blocks,
-                                       ceil_div(seq.lens.seqlen_q, Cfg::kBlockM), Cfg::kCausal,
-                                       Cfg::kDeterministic, p.dq_turn_group,
-                                       Cfg::kStaggeredWalk, banded);
+                                       window_left, window_right);
+    const bool banded = !Cfg::kCausal && (window_left >= 0 || window_right >= 0);
+    const BwdWalk walk = BwdWalk::make(
+        blockIdx.x, n_blocks,
+        Cfg::kOptions ? ceil_div(seq.lens.seqlen_q, Cfg::kBlockM) : p.num_m_blocks, Cfg::kCausal,
+        Cfg::kDeterministic, p.dq_turn_group, Cfg::kStaggeredWalk, banded);
     const BwdSteps steps = BwdSteps::make(info, walk, p.q_per_kv);
 
     if (threadIdx.x == 0) {

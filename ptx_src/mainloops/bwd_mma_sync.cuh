@@ -44,11 +44,13 @@ namespace ptxattn {
 // block, warps, the warp grid's row count in each phase (its columns are warps / rows), the
 // (Q, dO) ring depth, overlapping steps (above; sm_90+: TMA and mbarriers), bf16 (else
 // fp16), causal, deferred turns (deterministic sums only: each turn passed at the next step's
-// score barrier; bwd_mma_sync.cu), __launch_bounds__ minimum blocks/SM, and the dynamic shared
-// memory the launcher requests (BwdTile.smem_bytes, checked against the layout).
+// score barrier; bwd_mma_sync.cu), the options build (a window, a softcap and packed sequences
+// read from BwdParams, as the Hopper backward's kOptions), __launch_bounds__ minimum blocks/SM,
+// and the dynamic shared memory the launcher requests (BwdTile.smem_bytes, checked against the
+// layout).
 template <int HeadDim, int BlockM, int BlockN, int Warps, int ScoreWarpRows, int DkvWarpRows,
           int DqWarpRows, int Stages, bool OverlapSteps, bool Bf16, bool Causal,
-          bool DeferredTurns, int MinBlocksPerSm, int SmemBytes>
+          bool DeferredTurns, bool Options, int MinBlocksPerSm, int SmemBytes>
 struct BwdMmaSyncConfig {
     static constexpr int kHeadDim = HeadDim;
     static constexpr int kBlockM = BlockM;
@@ -60,6 +62,7 @@ struct BwdMmaSyncConfig {
     static constexpr bool kBf16 = Bf16;
     static constexpr bool kCausal = Causal;
     static constexpr bool kDeferredTurns = DeferredTurns;
+    static constexpr bool kOptions = Options;
     static constexpr int kMinBlocksPerSm = MinBlocksPerSm;
 
     // Each warp's share of each phase: rows (16-row groups) and columns (8-column tiles).
@@ -397,15 +400,19 @@ struct BwdMmaSyncMainloop {
         const int warp = tid >> 5;
         const int kv_head = blockIdx.y;
         const int batch = blockIdx.z;
-        const BwdSeq seq = BwdSeq::of(p, batch);
-        // The grid covers the longest sequence's keys; a packed sequence's end before this block.
-        const int n_blocks = ceil_div(seq.lens.seqlen_k, kBlockN);
-        if (static_cast<int>(blockIdx.x) >= n_blocks) return;
-        const int m_blocks = ceil_div(seq.lens.seqlen_q, kBlockM);
-        const bool banded = !Cfg::kCausal && (p.window_left >= 0 || p.window_right >= 0);
+        const BwdSeq seq = BwdSeq::of<Cfg::kOptions>(p, batch);
+        // The options build: the grid covers the longest sequence's keys, and a packed
+        // sequence's may end before this block; the window is the call's. Otherwise the grid is
+        // the call's and nothing is windowed.
+        const int n_blocks = Cfg::kOptions ? ceil_div(seq.lens.seqlen_k, kBlockN) : int(gridDim.x);
+        if (Cfg::kOptions && static_cast<int>(blockIdx.x) >= n_blocks) return;
+        const int m_blocks = Cfg::kOptions ? ceil_div(seq.lens.seqlen_q, kBlockM) : p.num_m_blocks;
+        const int window_left = Cfg::kOptions ? p.window_left : -1;
+        const int window_right = Cfg::kOptions ? p.window_right : -1;
+        const bool banded = !Cfg::kCausal && (window_left >= 0 || window_right >= 0);
 
         const BlockInfo<kBlockM, kBlockN> info(seq.lens.seqlen_q, seq.lens.seqlen_k, Cfg::kCausal,
-                                               p.window_left, p.window_right);
+                                               window_left, window_right);
         const BwdWalk walk = BwdWalk::make(blockIdx.x, n_blocks, m_blocks, Cfg::kCausal,
                                            p.dq_semaphore != nullptr, p.dq_turn_group, false,
                                            banded);
@@ -468,7 +475,8 @@ struct BwdMmaSyncMainloop {
                     tma_load_4d(q_slab + Cfg::kQTileBytes, &p.dout_map, full, 64 * slab, head,
                                 seq.lens.offset_q + row0, seq.batch_coord);
                 }
-                const int64_t padded_row = seq.workspace_row(p, head, row0);
+                // 32-bit: the launcher keeps the workspace rows below 2^31
+                const int padded_row = static_cast<int>(seq.workspace_row(p, head, row0));
                 uint8_t* const values = smem + (values_dst - k_tile);
                 bulk_load(values, p.lse_log2 + padded_row, 4 * kBlockM, full);
                 bulk_load(values + 4 * kBlockM, p.dpsum + padded_row, 4 * kBlockM, full);
@@ -550,7 +558,7 @@ struct BwdMmaSyncMainloop {
                 float lse_log2[Cfg::kScoreRows / 16][2];
                 Mainloop::read_row_values(lse_log2, row_values, score_row0, lane);
                 // The softcap before the mask, as in the forward: masked scores stay -inf.
-                if (p.softcap_scale != 0.0f) apply_softcap(s, p.softcap_scale);
+                if (Cfg::kOptions && p.softcap_scale != 0.0f) apply_softcap(s, p.softcap_scale);
                 if (info.needs_mask(m_block, n_block)) {
                     apply_mask<16>(s, info.mask, first_row + score_row0 + (lane >> 2),
                                    first_key + score_col0 + 2 * (lane & 3), AccumulatorColumns{});
@@ -564,7 +572,7 @@ struct BwdMmaSyncMainloop {
                 Mainloop::gemm_abt(dp, do_tile, v_tile, score_row0, score_col0, lanes);
                 float dpsum[Cfg::kScoreRows / 16][2];
                 Mainloop::read_row_values(dpsum, row_values + 4 * kBlockM, score_row0, lane);
-                if (p.softcap_scale != 0.0f) {
+                if (Cfg::kOptions && p.softcap_scale != 0.0f) {
                     float lse_log2[Cfg::kScoreRows / 16][2];
                     Mainloop::read_row_values(lse_log2, row_values, score_row0, lane);
                     score_gradient_softcapped<Cfg::kBf16>(dp, pairs, dpsum, lse_log2,

@@ -82,10 +82,12 @@ struct ColumnValues {
 // wgmmas read shared memory at the tensor cores' pace at N = 64 and at 3/4 of it at N = 128);
 // kStages the depth of the (Q, dO) ring; kDeterministic: dQ summed in a fixed order by the
 // writer warps (a build of its own: one kernel with both ways of summing ran 2-5% slower without,
-// and spilled at head_dim 64); kSmemBytes the dynamic
+// and spilled at head_dim 64); kOptions: the options build, which reads a window, a softcap and
+// packed sequences from BwdParams (a build of its own: read in every build, they cost the plain
+// backward 1-5%, H200, 2026-12-02, docs/design/backward.md#options-build); kSmemBytes the dynamic
 // shared memory the launcher requests (equal to the layout below, checked).
 template <int HeadDim, bool Bf16, bool Causal, int BlockM, int Stages, bool Deterministic,
-          int SmemBytes>
+          bool Options, int SmemBytes>
 struct BwdSm90Config {
     static constexpr int kHeadDim = HeadDim;
     static constexpr bool kBf16 = Bf16;
@@ -93,6 +95,7 @@ struct BwdSm90Config {
     static constexpr int kBlockM = BlockM;
     static constexpr int kStages = Stages;
     static constexpr bool kDeterministic = Deterministic;
+    static constexpr bool kOptions = Options;
     static constexpr uint32_t kSmemBytes = SmemBytes;
 
     static constexpr int kConsumers = 2;
@@ -510,7 +513,7 @@ struct BwdSm90Mainloop {
 
             // P^T, rounded to the A fragments of dV's GEMM; the softcap before the mask, as in the
             // forward, so that masked scores stay -inf.
-            if (p.softcap_scale != 0.0f) {
+            if (Cfg::kOptions && p.softcap_scale != 0.0f) {
                 apply_softcap(reinterpret_cast<float(&)[1][kBlockM / 8][4]>(s), p.softcap_scale);
             }
             if (info.needs_mask(m_block, walk.n_block)) {
@@ -531,7 +534,7 @@ struct BwdSm90Mainloop {
             wgmma_fence_operand(dp);
             // dS^T = P^T (dP^T - D), as A fragments of dK's GEMM and, transposed, into dS.
             uint32_t dst[kBlockM / 4];
-            if (p.softcap_scale != 0.0f) {
+            if (Cfg::kOptions && p.softcap_scale != 0.0f) {
                 // The LSE again, from shared memory: held from P's recompute, it would take
                 // registers through dV's GEMM.
                 const ColumnValues<false, kBlockM / 8> lse_again{row_values};
@@ -767,7 +770,8 @@ struct BwdSm90Mainloop {
         // last key stores from registers, keys past it dropped (the forward's output likewise).
         __device__ __forceinline__ void store(const BwdParams& p, int n_block, int kv_head,
                                               const BwdSeq& seq) const {
-            if (p.cu_seqlens_k != nullptr && (n_block + 1) * kBlockN > seq.lens.seqlen_k) {
+            if (Cfg::kOptions && p.cu_seqlens_k != nullptr &&
+                (n_block + 1) * kBlockN > seq.lens.seqlen_k) {
                 store_from_registers(p, n_block, kv_head, seq);
                 return;
             }

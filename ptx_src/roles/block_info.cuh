@@ -117,7 +117,8 @@ struct BlockInfo {
 
     // Whether some row of tile m_block may not see some key of block n_block.
     __device__ __forceinline__ bool needs_mask(int m_block, int n_block) const {
-        return n_block >= n_right_masked(m_block) || n_block < n_left_unmasked(m_block);
+        return n_block >= n_right_masked(m_block) ||
+               (mask.window_left >= 0 && n_block < n_left_unmasked(m_block));
     }
 };
 
@@ -133,8 +134,17 @@ struct BwdSeq {
     int batch_coord;     // the batch index into the arrays and TMA maps: batch, or 0 when packed
     int workspace_row0;  // the sequence's first workspace row of a head: 0, or its padded offset
 
+    // kPacked: the call may be packed (the backward's options build); otherwise it is not,
+    // and the sequence's lengths and places are the call's, known without reading memory.
+    template <bool kPacked = true>
     __device__ __forceinline__ static BwdSeq of(const BwdParams& p, int batch) {
         BwdSeq seq;
+        if constexpr (!kPacked) {
+            seq.lens = SeqLens{p.seqlen_q, p.seqlen_k, 0, 0};
+            seq.batch_coord = batch;
+            seq.workspace_row0 = 0;
+            return seq;
+        }
         seq.lens = SeqLens::of(batch, p.seqlen_q, p.seqlen_k, p.cu_seqlens_q, p.cu_seqlens_k);
         const bool packed = p.cu_seqlens_q != nullptr;
         seq.batch_coord = packed ? 0 : batch;

@@ -53,6 +53,13 @@ def variants() -> list[runtime.KernelSpec]:
             for d in HEAD_DIMS]
 
 
+def takes_options(problem) -> bool:
+    """Whether a call needs a main kernel's options build (a window, a softcap or packed
+    sequences; sinks need only the preprocess): the plain build reads none of them, which
+    measured 1-5% faster (docs/design/backward.md#options-build)."""
+    return problem.window != (-1, -1) or problem.softcap > 0 or "varlen" in problem.layouts
+
+
 def packed_rows(problem, block_m: int) -> int:
     """Workspace rows per head of a packed (varlen) call: sequence b's rows start at
     (cu_seqlens_q[b] + b * block_m) rounded down to block_m, and the last one's padding ends

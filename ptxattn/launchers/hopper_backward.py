@@ -35,6 +35,7 @@ class BwdSm90Config:
     block_m: int
     stages: int
     deterministic: bool
+    options: bool  # the options build: window, softcap, packed sequences
     smem_bytes: int
 
     # The layout of BwdSm90Config and BwdSm90Mainloop (mainloops/bwd_sm90.cuh), whose
@@ -66,7 +67,8 @@ class BwdSm90Config:
         dtype = "bfloat16" if self.bf16 else "float16"
         return runtime.KernelSpec(
             name=f"bwd_sm90_{dtype}_d{self.head_dim}_m{self.block_m}_s{self.stages}"
-                 f"{'_causal' if self.causal else ''}{'_det' if self.deterministic else ''}",
+                 f"{'_causal' if self.causal else ''}{'_det' if self.deterministic else ''}"
+                 f"{'_opt' if self.options else ''}",
             source=SOURCE, entry=f"ptxattn::attn_bwd_sm90<ptxattn::BwdSm90Config<"
                                  f"{runtime.template_arguments(self)}>>",
             smem_bytes=self.smem_bytes, archs=ARCHS)
@@ -98,17 +100,17 @@ def smem_bytes(head_dim: int, block_m: int, stages: int) -> int:
 TILES = {64: (128, 2), 128: (80, 2), 256: (64, 2)}
 
 
-def variant(dtype: str, head_dim: int, causal: bool,
-            deterministic: bool = False) -> BwdSm90Config:
+def variant(dtype: str, head_dim: int, causal: bool, deterministic: bool = False,
+            options: bool = False) -> BwdSm90Config:
     block_m, stages = TILES[head_dim]
     return BwdSm90Config(head_dim, bool(DTYPES[dtype]), causal, block_m, stages, deterministic,
-                         smem_bytes(head_dim, block_m, stages))
+                         options, smem_bytes(head_dim, block_m, stages))
 
 
 def variants() -> list[runtime.KernelSpec]:
-    return [variant(dtype, head_dim, causal, deterministic).spec()
+    return [variant(dtype, head_dim, causal, deterministic, options).spec()
             for dtype in DTYPES for head_dim in HEAD_DIMS for causal in (False, True)
-            for deterministic in (False, True)]
+            for deterministic in (False, True) for options in (False, True)]
 
 
 def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: bool,
@@ -116,7 +118,8 @@ def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: boo
     """The gradients of the forward into dq, dk, dv; returns the workspace (for its size and
     the sinks' gradient). Arrays are 4-d, packed sequences as views of batch extent 1 with their
     cu_seqlens; the window, softcap and sinks are the problem's."""
-    v_info = variant(problem.format, problem.head_dim, problem.causal, deterministic)
+    v_info = variant(problem.format, problem.head_dim, problem.causal, deterministic,
+                     backward_prepost.takes_options(problem))
     kernel = runtime.load(v_info.spec())
     block_m = v_info.block_m
     ws = backward_prepost.Workspace.allocate(problem, block_m, deterministic,

@@ -68,6 +68,7 @@ class BwdMmaSyncConfig:
     bf16: bool
     causal: bool
     deferred_turns: bool
+    options: bool  # the options build: window, softcap, packed sequences
     min_blocks_per_sm: int
     smem_bytes: int
 
@@ -139,17 +140,19 @@ def tile_for(head_dim: int, causal: bool, arch: str) -> BwdTile:
 
 
 def spec(dtype: str, head_dim: int, causal: bool, tile: BwdTile,
-         archs: tuple[str, ...] = ARCHS, deferred_turns: bool = False) -> runtime.KernelSpec:
+         archs: tuple[str, ...] = ARCHS, deferred_turns: bool = False,
+         options: bool = False) -> runtime.KernelSpec:
     """deferred_turns: the deterministic build that passes each dQ turn at the next step's
     barrier (DEFERRED_TURNS; elsewhere deterministic sums run in the default build, which passes
-    each turn right after the adds)."""
+    each turn right after the adds). options: the build that takes a window, a softcap and
+    packed sequences."""
     config = BwdMmaSyncConfig(head_dim, tile.block_m, tile.block_n, tile.warps, tile.score_rows,
                               tile.dkv_rows, tile.dq_rows, tile.stages, tile.overlap_steps,
-                              bool(DTYPES[dtype]), causal, deferred_turns, tile.min_blocks,
-                              tile.smem_bytes(head_dim))
+                              bool(DTYPES[dtype]), causal, deferred_turns, options,
+                              tile.min_blocks, tile.smem_bytes(head_dim))
     return runtime.KernelSpec(
         name=(f"bwd_mma_sync_{dtype}_d{head_dim}_{tile.label()}{'_causal' if causal else ''}"
-              f"{'_det' if deferred_turns else ''}"),
+              f"{'_det' if deferred_turns else ''}{'_opt' if options else ''}"),
         source=SOURCE,
         entry=f"ptxattn::attn_bwd_mma_sync<ptxattn::BwdMmaSyncConfig<"
               f"{runtime.template_arguments(config)}>>",
@@ -163,11 +166,12 @@ def _deferred_turns(head_dim: int, causal: bool, tile: BwdTile) -> bool:
 
 
 def variants() -> list[runtime.KernelSpec]:
-    return [spec(dtype, head_dim, causal, tile, tile_archs, deferred_turns)
+    return [spec(dtype, head_dim, causal, tile, tile_archs, deferred_turns, options)
             for dtype in DTYPES for (head_dim, causal), tiles in BWD_TILES.items()
             for tile_archs, tile in tiles
             for deferred_turns in ((False, True) if _deferred_turns(head_dim, causal, tile)
-                                   else (False,))]
+                                   else (False,))
+            for options in (False, True)]
 
 
 def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: bool,
@@ -194,7 +198,8 @@ def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: boo
         p.dout_map = runtime.tensor_map(dout, box, swizzle=128)
     kernel = runtime.load(spec(problem.format, problem.head_dim, problem.causal, tile, (arch,),
                                deterministic and _deferred_turns(problem.head_dim,
-                                                                 problem.causal, tile)))
+                                                                 problem.causal, tile),
+                               backward_prepost.takes_options(problem)))
     grid = (math.ceil(problem.seqlen_k / tile.block_n), problem.heads_kv, problem.batch)
     main = (runtime.PreparedLaunch(kernel, grid=grid, block=(32 * tile.warps,), args=[p])
             if grid[0] > 0 else None)
