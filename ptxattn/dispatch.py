@@ -32,7 +32,7 @@ from .launchers import (Launcher, blockscaled, hopper_backward, hopper_forward,
 # family handles and select() passes over the others.
 FORWARD = frozenset({"causal", "gqa"})
 SERVING = FORWARD | {"window", "softcap", "sinks", "varlen", "kvcache", "paged", "decode"}
-PREFILL = FORWARD | {"window", "sinks", "varlen", "kvcache"}
+PREFILL = FORWARD | {"window", "softcap", "sinks", "varlen", "kvcache"}
 FEATURES = FORWARD | SERVING | {"backward"}
 # The gradients: of fixed-length and packed calls, with the forward's window, softcap and sinks.
 BACKWARD = FORWARD | {"backward", "window", "softcap", "sinks", "varlen"}

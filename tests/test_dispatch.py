@@ -132,7 +132,7 @@ def test_unknown_backends_formats_and_archs_are_named():
 
 def test_serving_calls_route_by_their_query_rows():
     """On Hopper, prefill (varlen, a cache, a window, sinks) runs the Hopper kernel's serving
-    build and decode steps the decode kernel; paged caches and softcap take the decode kernel."""
+    build and decode steps the decode kernel; paged caches take the decode kernel."""
     def runs(route):
         return route.launcher.__name__.removeprefix("ptxattn.launchers."), route.call
 
@@ -142,7 +142,9 @@ def test_serving_calls_route_by_their_query_rows():
         "hopper_forward", "serve")
     assert runs(dispatch.select("sm_90a", "bfloat16", 256, features={"kvcache", "sinks"})) == (
         "hopper_forward", "serve")
-    for extra in ("decode", "paged", "softcap"):
+    assert runs(dispatch.select("sm_90a", "bfloat16", 128, features={"varlen", "softcap"})) == (
+        "hopper_forward", "serve")
+    for extra in ("decode", "paged"):
         route = dispatch.select("sm_90a", "bfloat16", 128, features={"kvcache", extra})
         assert runs(route) == ("portable_decode", "serve"), extra
     assert runs(dispatch.select("sm_80", "bfloat16", 128, features={"varlen"})) == (
@@ -150,11 +152,13 @@ def test_serving_calls_route_by_their_query_rows():
 
 
 def test_fixed_length_calls_with_serving_options_run_on_a_serving_build():
-    """A window or sinks take the Hopper serving build, a softcap or few query rows the decode
+    """A window, a softcap or sinks take the Hopper serving build, few query rows the decode
     kernel, and plain calls the fixed-length kernels."""
     assert dispatch.select("sm_90a", "bfloat16", 128, features={"window"}).call == "serve"
     assert dispatch.select("sm_90a", "bfloat16", 128,
-                           features={"softcap"}).launcher.__name__.endswith("portable_decode")
+                           features={"softcap"}).launcher.__name__.endswith("hopper_forward")
+    assert dispatch.select("sm_90a", "bfloat16", 128, features={"softcap", "decode"}
+                           ).launcher.__name__.endswith("portable_decode")
     assert dispatch.select("sm_90a", "bfloat16", 128, features={"causal"}).call == "forward"
 
 

@@ -62,7 +62,8 @@ namespace ptxattn {
 // mask those on its left edge, tiles past a sequence's end are skipped, V rows past the last key
 // are zeroed before P V reads them (a cache's unfilled rows may hold NaN, and 0 * NaN is NaN),
 // and a warpgroup whose 64 rows run past a packed sequence's end stores from registers, since a
-// TMA store would overwrite the next sequence's rows. Fixed-length builds compile none of it.
+// TMA store would overwrite the next sequence's rows. It takes the logit softcap as a run-time
+// field too (Consumer::finish_qk). Fixed-length builds compile none of it.
 template <int HeadDim, int BlockN, int Stages, bool Fp8, bool Bf16, bool Causal, int Consumers,
           int OutRoundCols, bool StaleMaxFirst, bool QInRegisters, bool Serving,
           int ProducerRegs, bool IntraOverlap, int SmemBytes>
@@ -557,13 +558,24 @@ struct Sm90Mainloop {
         }
 
         // After the wait that completes Q K^T: S in s[0], the other slabs' sums added in FP32.
-        __device__ __forceinline__ void finish_qk(float (&s)[kScoreAccs][kBlockN / 2]) const {
+        // Serving builds under a logit softcap (FwdParams::softcap_scale != 0, a run-time field):
+        // S <- tanh(softcap_scale S), before any mask, so that masked scores stay -inf; the
+        // softmax's scale_log2 is then softcap log2(e). Every Q K^T of the tile ends here, so the
+        // Q K^T that step() repeats when the stale-max fast path fails gives the same scores again,
+        // and the fast path's results stay those of the max pass.
+        __device__ __forceinline__ void finish_qk(const FwdParams& params,
+                                                  float (&s)[kScoreAccs][kBlockN / 2]) const {
 #pragma unroll
             for (int a = 0; a < kScoreAccs; ++a) wgmma_fence_operand(s[a]);
 #pragma unroll
             for (int a = 1; a < kScoreAccs; ++a) {
 #pragma unroll
                 for (int i = 0; i < kBlockN / 2; ++i) s[0][i] += s[a][i];
+            }
+            if constexpr (kServing) {
+                if (params.softcap_scale != 0.0f) {
+                    apply_softcap(reinterpret_cast<ScoreTiles&>(s[0]), params.softcap_scale);
+                }
             }
         }
 
@@ -629,7 +641,7 @@ struct Sm90Mainloop {
             issue_pv(prev.stage());
             wgmma_commit();
             wgmma_wait<1>();
-            finish_qk(s);
+            finish_qk(params, s);
             // K is released once no Q K^T of this block can follow.
             if constexpr (!kStaleMax) release(bars.k.empty[ring.stage()]);
             if constexpr (kMasked) mask(params, s[0], n_block);
@@ -650,7 +662,7 @@ struct Sm90Mainloop {
                     issue_qk(s, ring.stage());
                     wgmma_commit();
                     wgmma_wait<0>();
-                    finish_qk(s);
+                    finish_qk(params, s);
                 }
                 rescale_o =
                     softmax.update(reinterpret_cast<ScoreTiles&>(s[0]), block_scale, rescale);
@@ -664,13 +676,14 @@ struct Sm90Mainloop {
         }
 
         // Q K^T of the block at the ring's position, waited for; frees its K slot.
-        __device__ __forceinline__ void qk_in_turn(float (&s)[kScoreAccs][kBlockN / 2]) {
+        __device__ __forceinline__ void qk_in_turn(const FwdParams& params,
+                                                   float (&s)[kScoreAccs][kBlockN / 2]) {
             bars.k.consumer_wait(ring);
             wgmma_fence();
             issue_qk(s, ring.stage());
             wgmma_commit();
             wgmma_wait<0>();
-            finish_qk(s);
+            finish_qk(params, s);
             release(bars.k.empty[ring.stage()]);
         }
 
@@ -693,7 +706,7 @@ struct Sm90Mainloop {
                                                      float (&s)[kScoreAccs][kBlockN / 2],
                                                      float (&rescale)[1][2]) {
             const float block_scale = block_scale_log2(n_block);
-            qk_in_turn(s);
+            qk_in_turn(params, s);
             if constexpr (kMasked) mask(params, s[0], n_block);
             // O is zero before a tile's first block, where a rescale changes nothing.
             if (softmax.update(reinterpret_cast<ScoreTiles&>(s[0]), block_scale, rescale)) {
@@ -760,7 +773,7 @@ struct Sm90Mainloop {
                 if constexpr (!kQInRegisters) release(bars.q_empty);
                 return;
             }
-            qk_in_turn(s);
+            qk_in_turn(params, s);
             if (n_end - 1 >= n_first_masked || (kServing && n_end - 1 < n_left)) {
                 mask(params, s[0], n_end - 1);
             }

@@ -14,12 +14,12 @@ with its own tile schedules: its data take half the shared memory, and V is tran
 memory into one more ring of buffers.
 
 The serving build (``Sm90Config::kServing``) runs prefill: packed varlen batches and KV caches
-(new query tokens over a contiguous cache's filled rows), with a local window and attention
-sinks, at the fixed-length kernel's tiles, splitting the keys (launchers/split_kv.py) when its
-tiles cannot fill the GPU. Decoding (a few query rows a sequence, where reading K and V once per
-kv head matters more than the tensor cores), softcap and paged caches run in the portable decode
-launcher (launchers/portable_decode.py); dispatch.py routes each call to one or the other by its
-features.
+(new query tokens over a contiguous cache's filled rows), with a local window, a logit softcap
+and attention sinks (all run-time fields of one variant), at the fixed-length kernel's tiles,
+splitting the keys (launchers/split_kv.py) when its tiles cannot fill the GPU. Decoding (a few
+query rows a sequence, where reading K and V once per kv head matters more than the tensor
+cores) and paged caches run in the portable decode launcher (launchers/portable_decode.py);
+dispatch.py routes each call to one or the other by its features.
 """
 
 from __future__ import annotations
@@ -343,6 +343,16 @@ def _fp8_key_block_scaled_tiles(schedule: Schedule, head_dim: int) -> tuple[int,
     return None if 128 % schedule.block_n == 0 else FP8_KEY_BLOCK_SCALED_TILES[head_dim]
 
 
+def score_scales(softmax_scale: float, softcap: float = 0.0) -> tuple[float, float]:
+    """FwdParams' (scale_log2, softcap_scale) for ``softmax_scale`` and a logit ``softcap`` (0:
+    off), as launchers/portable_decode.py fills them. Under a softcap the scores are softcap
+    tanh(softmax_scale s / softcap): the kernel takes t = tanh(softcap_scale s) and its softmax
+    scales t by scale_log2 = softcap log2(e); softcap_scale 0 leaves the scores as they are."""
+    if softcap > 0:
+        return softcap * math.log2(math.e), softmax_scale / softcap
+    return softmax_scale * math.log2(math.e), 0.0
+
+
 def section_heads(batch: int, heads_q: int, heads_kv: int, seqlen_k: int, head_dim: int,
                   itemsize: int) -> int:
     """How many (batch, head) pairs the kernel schedules together (TileOrder in
@@ -375,8 +385,9 @@ class Sequences:
     cumulative lengths: the arrays are packed, passed as one batch of all rows) and cut at
     seqused_k (int32 filled lengths of a KV cache), each None where the call has none; the
     window (left, right) as mask.cuh takes it; ``total_q`` query rows in all; float32 sinks
-    (heads_q,) or None. run_serving() fills in the split-KV fields: ``num_splits`` and the
-    partials' accumulators (split_kv.split_accumulators) when it is above 1."""
+    (heads_q,) or None; the logit softcap (0: off). run_serving() fills in the split-KV fields:
+    ``num_splits`` and the partials' accumulators (split_kv.split_accumulators) when it is above
+    1."""
     batch: int
     seqlen_q: int
     seqlen_k: int
@@ -386,6 +397,7 @@ class Sequences:
     cu_seqlens_k: object = None
     seqused_k: object = None
     sinks: object = None
+    softcap: float = 0.0
     num_splits: int = 1
     accum: tuple | None = None
 
@@ -450,6 +462,8 @@ def _prepare(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
         blocks = min(num_tiles, runtime.sm_count(q.device.id))
     if grid_blocks is not None:
         blocks = min(num_tiles, grid_blocks)
+    scale_log2, softcap_scale = score_scales(softmax_scale,
+                                             seqs.softcap if seqs is not None else 0.0)
     p = params.FwdParams(
         q_map=runtime.tensor_map(q, (1, v_info.block_m, 1, box_cols), swizzle=swizzle),
         k_map=runtime.tensor_map(k, (1, v_info.block_n, 1, box_cols), swizzle=swizzle),
@@ -458,7 +472,7 @@ def _prepare(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
                                    swizzle=BOX_COLS * out.itemsize),
         q=q, k=k, v=v, out=out, lse=lse, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         heads_q=heads_q, heads_kv=heads_kv, q_per_kv=heads_q // heads_kv,
-        scale_log2=softmax_scale * math.log2(math.e), causal=int(causal),
+        scale_log2=scale_log2, softcap_scale=softcap_scale, causal=int(causal),
         num_m_blocks=num_m_blocks, section_heads=sections,
         tile_counter=_tile_counter(q.device.id) if persistent and causal else 0)
     params.set_strides(p, q, k, v, out, lse)
@@ -502,11 +516,12 @@ def serve(problem, q, k, v, out, lse, *, seqused_k=None, block_table=None, cu_se
     seqlen_q, heads_q, D), or with cu_seqlens_q (1, total_q, heads_q, D) and lse (1, heads_q,
     total_q); k and v the contiguous cache (batch, capacity, heads_kv, D) or, with cu_seqlens_k,
     (1, total_k, heads_kv, D)."""
-    if block_table is not None or problem.softcap > 0:
-        raise runtime.PtxattnError("the Hopper serving build takes no paged cache or softcap "
-                                   "(dispatch routes those to the decode launcher)")
+    if block_table is not None:
+        raise runtime.PtxattnError("the Hopper serving build takes no paged cache (dispatch "
+                                   "routes it to the decode launcher)")
     seqs = Sequences(problem.batch, problem.seqlen_q, problem.seqlen_k, problem.total_q,
-                     problem.window, cu_seqlens_q, cu_seqlens_k, seqused_k, sinks)
+                     problem.window, cu_seqlens_q, cu_seqlens_k, seqused_k, sinks,
+                     softcap=problem.softcap)
     run_serving(q, k, v, out, lse, seqs, causal=problem.causal,
                 softmax_scale=problem.softmax_scale, num_splits=problem.num_splits)
 
@@ -525,7 +540,7 @@ def run_serving(q, k, v, out, lse, seqs: Sequences, *, causal: bool, softmax_sca
     key = runtime.launch_key(
         (q, k, v, out, lse, *(x for x in optional if x is not None)),
         tuple(x is None for x in optional), causal, softmax_scale, num_splits, seqs.batch,
-        seqs.seqlen_q, seqs.seqlen_k, seqs.total_q, seqs.window,
+        seqs.seqlen_q, seqs.seqlen_k, seqs.total_q, seqs.window, seqs.softcap,
         tuple(sorted(overrides.items())))
     _serving_launches.get(key, lambda: _prepare_serving(
         q, k, v, out, lse, seqs, causal=causal, softmax_scale=softmax_scale,
