@@ -463,7 +463,8 @@ def _run_turns(walks, capacity):
     rounds = 0
     while True:
         while len(resident) < capacity and launched < len(walks):
-            resident.append(launched)
+            if len(walks[launched]):  # a block no query sees (windows) adds nothing and exits
+                resident.append(launched)
             launched += 1
         if not resident:
             return waits
