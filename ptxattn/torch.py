@@ -1,22 +1,29 @@
-"""ptxattn for PyTorch: attention as torch.library custom ops, traceable by torch.compile and
-differentiable through ptxattn's backward; the serving entry points as forward-only custom ops.
-Imported only as ``ptxattn.torch``.
+"""ptxattn for PyTorch: attention as torch.library custom ops, traceable by torch.compile;
+fixed-length and variable-length attention differentiable (in q, k, v and sinks) through
+ptxattn's backward, the KV-cache entry point forward only. Imported only as ``ptxattn.torch``.
 
     import ptxattn.torch
     out = ptxattn.torch.attention(q, k, v, causal=True)   # CUDA tensors (batch, seqlen, heads, dim)
     out.float().square().mean().backward()                 # q.grad, k.grad, v.grad
+    out = ptxattn.torch.attention(q, k, v, causal=True, window=(256, 0), sinks=sinks)  # sinks.grad
+    out = ptxattn.torch.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len,
+                                         causal=True)      # packed sequences, differentiable
     out = ptxattn.torch.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
                                                k_new=k, v_new=v)   # appends k, v to the cache
     out = ptxattn.torch.ring_attention(q, k, v, group=group, causal=True)  # context parallel
 
 The ops:
 
-- ``ptxattn::attention_fwd(q, k, v, causal, softmax_scale, deterministic, backend) -> (out, lse)``
-- ``ptxattn::attention_bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic,
-  backend) -> (dq, dk, dv)``
+- ``ptxattn::attention_fwd(q, k, v, causal, softmax_scale, window, softcap, sinks,
+  deterministic, backend) -> (out, lse)``
+- ``ptxattn::attention_bwd(dout, q, k, v, out, lse, causal, softmax_scale, window, softcap,
+  sinks, deterministic, backend) -> (dq, dk, dv, dsinks)``
 - ``ptxattn::attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-  max_seqlen_k, causal, softmax_scale, window, softcap, sinks, check_contents, backend) ->
-  (out, lse)``
+  max_seqlen_k, causal, softmax_scale, window, softcap, sinks, deterministic, check_contents,
+  backend) -> (out, lse)``
+- ``ptxattn::attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+  max_seqlen_q, max_seqlen_k, causal, softmax_scale, window, softcap, sinks, deterministic,
+  check_contents, backend) -> (dq, dk, dv, dsinks)``
 - ``ptxattn::attention_with_kvcache_fwd(q, k_cache, v_cache, cache_seqlens, uniform_cache_seqlen,
   block_table, k_new, v_new, causal, window, softcap, sinks, softmax_scale, num_splits,
   check_contents, backend) -> (out, lse)``, which mutates k_cache and v_cache (declared, so that
@@ -24,15 +31,19 @@ The ops:
   v_new are given).
 
 Each has a fake implementation (shapes and dtypes only, the strides the real one gives), so that
-torch.compile traces it without running it. attention's pair is joined by ``register_autograd``:
-its forward takes every argument its backward needs. The serving ops have no backward yet and no
-autograd formula: they run on tensors that require grad, but a backward through them raises
-torch's "no autograd formula was registered" error (at compile time under torch.compile, which
-traces the backward with the forward), never a silent zero gradient. (torch.library refuses an
-autograd formula for an op that mutates its inputs, so attention_with_kvcache's backward, when
-there is one, will be a functional op of its own.) Every op runs on torch's current stream.
-Outputs are allocated by torch's caching allocator, except the serving ops' lse, which ptxattn
-allocates from CuPy's pool (as its other temporaries; ptxattn/interop.py) and torch frees.
+torch.compile traces it without running it. attention's and attention_varlen's pairs are joined
+by ``register_autograd``: each forward takes every argument its backward needs (deterministic
+too), and torch.compile traces forward and backward into one graph. A backward op's dsinks is
+the float32 (heads_q,) gradient of the sinks, or, for a call without sinks, a tensor of shape
+(0,): an op's tuple of tensors holds no None, and the autograd formula maps that stand-in back to
+None. attention_with_kvcache has no backward yet and no autograd formula: it runs on tensors that
+require grad, but a backward through it raises torch's "no autograd formula was registered"
+error (at compile time under torch.compile, which traces the backward with the forward), never a
+silent zero gradient. (torch.library refuses an autograd formula for an op that mutates its
+inputs, so its backward, when there is one, will be a functional op of its own.) Every op runs
+on torch's current stream. Outputs are allocated by torch's caching allocator, except the KV
+cache op's lse, which ptxattn allocates from CuPy's pool (as its other temporaries;
+ptxattn/interop.py) and torch frees.
 
 The Python functions (``attention``, ``attention_varlen``, ``attention_with_kvcache``,
 ``ring_attention``) check that their tensor arguments are torch tensors on a CUDA device (meta
@@ -55,7 +66,8 @@ from . import api, serving
 
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "ring_attention"]
 
-_NO_GRAD = (None, None, None, None)  # for causal, softmax_scale, deterministic, backend
+# What the backward ops return: dq, dk, dv and dsinks.
+_Gradients = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 # Where the ops run: CUDA tensors, and meta (or fake) tensors, which reach the fake kernels when
@@ -99,78 +111,109 @@ def _lse_shape(q: torch.Tensor) -> tuple[int, int, int]:
     return (q.shape[0], q.shape[2], q.shape[1])
 
 
+def _detached(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """x without its autograd history (ptxattn refuses tensors that require grad), or None.
+    The ops run below autograd, on tensors that may still require grad."""
+    return None if x is None else x.detach()
+
+
+def _empty_dsinks(sinks: Optional[torch.Tensor], q: torch.Tensor) -> torch.Tensor:
+    """An uninitialized tensor for a backward op's dsinks: float32 like ``sinks``, or the (0,)
+    stand-in for a call without sinks (an op's tuple of tensors holds no None)."""
+    return q.new_empty((0,), dtype=torch.float32) if sinks is None else sinks.new_empty(sinks.shape)
+
+
+def _sinks_gradient(sinks: Optional[torch.Tensor], dsinks: torch.Tensor):
+    """An autograd formula's gradient for the sinks: None for a call without sinks (dsinks is
+    then the (0,) stand-in), dsinks otherwise."""
+    return None if sinks is None else dsinks
+
+
 # ---------------------------------------------------------------------------------------------
 # attention
 
 
 @torch.library.custom_op("ptxattn::attention_fwd", mutates_args=(), device_types="cuda")
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                  softmax_scale: Optional[float], deterministic: bool,
+                  softmax_scale: Optional[float], window: Sequence[int], softcap: float,
+                  sinks: Optional[torch.Tensor], deterministic: bool,
                   backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """ptxattn.attention's output and float32 log-sum-exp (``deterministic`` is the backward's,
     kept here because the autograd formula sees only the forward's inputs)."""
-    out = q.new_empty(q.shape)
     lse = q.new_empty(_lse_shape(q), dtype=torch.float32)
-    # The op runs below autograd, on tensors that may still require grad: ptxattn refuses those.
-    api.attention(q.detach(), k.detach(), v.detach(), causal=causal,
-                  softmax_scale=softmax_scale, out=out, lse=lse, backend=backend)
-    return out, lse
+    return api.attention(q.detach(), k.detach(), v.detach(), causal=causal,
+                         softmax_scale=softmax_scale, return_lse=True, out=q.new_empty(q.shape),
+                         lse=lse, backend=backend, window=tuple(window), softcap=softcap,
+                         sinks=_detached(sinks))
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, causal, softmax_scale, deterministic, backend):
+def _attention_fwd_fake(q, k, v, causal, softmax_scale, window, softcap, sinks, deterministic,
+                        backend):
     return q.new_empty(q.shape), q.new_empty(_lse_shape(q), dtype=torch.float32)
 
 
 @torch.library.custom_op("ptxattn::attention_bwd", mutates_args=(), device_types="cuda")
 def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   out: torch.Tensor, lse: torch.Tensor, causal: bool,
-                  softmax_scale: Optional[float], deterministic: bool,
-                  backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ptxattn.attention_backward's (dq, dk, dv)."""
+                  softmax_scale: Optional[float], window: Sequence[int], softcap: float,
+                  sinks: Optional[torch.Tensor], deterministic: bool,
+                  backend: Optional[str]) -> _Gradients:
+    """ptxattn.attention_backward's (dq, dk, dv) and dsinks: float32 (heads_q,), summed over
+    the batch and the rows, or of shape (0,) without sinks."""
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-    api.attention_backward(dout.detach(), q.detach(), k.detach(), v.detach(), out.detach(),
-                           lse.detach(), causal=causal, softmax_scale=softmax_scale,
-                           deterministic=deterministic, dq=dq, dk=dk, dv=dv, backend=backend)
-    return dq, dk, dv
+    dsinks = _empty_dsinks(sinks, q)
+    api.attention_backward(
+        dout.detach(), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
+        causal=causal, softmax_scale=softmax_scale, window=tuple(window), softcap=softcap,
+        sinks=_detached(sinks), deterministic=deterministic, dq=dq, dk=dk, dv=dv,
+        dsinks=None if sinks is None else dsinks, backend=backend)
+    return dq, dk, dv, dsinks
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, backend):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _attention_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, window, softcap, sinks,
+                        deterministic, backend):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            _empty_dsinks(sinks, q))
 
 
 def _attention_setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, deterministic, backend = inputs
+    q, k, v, causal, softmax_scale, window, softcap, sinks, deterministic, backend = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.options = (causal, softmax_scale, deterministic, backend)
+    ctx.save_for_backward(q, k, v, out, lse, sinks)
+    ctx.options = (causal, softmax_scale, window, softcap)
+    ctx.backward_options = (deterministic, backend)
     # The backward computes no gradient through the log-sum-exp: callers see it as a constant.
     ctx.mark_non_differentiable(lse)
 
 
 def _attention_backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, sinks = ctx.saved_tensors
     # dout has whatever layout the consumer of out gave it (stride 0 after out.sum(), say);
     # the kernels read rows of head_dim with positive, 16-byte aligned strides.
-    dq, dk, dv = attention_bwd(dout.contiguous(), q, k, v, out, lse, *ctx.options)
-    return (dq, dk, dv, *_NO_GRAD)
+    dq, dk, dv, dsinks = attention_bwd(dout.contiguous(), q, k, v, out, lse, *ctx.options, sinks,
+                                       *ctx.backward_options)
+    # None for causal, softmax_scale, window, softcap, and for deterministic, backend
+    return (dq, dk, dv, None, None, None, None, _sinks_gradient(sinks, dsinks), None, None)
 
 
 attention_fwd.register_autograd(_attention_backward, setup_context=_attention_setup_context)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-              softmax_scale: Optional[float] = None, return_lse: bool = False,
+              softmax_scale: Optional[float] = None, window=(-1, -1), softcap: float = 0.0,
+              sinks: Optional[torch.Tensor] = None, return_lse: bool = False,
               deterministic: bool = False, backend: Optional[str] = None):
     """Scaled dot-product attention, ``softmax(softmax_scale * q k^T) v``, differentiable.
 
     ``ptxattn.attention`` as the custom op ``ptxattn::attention_fwd``, its backward
     ``ptxattn::attention_bwd`` (``ptxattn.attention_backward``) joined by
-    ``register_autograd``: gradients flow to q, k and v, and torch.compile traces forward and
-    backward into one graph. Runs on torch's current stream; the outputs come from torch's
-    caching allocator. Layout rules as ``ptxattn.attention`` states them (unit stride in
-    head_dim, 16-byte aligned base and batch/seqlen/heads strides, otherwise free).
+    ``register_autograd``: gradients flow to q, k, v and ``sinks``, and torch.compile traces
+    forward and backward into one graph. Runs on torch's current stream; the output comes from
+    torch's caching allocator. Layout rules as ``ptxattn.attention`` states them (unit stride in
+    head_dim, 16-byte aligned base and batch/seqlen/heads strides, otherwise free). A window, a
+    softcap or sinks run on a serving build, as ``ptxattn.attention`` describes.
 
     Parameters
     ----------
@@ -184,6 +227,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         Masks key j from query i unless j <= i + seqlen_k - seqlen_q (bottom-right aligned).
     softmax_scale : float, optional
         The scale of the scores; 1 / sqrt(head_dim) by default.
+    window : tuple of (int, int), default (-1, -1)
+        (left, right): query i sees keys i + seqlen_k - seqlen_q - left up to
+        i + seqlen_k - seqlen_q + right; -1 is unbounded (right is 0 when causal).
+    softcap : float, default 0.0
+        When > 0, the scaled scores s become softcap * tanh(s / softcap).
+    sinks : torch.Tensor, optional
+        float32 (heads_q,), contiguous, on q's device: logits that join every row's softmax
+        denominator. It may require grad: its gradient is summed over the batch and the rows.
     return_lse : bool, default False
         Also return the log-sum-exp.
     deterministic : bool, default False
@@ -196,16 +247,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     out : torch.Tensor
         (batch, seqlen_q, heads_q, head_dim) in q's dtype.
     lse : torch.Tensor
-        Only with ``return_lse``: float32 (batch, heads_q, seqlen_q), natural log; it carries
-        no gradient.
+        Only with ``return_lse``: float32 (batch, heads_q, seqlen_q), natural log, sinks
+        included; it carries no gradient.
 
     Raises
     ------
     TypeError
         q, k or v not a torch tensor, not on a CUDA device (a CPU tensor), or not float16 or
-        bfloat16; then, inside the op, every TypeError of ``ptxattn.attention``.
+        bfloat16; ``sinks`` not a float32 CUDA tensor; then, inside the op, every TypeError of
+        ``ptxattn.attention``.
     ValueError
-        As ``ptxattn.attention`` raises it (shapes, strides, head_dim, devices, options).
+        As ``ptxattn.attention`` raises it (shapes, strides, head_dim, devices, options), and
+        in the backward as ``ptxattn.attention_backward`` does.
 
     Examples
     --------
@@ -218,14 +271,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     >>> out.float().square().mean().backward()
     >>> q.grad.shape, k.grad.shape
     (torch.Size([2, 1024, 16, 128]), torch.Size([2, 1024, 4, 128]))
+
+    A sliding window (each query sees its own key and the 256 before it) and a learned sink
+    per head:
+
+    >>> sinks = torch.zeros(16, device="cuda", requires_grad=True)
+    >>> out = ptxattn.torch.attention(q, k, v, causal=True, window=(256, 0), sinks=sinks)
+    >>> out.float().square().mean().backward()
+    >>> sinks.grad.shape
+    torch.Size([16])
     """
     _check_16bit(q=q, k=k, v=v)
-    out, lse = attention_fwd(q, k, v, causal, softmax_scale, deterministic, backend)
+    _check_optional(torch.float32, sinks=sinks)
+    out, lse = attention_fwd(q, k, v, causal, softmax_scale, tuple(window), softcap, sinks,
+                             deterministic, backend)
     return (out, lse) if return_lse else out
 
 
 # ---------------------------------------------------------------------------------------------
-# Serving: variable-length batches and KV caches, forward only
+# Variable-length batches
 
 
 @torch.library.custom_op("ptxattn::attention_varlen_fwd", mutates_args=(), device_types="cuda")
@@ -233,21 +297,175 @@ def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                          max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                          softmax_scale: Optional[float], window: Sequence[int], softcap: float,
-                         sinks: Optional[torch.Tensor], check_contents: bool,
+                         sinks: Optional[torch.Tensor], deterministic: bool,
+                         check_contents: bool,
                          backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """ptxattn.attention_varlen's output and float32 log-sum-exp (heads_q, total_q)."""
+    """ptxattn.attention_varlen's output and float32 log-sum-exp (heads_q, total_q)
+    (``deterministic`` is the backward's, kept here for the autograd formula)."""
     return serving.attention_varlen(
         q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, causal=causal, softmax_scale=softmax_scale, window=tuple(window),
         softcap=softcap, sinks=_detached(sinks), return_lse=True, out=q.new_empty(q.shape),
+        lse=q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32),
         check_contents=check_contents, backend=backend)
 
 
 @attention_varlen_fwd.register_fake
 def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               causal, softmax_scale, window, softcap, sinks, check_contents,
-                               backend):
+                               causal, softmax_scale, window, softcap, sinks, deterministic,
+                               check_contents, backend):
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("ptxattn::attention_varlen_bwd", mutates_args=(), device_types="cuda")
+def attention_varlen_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                         cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                         causal: bool, softmax_scale: Optional[float], window: Sequence[int],
+                         softcap: float, sinks: Optional[torch.Tensor], deterministic: bool,
+                         check_contents: bool, backend: Optional[str]) -> _Gradients:
+    """ptxattn.attention_varlen_backward's (dq, dk, dv) and dsinks: float32 (heads_q,),
+    summed over every sequence's rows, or of shape (0,) without sinks."""
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    dsinks = _empty_dsinks(sinks, q)
+    serving.attention_varlen_backward(
+        dout.detach(), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+        softmax_scale=softmax_scale, window=tuple(window), softcap=softcap,
+        sinks=_detached(sinks), deterministic=deterministic, dq=dq, dk=dk, dv=dv,
+        dsinks=None if sinks is None else dsinks, check_contents=check_contents,
+        backend=backend)
+    return dq, dk, dv, dsinks
+
+
+@attention_varlen_bwd.register_fake
+def _attention_varlen_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                               max_seqlen_q, max_seqlen_k, causal, softmax_scale, window,
+                               softcap, sinks, deterministic, check_contents, backend):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            _empty_dsinks(sinks, q))
+
+
+def _attention_varlen_setup_context(ctx, inputs, output):
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+     window, softcap, sinks, deterministic, check_contents, backend) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks)
+    ctx.options = (max_seqlen_q, max_seqlen_k, causal, softmax_scale, window, softcap)
+    ctx.backward_options = (deterministic, backend)
+    ctx.mark_non_differentiable(lse)
+
+
+def _attention_varlen_backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks = ctx.saved_tensors
+    deterministic, backend = ctx.backward_options
+    # The forward checked the cu_seqlens' contents if asked to, and saved tensors are what it
+    # saw (autograd refuses a backward after they were changed in place): the backward skips the
+    # check and its synchronization. dout may come in any layout, as in attention's backward.
+    dq, dk, dv, dsinks = attention_varlen_bwd(
+        dout.contiguous(), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *ctx.options, sinks,
+        deterministic, False, backend)
+    # None for the cu_seqlens, the max_seqlens, causal, softmax_scale, window, softcap, and for
+    # deterministic, check_contents, backend
+    return (dq, dk, dv, None, None, None, None, None, None, None, None,
+            _sinks_gradient(sinks, dsinks), None, None, None)
+
+
+attention_varlen_fwd.register_autograd(_attention_varlen_backward,
+                                       setup_context=_attention_varlen_setup_context)
+
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                     max_seqlen_k: int, *, causal: bool = False,
+                     softmax_scale: Optional[float] = None, window=(-1, -1),
+                     softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
+                     return_lse: bool = False, deterministic: bool = False,
+                     check_contents: bool = True, backend: Optional[str] = None):
+    """``ptxattn.attention_varlen`` on CUDA tensors, as a custom op, differentiable.
+
+    The custom op ``ptxattn::attention_varlen_fwd``, its backward
+    ``ptxattn::attention_varlen_bwd`` (``ptxattn.attention_varlen_backward``) joined by
+    ``register_autograd``: gradients flow to q, k, v and ``sinks`` (none to the cu_seqlens),
+    and torch.compile traces forward and backward into one graph. Runs on torch's current
+    stream; the outputs and gradients come from torch's caching allocator. Every option is
+    ``ptxattn.attention_varlen``'s, with its rules; there is no ``out``.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        Queries, (total_q, heads_q, head_dim), float16 or bfloat16, on a CUDA device, the
+        sequences packed back to back.
+    k, v : torch.Tensor
+        Keys and values, (total_k, heads_kv, head_dim), q's dtype.
+    cu_seqlens_q, cu_seqlens_k : torch.Tensor
+        int32 (batch + 1,) cumulative lengths, from 0, on q's device. The backward reads them
+        as the forward saw them: autograd refuses it after they were changed in place.
+    max_seqlen_q, max_seqlen_k : int
+        Bounds on the sequences' lengths.
+    causal : bool, default False
+        Bottom-right aligned per sequence.
+    softmax_scale : float, optional
+        1 / sqrt(head_dim) by default.
+    window : tuple of (int, int), default (-1, -1)
+        (left, right) keys around each sequence's diagonal; -1 is unbounded.
+    softcap : float, default 0.0
+        When > 0, the scaled scores s become softcap * tanh(s / softcap).
+    sinks : torch.Tensor, optional
+        float32 (heads_q,): logits that join every row's softmax denominator. It may require
+        grad: its gradient is summed over every sequence's rows.
+    return_lse : bool, default False
+        Also return the log-sum-exp.
+    deterministic : bool, default False
+        Makes the gradients bit-identical from run to run.
+    check_contents : bool, default True
+        Copy the cu_seqlens to the host to check them (a synchronization), in the forward; the
+        backward relies on that check.
+    backend : {'hopper', 'portable'}, optional
+        The kernel family.
+
+    Returns
+    -------
+    out : torch.Tensor
+        Like q, (total_q, heads_q, head_dim).
+    lse : torch.Tensor
+        Only with ``return_lse``: float32 (heads_q, total_q), natural log, sinks included; it
+        carries no gradient.
+
+    Raises
+    ------
+    TypeError
+        q, k, v not float16 or bfloat16 CUDA tensors, the cu_seqlens not int32 CUDA tensors,
+        ``sinks`` not a float32 CUDA tensor; then, inside the op, every TypeError of
+        ``ptxattn.attention_varlen``.
+    ValueError
+        As ``ptxattn.attention_varlen`` raises it, and in the backward as
+        ``ptxattn.attention_varlen_backward`` does.
+
+    Examples
+    --------
+    >>> cu_seqlens = torch.tensor([0, 5, 5, 16], dtype=torch.int32, device="cuda")
+    >>> q = torch.randn(16, 32, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    >>> k, v = (torch.randn(16, 8, 128, device="cuda", dtype=torch.bfloat16,
+    ...                     requires_grad=True) for _ in range(2))
+    >>> out = ptxattn.torch.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, 11, 11,
+    ...                                      causal=True)
+    >>> out.float().square().mean().backward()
+    >>> q.grad.shape, k.grad.shape
+    (torch.Size([16, 32, 128]), torch.Size([16, 8, 128]))
+    """
+    _check_16bit(q=q, k=k, v=v)
+    _check_tensor("cu_seqlens_q", cu_seqlens_q, (torch.int32,), "int32")
+    _check_tensor("cu_seqlens_k", cu_seqlens_k, (torch.int32,), "int32")
+    _check_optional(torch.float32, sinks=sinks)
+    out, lse = attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, causal, softmax_scale, tuple(window), softcap,
+                                    sinks, deterministic, check_contents, backend)
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# KV caches (forward only)
 
 
 @torch.library.custom_op("ptxattn::attention_with_kvcache_fwd", mutates_args=("k_cache", "v_cache"),
@@ -278,90 +496,6 @@ def _attention_with_kvcache_fwd_fake(q, k_cache, v_cache, cache_seqlens, uniform
                                      block_table, k_new, v_new, causal, window, softcap, sinks,
                                      softmax_scale, num_splits, check_contents, backend):
     return q.new_empty(q.shape), q.new_empty(_lse_shape(q), dtype=torch.float32)
-
-
-def _detached(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """x without its autograd history (ptxattn refuses tensors that require grad), or None."""
-    return None if x is None else x.detach()
-
-
-def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-                     max_seqlen_k: int, *, causal: bool = False,
-                     softmax_scale: Optional[float] = None, window=(-1, -1),
-                     softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
-                     return_lse: bool = False, check_contents: bool = True,
-                     backend: Optional[str] = None):
-    """``ptxattn.attention_varlen`` on CUDA tensors, as a custom op (forward only).
-
-    The custom op ``ptxattn::attention_varlen_fwd``, traceable by torch.compile. It has no
-    backward yet: it runs on tensors that require grad, but a backward through it raises
-    torch's "no autograd formula" error (under torch.compile when compiling), never a silent
-    zero gradient. Runs on torch's current stream; the output comes from torch's caching
-    allocator, the lse from CuPy's pool. Every option is ``ptxattn.attention_varlen``'s, with
-    its rules; there is no ``out``.
-
-    Parameters
-    ----------
-    q : torch.Tensor
-        Queries, (total_q, heads_q, head_dim), float16 or bfloat16, on a CUDA device, the
-        sequences packed back to back.
-    k, v : torch.Tensor
-        Keys and values, (total_k, heads_kv, head_dim), q's dtype.
-    cu_seqlens_q, cu_seqlens_k : torch.Tensor
-        int32 (batch + 1,) cumulative lengths, from 0, on q's device.
-    max_seqlen_q, max_seqlen_k : int
-        Bounds on the sequences' lengths.
-    causal : bool, default False
-        Bottom-right aligned per sequence.
-    softmax_scale : float, optional
-        1 / sqrt(head_dim) by default.
-    window : tuple of (int, int), default (-1, -1)
-        (left, right) keys around each sequence's diagonal; -1 is unbounded.
-    softcap : float, default 0.0
-        When > 0, the scaled scores s become softcap * tanh(s / softcap).
-    sinks : torch.Tensor, optional
-        float32 (heads_q,): logits that join every row's softmax denominator.
-    return_lse : bool, default False
-        Also return the log-sum-exp.
-    check_contents : bool, default True
-        Copy the cu_seqlens to the host to check them (a synchronization).
-    backend : {'hopper', 'portable'}, optional
-        The kernel family.
-
-    Returns
-    -------
-    out : torch.Tensor
-        Like q, (total_q, heads_q, head_dim).
-    lse : torch.Tensor
-        Only with ``return_lse``: float32 (heads_q, total_q), natural log, sinks included.
-
-    Raises
-    ------
-    TypeError
-        q, k, v not float16 or bfloat16 CUDA tensors, the cu_seqlens not int32 CUDA tensors,
-        ``sinks`` not a float32 CUDA tensor; then, inside the op, every TypeError of
-        ``ptxattn.attention_varlen``.
-    ValueError
-        As ``ptxattn.attention_varlen`` raises it.
-
-    Examples
-    --------
-    >>> cu_seqlens = torch.tensor([0, 5, 5, 16], dtype=torch.int32, device="cuda")
-    >>> q = torch.randn(16, 32, 128, device="cuda", dtype=torch.bfloat16)
-    >>> k, v = (torch.randn(16, 8, 128, device="cuda", dtype=torch.bfloat16)
-    ...         for _ in range(2))
-    >>> out = ptxattn.torch.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, 11, 11,
-    ...                                      causal=True)
-    """
-    _check_16bit(q=q, k=k, v=v)
-    _check_tensor("cu_seqlens_q", cu_seqlens_q, (torch.int32,), "int32")
-    _check_tensor("cu_seqlens_k", cu_seqlens_k, (torch.int32,), "int32")
-    _check_optional(torch.float32, sinks=sinks)
-    out, lse = attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                    max_seqlen_k, causal, softmax_scale, tuple(window), softcap,
-                                    sinks, check_contents, backend)
-    return (out, lse) if return_lse else out
 
 
 def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,

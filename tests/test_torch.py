@@ -1,12 +1,13 @@
 """ptxattn.torch: the custom ops, their fakes, autograd, torch.compile.
 
-CPU (fake and meta tensors, no GPU): the fakes give the real ops' shapes, dtypes and strides,
-autograd reaches the backward op, torch.library.opcheck accepts every op's registration, and
-torch.compile traces forward and backward with fullgraph=True. The serving ops (varlen, KV cache):
-the same, plus the cache op's schema naming k_cache and v_cache as mutated, and a gradient through
-either raising (they have no backward), eagerly and under torch.compile. Every Python function
-refuses a CPU tensor, a tensor of another dtype or no tensor with a TypeError naming the
-argument, before any op is entered.
+CPU (fake and meta tensors, no GPU): the fakes give the real ops' shapes, dtypes and strides
+(dsinks too, of shape (0,) without sinks), autograd reaches the backward ops (the sinks' gradient
+with it), torch.library.opcheck accepts every op's registration, and torch.compile traces
+forward and backward with fullgraph=True, with and without a window, a softcap and sinks, fixed
+length and varlen. The KV-cache op: the same forward checks, its schema naming k_cache and
+v_cache as mutated, and a gradient through it raising (it has no backward), eagerly and under
+torch.compile. Every Python function refuses a CPU tensor, a tensor of another dtype or no
+tensor with a TypeError naming the argument, before any op is entered.
 
 GPU: values and gradients against torch SDPA and against FP32 attention, bf16, causal or not,
 GQA. Tolerance, the rule of tests/test_attention.py and tests/test_backward.py (whose checks are
@@ -14,10 +15,13 @@ reused): against the FP32 reference (ptxattn.reference), each result's max error
 twice the max error of the same math done naively in bf16, plus twice the rounding noise of one
 bf16 value. Against SDPA the same bound holds for the difference: both are fused kernels that
 accumulate in FP32 and round far less than the naive computation, each at most about the naive
-error away from FP32, so at most about twice that from each other. The serving ops give,
-bit for bit, what ptxattn's CuPy entry points give (tests/test_serving.py holds those to FP32),
-append k_new/v_new into the caller's caches, eagerly and under torch.compile (inductor,
-fullgraph), and pass opcheck with the real kernels.
+error away from FP32, so at most about twice that from each other. With a window, a softcap or
+sinks, fixed length or varlen (per sequence), out, dq, dk, dv and dsinks are held by the same
+rule to torch autograd through the math written in torch ops (_reference_attention): in FP32
+the truth, in the input dtype the naive computation. The serving ops give, bit for bit, what
+ptxattn's CuPy entry points give (tests/test_serving.py holds those to FP32), append k_new/v_new
+into the caller's caches, eagerly and under torch.compile (inductor, fullgraph), and pass
+opcheck with the real kernels; the varlen op's gradients under torch.compile are eager's.
 """
 
 import numpy as np
@@ -30,68 +34,118 @@ import ptxattn.torch  # noqa: E402  after the skip: it imports torch
 SHAPES = {"mha": ((2, 300, 8, 128), (2, 200, 8, 128)), "gqa": ((2, 300, 8, 64), (2, 200, 2, 64))}
 
 
-def _fwd_args(q, k, v, deterministic=False):
+# The options beyond causal attention, "sinks" standing for a float32 (heads_q,) tensor of them
+MASKS = {"plain": {}, "window-softcap-sinks": {"window": (64, 0), "softcap": 20.0, "sinks": True}}
+
+
+def _sinks(heads_q, device, rng=None, requires_grad=False):
+    """float32 (heads_q,) sink logits: zeros (on meta or fake devices, where values do not
+    matter), or values drawn from ``rng`` uniformly in [1, 5], so that every sink takes a share
+    of its rows that its gradient's error is measured on (a sink far below the scores has a
+    gradient of about 0, whose error against the naive run's is a ratio of roundings)."""
+    if rng is None:
+        x = torch.zeros(heads_q, dtype=torch.float32, device=device)
+    else:
+        x = torch.tensor(rng.uniform(1, 5, heads_q).astype(np.float32), device=device)
+    return x.requires_grad_(requires_grad)
+
+
+def _split_sinks(masks, heads_q, device, rng=None, requires_grad=False):
+    """``masks`` without its "sinks" flag, and the sinks tensor the flag asks for (or None)."""
+    options = dict(masks)
+    wanted = options.pop("sinks", False)
+    return options, (_sinks(heads_q, device, rng, requires_grad) if wanted else None)
+
+
+def _fwd_args(q, k, v, deterministic=False, window=(-1, -1), softcap=0.0, sinks=None):
     """attention_fwd's arguments: causal, default scale, default backend."""
-    return (q, k, v, True, None, deterministic, None)
+    return (q, k, v, True, None, window, softcap, sinks, deterministic, None)
 
 
+def _bwd_args(dout, q, k, v, out, lse, deterministic=False, window=(-1, -1), softcap=0.0,
+              sinks=None):
+    """attention_bwd's arguments, the options as _fwd_args gives them."""
+    return (dout, q, k, v, out, lse, True, None, window, softcap, sinks, deterministic, None)
+
+
+@pytest.mark.parametrize("masks", MASKS.values(), ids=MASKS)
 @pytest.mark.parametrize("kind", SHAPES)
-def test_fake_forward_has_the_real_shapes_dtypes_and_strides(kind):
+def test_fake_forward_has_the_real_shapes_dtypes_and_strides(kind, masks):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     shape_q, shape_kv = SHAPES[kind]
     with FakeTensorMode():
         q = torch.empty(shape_q, dtype=torch.bfloat16, device="cuda")
         k = v = torch.empty(shape_kv, dtype=torch.bfloat16, device="cuda")
-        out, lse = ptxattn.torch.attention(q, k, v, causal=True, return_lse=True)
-        dq, dk, dv = torch.ops.ptxattn.attention_bwd(out, q, k, v, out, lse, True, None, False,
-                                                     None)
+        options, sinks = _split_sinks(masks, shape_q[2], "cuda")
+        out, lse = ptxattn.torch.attention(q, k, v, causal=True, sinks=sinks, return_lse=True,
+                                           **options)
+        dq, dk, dv, dsinks = torch.ops.ptxattn.attention_bwd(
+            *_bwd_args(out, q, k, v, out, lse, sinks=sinks, **options))
     assert (out.shape, out.dtype, out.device.type) == (q.shape, torch.bfloat16, "cuda")
     assert out.is_contiguous() and lse.is_contiguous()
     assert (lse.shape, lse.dtype) == ((shape_q[0], shape_q[2], shape_q[1]), torch.float32)
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
     assert dq.dtype == dk.dtype == dv.dtype == torch.bfloat16
+    # the sinks' gradient, or the (0,) stand-in for a call without sinks
+    assert (dsinks.shape, dsinks.dtype) == ((shape_q[2] if sinks is not None else 0,),
+                                            torch.float32)
 
 
-def _meta_leaves(kind):
+def _meta_leaves(kind, masks=None):
+    """q, k, v on the meta device that require grad, and the sinks ``masks`` asks for (also
+    requiring grad), with the other options of ``masks``."""
     shape_q, shape_kv = SHAPES[kind]
-    return [torch.empty(shape, dtype=torch.bfloat16, device="meta", requires_grad=True)
-            for shape in (shape_q, shape_kv, shape_kv)]
+    leaves = [torch.empty(shape, dtype=torch.bfloat16, device="meta", requires_grad=True)
+              for shape in (shape_q, shape_kv, shape_kv)]
+    options, sinks = _split_sinks(masks or {}, shape_q[2], "meta", requires_grad=True)
+    return leaves, sinks, options
 
 
+@pytest.mark.parametrize("masks", MASKS.values(), ids=MASKS)
 @pytest.mark.parametrize("kind", SHAPES)
-def test_autograd_reaches_the_backward_op(kind):
-    q, k, v = _meta_leaves(kind)
-    out, lse = ptxattn.torch.attention(q, k, v, causal=True, return_lse=True)
+def test_autograd_reaches_the_backward_op(kind, masks):
+    (q, k, v), sinks, options = _meta_leaves(kind, masks)
+    out, lse = ptxattn.torch.attention(q, k, v, causal=True, sinks=sinks, return_lse=True,
+                                       **options)
     assert out.requires_grad and not lse.requires_grad  # lse carries no gradient
     out.sum().backward()
     for leaf in (q, k, v):
         assert leaf.grad.shape == leaf.shape and leaf.grad.dtype == torch.bfloat16
+    if sinks is not None:
+        assert (sinks.grad.shape, sinks.grad.dtype) == (sinks.shape, torch.float32)
 
 
+@pytest.mark.parametrize("masks", MASKS.values(), ids=MASKS)
 @pytest.mark.parametrize("kind", SHAPES)
-def test_opcheck_on_meta_tensors(kind):
+def test_opcheck_on_meta_tensors(kind, masks):
     """Schema (no input mutated), autograd registration, fake against the meta kernel, and AOT
     dispatch with dynamic shapes: the registrations' checks, which need no GPU."""
-    q, k, v = _meta_leaves(kind)
-    torch.library.opcheck(torch.ops.ptxattn.attention_fwd.default, _fwd_args(q, k, v))
-    out, lse = torch.ops.ptxattn.attention_fwd(*_fwd_args(q.detach(), k.detach(), v.detach()))
+    (q, k, v), sinks, options = _meta_leaves(kind, masks)
+    torch.library.opcheck(torch.ops.ptxattn.attention_fwd.default,
+                          _fwd_args(q, k, v, sinks=sinks, **options))
+    q, k, v = (x.detach() for x in (q, k, v))
+    sinks = None if sinks is None else sinks.detach()
+    out, lse = torch.ops.ptxattn.attention_fwd(*_fwd_args(q, k, v, sinks=sinks, **options))
     torch.library.opcheck(torch.ops.ptxattn.attention_bwd.default,
-                          (out, q.detach(), k.detach(), v.detach(), out, lse, True, None, False,
-                           None))
+                          _bwd_args(out, q, k, v, out, lse, sinks=sinks, **options))
 
 
-def test_compile_traces_forward_and_backward_in_one_graph():
+@pytest.mark.parametrize("masks", MASKS.values(), ids=MASKS)
+def test_compile_traces_forward_and_backward_in_one_graph(masks):
     """fullgraph=True fails on any graph break; aot_eager runs the traced forward and backward
     graphs, here on meta tensors, so through the fakes."""
-    q, k, v = _meta_leaves("gqa")
+    (q, k, v), sinks, options = _meta_leaves("gqa", masks)
 
     @torch.compile(backend="aot_eager", fullgraph=True)
-    def loss(q, k, v):
-        return ptxattn.torch.attention(q, k, v, causal=True).float().square().mean()
+    def loss(q, k, v, sinks):
+        out = ptxattn.torch.attention(q, k, v, causal=True, sinks=sinks, **options)
+        return out.float().square().mean()
 
-    loss(q, k, v).backward()
+    loss(q, k, v, sinks).backward()
     assert q.grad.shape == q.shape and v.grad.shape == v.shape
+    if sinks is not None:
+        assert sinks.grad.shape == sinks.shape
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,6 +153,8 @@ def test_compile_traces_forward_and_backward_in_one_graph():
 
 # varlen: three sequences of 5, 0 and 11 queries over 7, 3 and 20 keys, GQA 8/2, head_dim 128
 VARLEN = {"lengths_q": [5, 0, 11], "lengths_k": [7, 3, 20], "heads": (8, 2), "head_dim": 128}
+VARLEN_MASKS = {"causal": {}, "window-softcap-sinks": {"causal": False, "window": (6, 2),
+                                                       "softcap": 20.0, "sinks": True}}
 # kvcache: batch 3, 2 new queries and 2 new keys a sequence, a paged cache of 10 pages of 16
 KVCACHE = {"batch": 3, "seqlen_q": 2, "heads": (8, 2), "head_dim": 128, "pages": (10, 16),
            "block_table": [[5, 0, 3], [1, 9, 4], [8, 2, 6]]}
@@ -115,7 +171,7 @@ def _bf16(shape, device, rng, requires_grad):
 
 
 def _varlen_args(device, requires_grad=False, rng=None, causal=True, window=(-1, -1),
-                 softcap=0.0, sinks=None):
+                 softcap=0.0, sinks=None, deterministic=False):
     """attention_varlen_fwd's arguments on ``device`` (default scale, contents checked, default
     backend)."""
     heads_q, heads_kv = VARLEN["heads"]
@@ -126,7 +182,22 @@ def _varlen_args(device, requires_grad=False, rng=None, causal=True, window=(-1,
     cu_q, cu_k = (torch.tensor(np.cumsum([0] + VARLEN[name]), dtype=torch.int32, device=device)
                   for name in ("lengths_q", "lengths_k"))
     return (q, k, v, cu_q, cu_k, max(VARLEN["lengths_q"]), max(VARLEN["lengths_k"]), causal,
-            None, window, softcap, sinks, True, None)
+            None, window, softcap, sinks, deterministic, True, None)
+
+
+def _varlen_case(device, masks, requires_grad=False, rng=None, deterministic=False):
+    """_varlen_args with the options of ``masks`` (an entry of VARLEN_MASKS), its sinks
+    requiring grad with q, k and v."""
+    options, sinks = _split_sinks(masks, VARLEN["heads"][0], device, rng, requires_grad)
+    return _varlen_args(device, requires_grad, rng, sinks=sinks, deterministic=deterministic,
+                        **options)
+
+
+def _varlen_bwd_args(fwd_args, out, lse):
+    """attention_varlen_bwd's arguments for the attention_varlen_fwd call on ``fwd_args`` that
+    gave ``out`` and ``lse``, with out for dout."""
+    q, k, v, *options = fwd_args
+    return (out, q, k, v, out, lse, *options)
 
 
 def _kvcache_args(device, requires_grad=False, rng=None, cache_seqlens=(3, 0, 40)):
@@ -174,35 +245,76 @@ def test_kvcache_op_declares_the_caches_mutated():
     schema = torch.ops.ptxattn.attention_with_kvcache_fwd.default._schema
     mutated = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
     assert mutated == ["k_cache", "v_cache"]
-    varlen = torch.ops.ptxattn.attention_varlen_fwd.default._schema
-    assert not any(a.alias_info for a in varlen.arguments)
+    for op in ("attention_varlen_fwd", "attention_varlen_bwd"):
+        schema = getattr(torch.ops.ptxattn, op).default._schema
+        assert not any(a.alias_info for a in schema.arguments), op
 
 
-@pytest.mark.parametrize("op, args", [("attention_varlen_fwd", _varlen_args),
-                                      ("attention_with_kvcache_fwd", _kvcache_args)],
-                         ids=["varlen", "kvcache"])
-def test_opcheck_serving_ops_on_meta_tensors(op, args):
+def test_opcheck_kvcache_op_on_meta_tensors():
     """Schema (only the caches mutated), autograd (none registered: torch's), fake against the
     meta kernel, AOT dispatch with dynamic shapes."""
-    torch.library.opcheck(getattr(torch.ops.ptxattn, op).default, args("meta"))
+    torch.library.opcheck(torch.ops.ptxattn.attention_with_kvcache_fwd.default,
+                          _kvcache_args("meta"))
 
 
 @pytest.mark.filterwarnings("ignore:Error detected in GeneratedBackward")  # anomaly mode's
-@pytest.mark.parametrize("op, args", [("attention_varlen_fwd", _varlen_args),
-                                      ("attention_with_kvcache_fwd", _kvcache_args)],
-                         ids=["varlen", "kvcache"])
-def test_a_gradient_through_a_serving_op_raises(op, args):
+def test_a_gradient_through_the_kvcache_op_raises():
     """No backward yet: the forward runs on tensors that require grad, a backward through it
     raises rather than giving zeros."""
-    call = getattr(torch.ops.ptxattn, op)
-    out, lse = call(*args("meta", requires_grad=True))
+    call = torch.ops.ptxattn.attention_with_kvcache_fwd
+    out, lse = call(*_kvcache_args("meta", requires_grad=True))
     assert out.requires_grad
-    with pytest.raises(RuntimeError, match=f"ptxattn.{op}.* no autograd formula"):
+    with pytest.raises(RuntimeError, match="ptxattn.attention_with_kvcache_fwd.* no autograd "
+                                           "formula"):
         out.sum().backward()
     # torch.compile traces the backward with the forward: there it fails when compiling
     with pytest.raises(Exception, match="no autograd formula"):
         torch.compile(lambda *a: call(*a)[0].sum(), backend="aot_eager", fullgraph=True)(
-            *args("meta", requires_grad=True))
+            *_kvcache_args("meta", requires_grad=True))
+
+
+@pytest.mark.parametrize("masks", VARLEN_MASKS.values(), ids=VARLEN_MASKS)
+def test_varlen_autograd_reaches_the_backward_op(masks):
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, _, window, softcap, sinks, *_ = _varlen_case(
+        "meta", masks, requires_grad=True)
+    out, lse = ptxattn.torch.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
+                                              window=window, softcap=softcap, sinks=sinks,
+                                              return_lse=True)
+    assert out.requires_grad and not lse.requires_grad  # lse carries no gradient
+    out.sum().backward()
+    for leaf in (q, k, v):
+        assert leaf.grad.shape == leaf.shape and leaf.grad.dtype == torch.bfloat16
+    if sinks is not None:
+        assert (sinks.grad.shape, sinks.grad.dtype) == (sinks.shape, torch.float32)
+
+
+@pytest.mark.parametrize("masks", VARLEN_MASKS.values(), ids=VARLEN_MASKS)
+def test_opcheck_varlen_ops_on_meta_tensors(masks):
+    """Schema (nothing mutated), autograd registration (the forward's, on inputs that require
+    grad), fake against the meta kernel, AOT dispatch with dynamic shapes, for both ops."""
+    args = _varlen_case("meta", masks, requires_grad=True)
+    torch.library.opcheck(torch.ops.ptxattn.attention_varlen_fwd.default, args)
+    args = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in args)
+    out, lse = torch.ops.ptxattn.attention_varlen_fwd(*args)
+    torch.library.opcheck(torch.ops.ptxattn.attention_varlen_bwd.default,
+                          _varlen_bwd_args(args, out, lse))
+
+
+def test_compile_traces_varlen_forward_and_backward_in_one_graph():
+    """fullgraph=True fails on any graph break; aot_eager runs the traced forward and backward
+    graphs on meta tensors, through the fakes, the sinks' gradient among them."""
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, _, window, softcap, sinks, *_ = _varlen_case(
+        "meta", VARLEN_MASKS["window-softcap-sinks"], requires_grad=True)
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def loss(q, k, v, sinks):
+        out = ptxattn.torch.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
+                                             window=window, softcap=softcap, sinks=sinks)
+        return out.float().square().mean()
+
+    loss(q, k, v, sinks).backward()
+    for leaf in (q, k, v, sinks):
+        assert leaf.grad.shape == leaf.shape
 
 
 def test_compile_traces_the_serving_ops_in_one_graph():
@@ -291,11 +403,11 @@ def _cupy(x):
     return cupy.from_dlpack(x.detach())
 
 
-def _normal(rng, *shapes):
-    """bf16 standard normal CUDA tensors of the given shapes, drawn from the test's seed."""
+def _normal(rng, *shapes, dtype=torch.bfloat16):
+    """Standard normal CUDA tensors of the given shapes (bf16 by default), drawn from the test's
+    seed."""
     generator = torch.Generator(device="cuda").manual_seed(int(rng.integers(2 ** 31)))
-    return [torch.randn(shape, generator=generator, device="cuda").to(torch.bfloat16)
-            for shape in shapes]
+    return [torch.randn(shape, generator=generator, device="cuda").to(dtype) for shape in shapes]
 
 
 def _inputs(rng, shape_q, shape_kv):
@@ -380,16 +492,20 @@ def test_strided_inputs_from_one_projection(rng):
 
 
 @pytest.mark.gpu
-def test_opcheck_on_the_gpu(rng):
+@pytest.mark.parametrize("masks", MASKS.values(), ids=MASKS)
+def test_opcheck_on_the_gpu(masks, rng):
     """As on meta tensors, but the real kernels' outputs checked against the fakes' metadata, and
     eager gradients against AOT-compiled ones (deterministic, so that they may be compared)."""
     q, k, v, dout = _inputs(rng, *SHAPES["gqa"])
+    options, sinks = _split_sinks(masks, q.shape[2], "cuda", rng)
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    sinks_leaf = None if sinks is None else sinks.clone().requires_grad_()
     torch.library.opcheck(torch.ops.ptxattn.attention_fwd.default,
-                          _fwd_args(*leaves, deterministic=True))
-    out, lse = torch.ops.ptxattn.attention_fwd(*_fwd_args(q, k, v))
+                          _fwd_args(*leaves, deterministic=True, sinks=sinks_leaf, **options))
+    out, lse = torch.ops.ptxattn.attention_fwd(*_fwd_args(q, k, v, sinks=sinks, **options))
     torch.library.opcheck(torch.ops.ptxattn.attention_bwd.default,
-                          (dout, q, k, v, out, lse, True, None, True, None))
+                          _bwd_args(dout, q, k, v, out, lse, deterministic=True, sinks=sinks,
+                                    **options))
 
 
 @pytest.mark.gpu
@@ -436,7 +552,8 @@ def _varlen_through_cupy(args):
     """ptxattn.attention_varlen (the CuPy entry point) on CuPy views of the op's arguments."""
     import ptxattn
 
-    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, softcap, sinks, check, backend = args
+    (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, softcap, sinks, _, check,
+     backend) = args  # deterministic (the backward's) skipped
     return ptxattn.attention_varlen(
         *(_cupy(x) for x in (q, k, v, cu_q, cu_k)), max_q, max_k, causal=causal,
         softmax_scale=scale, window=window, softcap=softcap,
@@ -466,14 +583,9 @@ def _same_bits(torch_tensor, cupy_array) -> bool:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("masks", [{}, {"causal": False, "window": (6, 2), "softcap": 20.0,
-                                        "sinks": True}], ids=["causal", "window-softcap-sinks"])
+@pytest.mark.parametrize("masks", VARLEN_MASKS.values(), ids=VARLEN_MASKS)
 def test_varlen_op_gives_the_cupy_entry_points_bits(masks, rng):
-    masks = dict(masks)
-    if masks.pop("sinks", False):
-        masks["sinks"] = torch.tensor(rng.standard_normal(VARLEN["heads"][0], dtype=np.float32)
-                                      * 3, device="cuda")
-    args = _varlen_args("cuda", rng=rng, **masks)
+    args = _varlen_case("cuda", masks, rng=rng)
     q, k, v, cu_q, cu_k, max_q, max_k, causal, _, window, softcap, sinks, *_ = args
     out, lse = ptxattn.torch.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
                                               window=window, softcap=softcap, sinks=sinks,
@@ -535,11 +647,7 @@ def test_serving_ops_under_torch_compile_fullgraph(rng):
 
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore:Error detected in GeneratedBackward")
-def test_a_gradient_through_a_serving_op_raises_on_the_gpu(rng):
-    q, k, v, cu_q, cu_k, max_q, max_k, *_ = _varlen_args("cuda", requires_grad=True, rng=rng)
-    out = ptxattn.torch.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True)
-    with pytest.raises(RuntimeError, match="attention_varlen_fwd.* no autograd formula"):
-        out.float().square().sum().backward()
+def test_a_gradient_through_the_kvcache_op_raises_on_the_gpu(rng):
     q, k_cache, v_cache, lengths, _, table, k_new, v_new, *_ = _kvcache_args(
         "cuda", requires_grad=True, rng=rng)
     out = ptxattn.torch.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
@@ -549,10 +657,224 @@ def test_a_gradient_through_a_serving_op_raises_on_the_gpu(rng):
 
 
 @pytest.mark.gpu
-def test_opcheck_serving_ops_on_the_gpu(rng):
-    """The real kernels' outputs against the fakes' metadata, the caches' mutation against the
+@pytest.mark.parametrize("masks", VARLEN_MASKS.values(), ids=VARLEN_MASKS)
+def test_opcheck_varlen_ops_on_the_gpu(masks, rng):
+    """The real kernels' outputs against the fakes' metadata, eager gradients against
+    AOT-compiled ones (deterministic, so that they may be compared)."""
+    args = _varlen_case("cuda", masks, requires_grad=True, rng=rng, deterministic=True)
+    torch.library.opcheck(torch.ops.ptxattn.attention_varlen_fwd.default, args)
+    args = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in args)
+    out, lse = torch.ops.ptxattn.attention_varlen_fwd(*args)
+    torch.library.opcheck(torch.ops.ptxattn.attention_varlen_bwd.default,
+                          _varlen_bwd_args(args, out, lse))
+
+
+@pytest.mark.gpu
+def test_opcheck_kvcache_op_on_the_gpu(rng):
+    """The real kernel's outputs against the fake's metadata, the caches' mutation against the
     schema, eager against AOT-compiled (appending the same rows again is idempotent)."""
-    torch.library.opcheck(torch.ops.ptxattn.attention_varlen_fwd.default,
-                          _varlen_args("cuda", rng=rng))
     torch.library.opcheck(torch.ops.ptxattn.attention_with_kvcache_fwd.default,
                           _kvcache_args("cuda", rng=rng))
+
+
+# ---------------------------------------------------------------------------------------------
+# Training with a window, a softcap and sinks, fixed length and varlen: against torch autograd
+# through the same math written in torch ops, in FP32 (the truth) and in the input dtype (the
+# naive computation whose error is the yardstick)
+
+
+def _reference_attention(q, k, v, sinks=None, *, causal=False, softmax_scale=None,
+                         window=(-1, -1), softcap=0.0):
+    """Attention by plain torch ops in q's dtype, differentiable by torch autograd; q
+    (batch, seqlen_q, heads_q, dim), k and v (batch, seqlen_k, heads_kv, dim), seqlen_k >= 1.
+
+    The scaled scores s, softcapped to softcap * tanh(s / softcap); key j visible from query i
+    iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (right 0 when
+    causal, -1 unbounded on either side); exp(sink) of the query's head added to each row's
+    denominator; 0 for a row that sees no key (and no sink)."""
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
+    q = q.transpose(1, 2)
+    k, v = (x.repeat_interleave(heads_q // heads_kv, dim=2).transpose(1, 2) for x in (k, v))
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    diagonal = torch.arange(seqlen_q, device=q.device)[:, None] + (seqlen_k - seqlen_q)
+    key = torch.arange(seqlen_k, device=q.device)[None, :]
+    left, right = window
+    right = 0 if causal else right
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device)
+    if right >= 0:
+        visible &= key <= diagonal + right
+    if left >= 0:
+        visible &= key >= diagonal - left
+    logits = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink_column = sinks.to(q.dtype).view(1, heads_q, 1, 1).expand(batch, heads_q, seqlen_q, 1)
+        logits = torch.cat([logits, sink_column], dim=-1)
+    # softmax's shift is a constant to the gradient; 0 for a row of -inf only
+    row_max = logits.amax(dim=-1, keepdim=True).detach().nan_to_num(neginf=0.0)
+    weights = torch.exp(logits - row_max)
+    total = weights.sum(dim=-1, keepdim=True)
+    probs = weights / total.masked_fill(total == 0, 1.0)
+    return (probs[..., :seqlen_k] @ v).transpose(1, 2)
+
+
+def _autograd_step(attend, q, k, v, sinks, dout, dtype=None):
+    """``attend(q, k, v, sinks)``'s output and the gradients of (out * dout).sum() for q, k, v
+    (and sinks, when given), by torch autograd on copies of the inputs, q, k, v and dout in
+    ``dtype`` (their own by default; sinks stay float32)."""
+    dtype = q.dtype if dtype is None else dtype
+    leaves = [x.detach().to(dtype, copy=True).requires_grad_() for x in (q, k, v)]
+    sinks_leaf = None if sinks is None else sinks.detach().clone().requires_grad_()
+    out = attend(*leaves, sinks_leaf)
+    out.backward(dout.to(dtype))
+    grads = [leaf.grad for leaf in leaves] + ([] if sinks is None else [sinks_leaf.grad])
+    return [out.detach(), *grads]
+
+
+def _assert_within_naive_error(results, truths, naives, dtype):
+    """out, dq, dk, dv (and dsinks): max |ours - FP32| <= 2 * max |naive - FP32| + 2 * noise,
+    noise being the rounding of the FP32 result to ``dtype``."""
+    for name, got, truth, naive in zip(("out", "dq", "dk", "dv", "dsinks"), results, truths,
+                                       naives):
+        assert got.shape == truth.shape, name
+        assert bool(torch.isfinite(got).all()), f"{name} has NaN/Inf (or was not written)"
+        noise = float((truth.to(dtype).float() - truth).abs().max())
+        err = float((got.float() - truth).abs().max())
+        naive_err = float((naive.float() - truth).abs().max())
+        assert err <= 2 * naive_err + 2 * noise + 1e-6, (name, err, naive_err, noise)
+
+
+def _assert_gradients_match_fp32(attend, reference, q, k, v, sinks, dout):
+    """ptxattn's ``attend`` against ``reference`` (the same math) in FP32 and in q's dtype;
+    returns ptxattn's out, dq, dk, dv (and dsinks)."""
+    results = _autograd_step(attend, q, k, v, sinks, dout)
+    truths = _autograd_step(reference, q, k, v, sinks, dout, torch.float32)
+    naives = _autograd_step(reference, q, k, v, sinks, dout)
+    _assert_within_naive_error(results, truths, naives, q.dtype)
+    return results
+
+
+# Options of the fixed-length training tests, "sinks" standing for a float32 (heads_q,) tensor
+TRAINING_MASKS = {
+    "window": {"window": (48, 16)},
+    "causal-window": {"causal": True, "window": (100, 0)},
+    "softcap": {"softcap": 3.0},
+    "sinks": {"sinks": True},
+    "causal-window-softcap-sinks": {"causal": True, "window": (64, 0), "softcap": 5.0,
+                                    "sinks": True},
+}
+
+
+def _check_fixed_length_training(masks, seqlens, dtype, rng):
+    """GQA 16/4, head_dim 128, batch 2: out and every gradient against FP32 autograd. (dsinks has
+    one value a head, so its max error is over 16 values: over 4, chance alone put it past twice
+    the naive run's in a few percent of draws.)"""
+    seqlen_q, seqlen_k = seqlens
+    q, k, v, dout = _normal(rng, (2, seqlen_q, 16, 128), (2, seqlen_k, 4, 128),
+                            (2, seqlen_k, 4, 128), (2, seqlen_q, 16, 128), dtype=dtype)
+    options, sinks = _split_sinks(masks, 16, "cuda", rng)
+
+    def attend(q, k, v, sinks):
+        return ptxattn.torch.attention(q, k, v, sinks=sinks, **options)
+
+    def reference(q, k, v, sinks):
+        return _reference_attention(q, k, v, sinks, **options)
+
+    _assert_gradients_match_fp32(attend, reference, q, k, v, sinks, dout)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqlens", [(300, 200), (128, 384)], ids=lambda p: f"{p[0]}x{p[1]}")
+@pytest.mark.parametrize("masks", TRAINING_MASKS.values(), ids=TRAINING_MASKS)
+def test_gradients_with_window_softcap_sinks_match_fp32(masks, seqlens, rng):
+    """300 queries over 200 keys: bottom-right alignment leaves rows that see no key (0 out, no
+    gradient; with sinks, only the sink); 128 over 384: every row sees some."""
+    _check_fixed_length_training(masks, seqlens, torch.bfloat16, rng)
+
+
+@pytest.mark.gpu
+def test_float16_gradients_with_window_softcap_sinks_match_fp32(rng):
+    _check_fixed_length_training(TRAINING_MASKS["causal-window-softcap-sinks"], (300, 200),
+                                 torch.float16, rng)
+
+
+# varlen training: an empty sequence (no queries, 7 keys, which get no gradient), a one-token
+# one and a long one of more keys than queries, GQA 4/2, head_dim 128
+VARLEN_TRAINING = {"lengths_q": [0, 1, 300], "lengths_k": [7, 1, 333], "heads": (16, 4),
+                   "head_dim": 128}
+VARLEN_TRAINING_MASKS = {
+    "causal": {"causal": True},
+    "window-softcap-sinks": {"window": (32, 8), "softcap": 4.0, "sinks": True},
+    "causal-window-sinks": {"causal": True, "window": (64, 0), "sinks": True},
+}
+
+
+def _per_sequence(reference, lengths_q, lengths_k):
+    """``reference`` (fixed-length, batch 1) run on each sequence of a packed batch, the
+    outputs packed back (a sequence without queries gives no rows)."""
+    starts_q, starts_k = np.cumsum([0, *lengths_q]), np.cumsum([0, *lengths_k])
+
+    def packed(q, k, v, sinks):
+        outs = [reference(q[None, starts_q[b]:starts_q[b + 1]],
+                          k[None, starts_k[b]:starts_k[b + 1]],
+                          v[None, starts_k[b]:starts_k[b + 1]], sinks)[0]
+                for b in range(len(lengths_q)) if lengths_q[b] > 0]
+        return torch.cat(outs)
+
+    return packed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("masks", VARLEN_TRAINING_MASKS.values(), ids=VARLEN_TRAINING_MASKS)
+def test_varlen_gradients_match_per_sequence_fp32(masks, rng):
+    lengths_q, lengths_k = VARLEN_TRAINING["lengths_q"], VARLEN_TRAINING["lengths_k"]
+    heads_q, heads_kv = VARLEN_TRAINING["heads"]
+    d = VARLEN_TRAINING["head_dim"]
+    q, k, v, dout = _normal(rng, (sum(lengths_q), heads_q, d), (sum(lengths_k), heads_kv, d),
+                            (sum(lengths_k), heads_kv, d), (sum(lengths_q), heads_q, d))
+    cu_q, cu_k = (torch.tensor(np.cumsum([0, *lengths]), dtype=torch.int32, device="cuda")
+                  for lengths in (lengths_q, lengths_k))
+    options, sinks = _split_sinks(masks, heads_q, "cuda", rng)
+
+    def attend(q, k, v, sinks):
+        return ptxattn.torch.attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q),
+                                              max(lengths_k), sinks=sinks, **options)
+
+    def reference(q, k, v, sinks):
+        return _reference_attention(q, k, v, sinks, **options)
+
+    _, _, dk, dv, *_ = _assert_gradients_match_fp32(
+        attend, _per_sequence(reference, lengths_q, lengths_k), q, k, v, sinks, dout)
+    # the empty sequence's keys: attended by no query, so exactly zero gradients
+    assert not dk[:lengths_k[0]].any() and not dv[:lengths_k[0]].any()
+
+
+@pytest.mark.gpu
+def test_varlen_backward_under_torch_compile_fullgraph(rng):
+    """A loss through attention_varlen (a window and sinks that require grad) compiled by
+    inductor with no graph break, then its backward: eager's values and gradients, up to the
+    rounding of the ops inductor fuses around the attention (in the bf16 gradient of out, which
+    dsinks sums too: bf16's tolerance for every gradient)."""
+    q, k, v, cu_q, cu_k, max_q, max_k, *_ = _varlen_args("cuda", rng=rng)
+    sinks = _sinks(VARLEN["heads"][0], "cuda", rng)
+
+    def loss(q, k, v, sinks):
+        out = ptxattn.torch.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True,
+                                             window=(8, 0), sinks=sinks, deterministic=True)
+        return out.float().square().mean()
+
+    compiled = torch.compile(loss, fullgraph=True)
+    results = []
+    for function in (loss, compiled):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, sinks)]
+        value = function(*leaves)
+        value.backward()
+        results.append((value.detach(), *(leaf.grad for leaf in leaves)))
+    (eager_loss, *eager_grads), (traced_loss, *traced_grads) = results
+    torch.testing.assert_close(traced_loss, eager_loss)
+    for eager, traced in zip(eager_grads, traced_grads):
+        torch.testing.assert_close(traced, eager, rtol=1.6e-2, atol=1e-5)
+    assert np.isfinite(float(traced_loss))
