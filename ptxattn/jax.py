@@ -3,17 +3,27 @@
 ``import ptxattn.jax`` (JAX is imported here only, never by ``import ptxattn``):
 
     out = ptxattn.jax.attention(q, k, v, causal=True)       # q: (batch, seqlen, heads, head_dim)
+    out = ptxattn.jax.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, 512, 512)  # packed
     loss, grads = jax.value_and_grad(f)(params)             # backward through ptxattn's kernels
 
 How a call runs. Tracing checks the arguments with the rules of ptxattn/problem/ (on stand-ins
-that carry the shapes and dtypes) and emits an ``ffi_call`` to one of two XLA FFI targets
-registered for CUDA: ``ptxattn_attention_forward`` (q, k, v -> out, lse) and
-``ptxattn_attention_backward`` (dout, q, k, v, out, lse -> dq, dk, dv), with causal,
-softmax_scale and deterministic as attributes. When
-XLA runs the compiled program it calls the target's handler, a Python function behind a ctypes
-callback (no C++ build), which views XLA's device buffers as CuPy arrays (zero-copy), makes XLA's
-stream CuPy's current stream, and calls ptxattn.attention / attention_backward, which write into
-XLA's output buffers and queue their kernels on that stream.
+that carry the shapes and dtypes) and emits an ``ffi_call`` to one of four XLA FFI targets
+registered for CUDA, the sinks (when given) passed last and their gradient returned last:
+
+- ``ptxattn_attention_forward``: q, k, v [, sinks] -> out, lse;
+- ``ptxattn_attention_backward``: dout, q, k, v, out, lse [, sinks] -> dq, dk, dv [, dsinks];
+- ``ptxattn_attention_varlen_forward``: q, k, v, cu_seqlens_q, cu_seqlens_k [, sinks] ->
+  out, lse;
+- ``ptxattn_attention_varlen_backward``: dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k
+  [, sinks] -> dq, dk, dv [, dsinks].
+
+Their scalar attributes are causal, softmax_scale, window_left, window_right and softcap, with
+max_seqlen_q and max_seqlen_k for varlen and deterministic for the backward. When XLA runs the
+compiled program it calls the target's handler, a Python function behind a ctypes callback (no
+C++ build), which views XLA's device buffers as CuPy arrays (zero-copy), makes XLA's stream
+CuPy's current stream, and calls ptxattn.attention, attention_backward, attention_varlen or
+attention_varlen_backward, which write into XLA's output buffers and queue their kernels on that
+stream.
 
 The handler speaks XLA's FFI C ABI (``xla/ffi/api/c_api.h``, shipped with jaxlib under
 ``jax.ffi.include_dir()``), declared below with ctypes: only the structs and fields this module
@@ -45,7 +55,7 @@ import numpy as np
 
 from .problem import AttentionProblem
 
-__all__ = ["attention"]
+__all__ = ["attention", "attention_varlen"]
 
 
 def __dir__():
@@ -54,6 +64,8 @@ def __dir__():
 
 FORWARD_TARGET = "ptxattn_attention_forward"
 BACKWARD_TARGET = "ptxattn_attention_backward"
+VARLEN_FORWARD_TARGET = "ptxattn_attention_varlen_forward"
+VARLEN_BACKWARD_TARGET = "ptxattn_attention_varlen_backward"
 
 # ---------------------------------------------------------------------------------------------
 # The XLA FFI C ABI (c_api.h), LP64: the parts a handler that reads buffers and scalar attributes,
@@ -455,52 +467,149 @@ def _cupy_view(buffer: XLA_FFI_Buffer, device_id: int, rank: int):
     return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
 
 
+def _instance_count(buffer: XLA_FFI_Buffer, rank: int) -> int:
+    """How many vmapped instances of an operand of ``rank`` dimensions ``buffer`` holds: the
+    product of its leading dimensions beyond ``rank``, 1 outside vmap."""
+    return math.prod(buffer.dims[i] for i in range(buffer.rank - rank))
+
+
+def _instance_views(buffer: XLA_FFI_Buffer, device_id: int, rank: int, instances: int):
+    """``buffer`` as ``instances`` operands of ``rank`` dimensions, stacked along a new leading
+    axis: vmap's leading dimensions split into that many instances, the rest folded into each
+    operand's first dimension (_cupy_view)."""
+    view = _cupy_view(buffer, device_id, rank)
+    return view.reshape(instances, view.shape[0] // instances, *view.shape[1:])
+
+
+def _optional_instance_views(buffers: list[XLA_FFI_Buffer], index: int, device_id: int,
+                             rank: int, instances: int):
+    """_instance_views of ``buffers[index]``, an optional operand that comes last when it is
+    passed (the sinks, their gradient), or one None per instance when it is not."""
+    if len(buffers) <= index:
+        return [None] * instances
+    return _instance_views(buffers[index], device_id, rank, instances)
+
+
 def _device_of(buffer: XLA_FFI_Buffer) -> int:
     import cupy
     return cupy.cuda.runtime.pointerGetAttributes(buffer.data).device
 
 
+def _options(attrs: dict) -> dict:
+    """ptxattn's keyword arguments for the masking and scores of a call, from its attributes."""
+    return {"causal": attrs["causal"], "softmax_scale": attrs["softmax_scale"],
+            "window": (attrs["window_left"], attrs["window_right"]),
+            "softcap": attrs["softcap"]}
+
+
+# vmap (ffi_call's "broadcast_all") gives every operand the same leading dimensions. In the
+# fixed-length calls they fold into the batch, one launch, unless sinks are passed: vmap broadcasts
+# those to one row per instance, and the rows may differ, so each instance gets its own launch
+# (dsinks too, one row each). In the varlen calls each instance's cu_seqlens index its own q, k
+# and v: one launch per instance always.
+
+
 def _run_forward(call: FfiCall) -> None:
     import cupy
 
-    from .api import attention as ptxattn_attention
+    from . import attention as ptxattn_attention
 
     attrs, args, rets = call.attrs, call.args, call.rets
     device_id = _device_of(args[0])
-    q, k, v = (_cupy_view(b, device_id, 4) for b in args)
-    out = _cupy_view(rets[0], device_id, 4)
-    lse = _cupy_view(rets[1], device_id, 3)
-    stream = _cupy_stream(call.stream())
-    with cupy.cuda.Device(device_id), stream:
-        ptxattn_attention(q, k, v, causal=attrs["causal"], softmax_scale=attrs["softmax_scale"],
-                          out=out, lse=lse)
+    instances = _instance_count(args[3], 1) if len(args) > 3 else 1
+    q, k, v = (_instance_views(b, device_id, 4, instances) for b in args[:3])
+    sinks = _optional_instance_views(args, 3, device_id, 1, instances)
+    out = _instance_views(rets[0], device_id, 4, instances)
+    lse = _instance_views(rets[1], device_id, 3, instances)
+    with cupy.cuda.Device(device_id), _cupy_stream(call.stream()):
+        for i in range(instances):
+            ptxattn_attention(q[i], k[i], v[i], sinks=sinks[i], out=out[i], lse=lse[i],
+                              **_options(attrs))
 
 
 def _run_backward(call: FfiCall) -> None:
     import cupy
 
-    from .api import attention_backward
+    from . import attention_backward
 
     attrs, args, rets = call.attrs, call.args, call.rets
     device_id = _device_of(args[0])
-    dout, q, k, v, out = (_cupy_view(b, device_id, 4) for b in args[:5])
-    lse = _cupy_view(args[5], device_id, 3)
-    dq, dk, dv = (_cupy_view(b, device_id, 4) for b in rets)
+    instances = _instance_count(args[6], 1) if len(args) > 6 else 1
+    dout, q, k, v, out = (_instance_views(b, device_id, 4, instances) for b in args[:5])
+    lse = _instance_views(args[5], device_id, 3, instances)
+    sinks = _optional_instance_views(args, 6, device_id, 1, instances)
+    dq, dk, dv = (_instance_views(b, device_id, 4, instances) for b in rets[:3])
+    dsinks = _optional_instance_views(rets, 3, device_id, 1, instances)
     with cupy.cuda.Device(device_id), _cupy_stream(call.stream()):
-        attention_backward(dout, q, k, v, out, lse, causal=attrs["causal"],
-                           softmax_scale=attrs["softmax_scale"],
-                           deterministic=attrs["deterministic"], dq=dq, dk=dk, dv=dv)
+        for i in range(instances):
+            attention_backward(dout[i], q[i], k[i], v[i], out[i], lse[i], sinks=sinks[i],
+                               deterministic=attrs["deterministic"], dq=dq[i], dk=dk[i],
+                               dv=dv[i], dsinks=dsinks[i], **_options(attrs))
+
+
+# The varlen calls pass check_contents=False: checking the cu_seqlens would copy them to the host,
+# a synchronization inside XLA's program, and their values are the caller's to get right (they
+# were traced, so they could not be checked when the call was traced either).
+
+
+def _run_varlen_forward(call: FfiCall) -> None:
+    import cupy
+
+    from . import attention_varlen as ptxattn_attention_varlen
+
+    attrs, args, rets = call.attrs, call.args, call.rets
+    device_id = _device_of(args[0])
+    instances = _instance_count(args[3], 1)
+    q, k, v = (_instance_views(b, device_id, 3, instances) for b in args[:3])
+    cu_seqlens_q, cu_seqlens_k = (_instance_views(b, device_id, 1, instances) for b in args[3:5])
+    sinks = _optional_instance_views(args, 5, device_id, 1, instances)
+    out = _instance_views(rets[0], device_id, 3, instances)
+    lse = _instance_views(rets[1], device_id, 2, instances)
+    with cupy.cuda.Device(device_id), _cupy_stream(call.stream()):
+        for i in range(instances):
+            ptxattn_attention_varlen(q[i], k[i], v[i], cu_seqlens_q[i], cu_seqlens_k[i],
+                                     attrs["max_seqlen_q"], attrs["max_seqlen_k"],
+                                     sinks=sinks[i], out=out[i], lse=lse[i],
+                                     check_contents=False, **_options(attrs))
+
+
+def _run_varlen_backward(call: FfiCall) -> None:
+    import cupy
+
+    from . import attention_varlen_backward
+
+    attrs, args, rets = call.attrs, call.args, call.rets
+    device_id = _device_of(args[0])
+    instances = _instance_count(args[6], 1)
+    dout, q, k, v, out = (_instance_views(b, device_id, 3, instances) for b in args[:5])
+    lse = _instance_views(args[5], device_id, 2, instances)
+    cu_seqlens_q, cu_seqlens_k = (_instance_views(b, device_id, 1, instances) for b in args[6:8])
+    sinks = _optional_instance_views(args, 8, device_id, 1, instances)
+    dq, dk, dv = (_instance_views(b, device_id, 3, instances) for b in rets[:3])
+    dsinks = _optional_instance_views(rets, 3, device_id, 1, instances)
+    with cupy.cuda.Device(device_id), _cupy_stream(call.stream()):
+        for i in range(instances):
+            attention_varlen_backward(dout[i], q[i], k[i], v[i], out[i], lse[i],
+                                      cu_seqlens_q[i], cu_seqlens_k[i], attrs["max_seqlen_q"],
+                                      attrs["max_seqlen_k"], sinks=sinks[i],
+                                      deterministic=attrs["deterministic"], dq=dq[i],
+                                      dk=dk[i], dv=dv[i], dsinks=dsinks[i],
+                                      check_contents=False, **_options(attrs))
 
 
 # Module-level, so that the callbacks live as long as XLA may call them.
 _forward_handler = ffi_handler(FORWARD_TARGET, _run_forward)
 _backward_handler = ffi_handler(BACKWARD_TARGET, _run_backward)
+_varlen_forward_handler = ffi_handler(VARLEN_FORWARD_TARGET, _run_varlen_forward)
+_varlen_backward_handler = ffi_handler(VARLEN_BACKWARD_TARGET, _run_varlen_backward)
 register(FORWARD_TARGET, _forward_handler, platform="CUDA")
 register(BACKWARD_TARGET, _backward_handler, platform="CUDA")
+register(VARLEN_FORWARD_TARGET, _varlen_forward_handler, platform="CUDA")
+register(VARLEN_BACKWARD_TARGET, _varlen_backward_handler, platform="CUDA")
 
 
 # ---------------------------------------------------------------------------------------------
-# The JAX function
+# The JAX functions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -517,10 +626,18 @@ class _XlaOperand:
 
     @classmethod
     def like(cls, x):
-        """A stand-in for ``x``, or ``x`` itself when it is no array (the checks refuse it)."""
+        """A stand-in for ``x``, or ``x`` itself when it is no array (the checks refuse it, or
+        take None for an optional operand)."""
         if not (hasattr(x, "shape") and hasattr(x, "dtype")):
             return x
         return cls(tuple(x.shape), np.dtype(x.dtype))
+
+    def __getitem__(self, index):
+        """``x[None]``, the operand with a leading axis of 1: the only indexing the checks do
+        (the varlen ones hold 3-d operands to the rules of 4-d ones)."""
+        if index is not None:
+            raise TypeError(f"a stand-in of an XLA operand takes x[None] only, got {index!r}")
+        return dataclasses.replace(self, shape=(1, *self.shape))
 
     @property
     def ndim(self) -> int:
@@ -543,25 +660,79 @@ class _XlaOperand:
         return tuple(strides)
 
 
-def _checked(q, k, v, causal, softmax_scale, deterministic) -> AttentionProblem:
-    """ptxattn.attention's argument checks, at trace time, so that a bad call fails in Python
-    with the message of ptxattn/problem/ rather than inside XLA."""
+@dataclasses.dataclass(frozen=True)
+class _Attributes:
+    """The static attributes of one attention's FFI calls, checked: what the handlers pass on to
+    ptxattn. Hashable, as custom_vjp's non-differentiable arguments must be."""
+
+    causal: bool
+    softmax_scale: float
+    window: tuple[int, int]
+    softcap: float
+    deterministic: bool
+    max_seqlens: tuple[int, int] | None = None  # (max_seqlen_q, max_seqlen_k) of a varlen call
+
+    @classmethod
+    def of(cls, problem: AttentionProblem, deterministic: bool) -> "_Attributes":
+        max_seqlens = ((problem.seqlen_q, problem.seqlen_k) if "varlen" in problem.layouts
+                       else None)
+        return cls(problem.causal, problem.softmax_scale, problem.window, problem.softcap,
+                   deterministic, max_seqlens)
+
+    def forward(self) -> dict:
+        """The forward call's attributes, as ffi_call takes them: NumPy scalars, whose dtypes
+        are the attributes' XLA types."""
+        attrs = {"causal": np.bool_(self.causal), "softmax_scale": np.float64(self.softmax_scale),
+                 "window_left": np.int64(self.window[0]),
+                 "window_right": np.int64(self.window[1]), "softcap": np.float64(self.softcap)}
+        if self.max_seqlens is not None:
+            attrs["max_seqlen_q"], attrs["max_seqlen_k"] = (np.int64(n) for n in self.max_seqlens)
+        return attrs
+
+    def backward(self) -> dict:
+        """The backward call's attributes: the forward's and ``deterministic``."""
+        return {**self.forward(), "deterministic": np.bool_(self.deterministic)}
+
+
+def _check_deterministic(deterministic) -> None:
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    return AttentionProblem.from_16bit(_XlaOperand.like(q), _XlaOperand.like(k),
-                                       _XlaOperand.like(v), causal=causal,
-                                       softmax_scale=softmax_scale)
+
+
+def _forward_call(target: str, operands: tuple, sinks, result_types: tuple,
+                  attributes: _Attributes):
+    """(out, lse) from the forward target ``target`` on ``operands``, and ``sinks`` after them
+    when given."""
+    if sinks is not None:
+        operands = (*operands, sinks)
+    call = jax.ffi.ffi_call(target, result_types, vmap_method="broadcast_all")
+    return call(*operands, **attributes.forward())
+
+
+def _backward_call(target: str, operands: tuple, sinks, attributes: _Attributes) -> tuple:
+    """(dq, dk, dv, dsinks) from the backward target ``target`` on ``operands`` (dout, q, k, v,
+    out, lse, and for varlen the cu_seqlens), and ``sinks`` after them when given; dsinks is None
+    without sinks."""
+    q, k, v = operands[1:4]
+    result_types = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
+    if sinks is not None:
+        operands = (*operands, sinks)
+        result_types.append(jax.ShapeDtypeStruct(sinks.shape, np.float32))
+    call = jax.ffi.ffi_call(target, tuple(result_types), vmap_method="broadcast_all")
+    dq, dk, dv, *dsinks = call(*operands, **attributes.backward())
+    return dq, dk, dv, (dsinks[0] if dsinks else None)
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
-              deterministic: bool = False):
+              window=(-1, -1), softcap: float = 0.0, sinks=None, deterministic: bool = False):
     """Scaled dot-product attention, ``softmax(softmax_scale * q k^T) v``, for JAX on CUDA.
 
     An XLA FFI custom call (module docstring) with a custom VJP: differentiable in reverse
-    mode (jax.grad, jax.vjp) through ``ptxattn.attention_backward``, usable under jax.jit and
-    jax.vmap (vmapped dimensions are folded into batch). The kernels run on XLA's stream, into
-    XLA's buffers. Bad arguments raise when the call is traced, with ``ptxattn.attention``'s
-    messages, rather than inside XLA.
+    mode (jax.grad, jax.vjp) in q, k, v and ``sinks`` through ``ptxattn.attention_backward``,
+    usable under jax.jit and jax.vmap (vmapped dimensions are folded into batch; with sinks,
+    which may differ between instances, each instance is a call of its own). The kernels run on
+    XLA's stream, into XLA's buffers. Bad arguments raise when the call is traced, with
+    ``ptxattn.attention``'s messages, rather than inside XLA.
 
     Parameters
     ----------
@@ -573,9 +744,19 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         heads_q a multiple of heads_kv (GQA/MQA).
     causal : bool, default False
         Masks key j from query i unless j <= i + seqlen_k - seqlen_q (bottom-right aligned,
-        as in ``ptxattn.attention``).
+        as in ``ptxattn.attention``). A row that sees no key gives output 0.
     softmax_scale : float, optional
         The scale of the scores, finite and positive; 1 / sqrt(head_dim) by default.
+    window : tuple of (int, int), default (-1, -1)
+        (left, right): query i sees keys i + seqlen_k - seqlen_q - left up to
+        i + seqlen_k - seqlen_q + right, -1 meaning unbounded (right is 0 when causal).
+        Static, like ``causal``.
+    softcap : float, default 0.0
+        When > 0, the scaled scores s become softcap * tanh(s / softcap); 0 turns it off.
+        Static.
+    sinks : jax.Array, optional
+        float32 (heads_q,): one logit per q head that joins every row's softmax denominator and
+        adds nothing to the output. Its gradient is summed over batch and rows.
     deterministic : bool, default False
         Makes the gradients bit-identical from run to run.
 
@@ -587,11 +768,12 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     Raises
     ------
     TypeError
-        q, k or v not arrays, not float16 or bfloat16, or not of one dtype; ``causal`` or
-        ``deterministic`` not a bool.
+        q, k or v not arrays, not float16 or bfloat16, or not of one dtype; ``sinks`` not a
+        float32 array; ``causal`` or ``deterministic`` not a bool.
     ValueError
         A shape (not 4-d, empty, k and v unlike, batch or head_dim unlike q's, heads_q not a
-        multiple of heads_kv); head_dim not 64, 128 or 256; a bad ``softmax_scale``.
+        multiple of heads_kv, ``sinks`` not (heads_q,)); head_dim not 64, 128 or 256; a bad
+        ``softmax_scale``, ``window`` or ``softcap``.
 
     Examples
     --------
@@ -603,36 +785,159 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     >>> def loss(q, k, v):
     ...     return ptxattn.jax.attention(q, k, v, causal=True).astype(jnp.float32).sum()
     >>> dq, dk, dv = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    A sliding window of 256 keys back, a logit softcap and a sink per head, differentiable in
+    the sinks too:
+
+    >>> sinks = jnp.zeros(16, jnp.float32)
+    >>> def loss(q, k, v, sinks):
+    ...     out = ptxattn.jax.attention(q, k, v, causal=True, window=(256, 0), softcap=30.0,
+    ...                                 sinks=sinks)
+    ...     return out.astype(jnp.float32).sum()
+    >>> dq, dk, dv, dsinks = jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, sinks)
     """
-    problem = _checked(q, k, v, causal, softmax_scale, deterministic)
-    return _attention(q, k, v, causal, problem.softmax_scale, deterministic)
+    # ptxattn's checks, on stand-ins at trace time: a bad call fails here with ptxattn's
+    # message rather than inside XLA.
+    _check_deterministic(deterministic)
+    problem = AttentionProblem.from_16bit(
+        _XlaOperand.like(q), _XlaOperand.like(k), _XlaOperand.like(v), causal=causal,
+        softmax_scale=softmax_scale, window=window, softcap=softcap,
+        sinks=_XlaOperand.like(sinks))
+    return _attention(q, k, v, sinks, _Attributes.of(problem, deterministic))
 
 
-def _forward_call(q, k, v, causal: bool, softmax_scale: float):
-    batch, seqlen_q, heads_q, _ = q.shape
-    result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
-                    jax.ShapeDtypeStruct((batch, heads_q, seqlen_q), np.float32))
-    call = jax.ffi.ffi_call(FORWARD_TARGET, result_types, vmap_method="broadcast_all")
-    return call(q, k, v, causal=np.bool_(causal), softmax_scale=np.float64(softmax_scale))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _attention(q, k, v, causal, softmax_scale, deterministic):
-    out, _ = _forward_call(q, k, v, causal, softmax_scale)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, sinks, attributes):
+    out, _ = _attention_forward(q, k, v, sinks, attributes)
     return out
 
 
-def _attention_forward(q, k, v, causal, softmax_scale, deterministic):
-    out, lse = _forward_call(q, k, v, causal, softmax_scale)
-    return out, (q, k, v, out, lse)
+def _attention_forward(q, k, v, sinks, attributes):
+    batch, seqlen_q, heads_q, _ = q.shape
+    result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                    jax.ShapeDtypeStruct((batch, heads_q, seqlen_q), np.float32))
+    out, lse = _forward_call(FORWARD_TARGET, (q, k, v), sinks, result_types, attributes)
+    return out, (q, k, v, sinks, out, lse)
 
 
-def _attention_backward(causal, softmax_scale, deterministic, residuals, dout):
-    q, k, v, out, lse = residuals
-    result_types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-    call = jax.ffi.ffi_call(BACKWARD_TARGET, result_types, vmap_method="broadcast_all")
-    return call(dout, q, k, v, out, lse, causal=np.bool_(causal),
-                softmax_scale=np.float64(softmax_scale), deterministic=np.bool_(deterministic))
+def _attention_backward(attributes, residuals, dout):
+    q, k, v, sinks, out, lse = residuals
+    return _backward_call(BACKWARD_TARGET, (dout, q, k, v, out, lse), sinks, attributes)
 
 
 _attention.defvjp(_attention_forward, _attention_backward)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                     *, causal: bool = False, softmax_scale: float | None = None,
+                     window=(-1, -1), softcap: float = 0.0, sinks=None,
+                     deterministic: bool = False):
+    """Attention over packed sequences of their own lengths, for JAX on CUDA.
+
+    ``ptxattn.attention_varlen`` as an XLA FFI custom call with a custom VJP: differentiable in
+    reverse mode in q, k, v and ``sinks`` through ``ptxattn.attention_varlen_backward``, usable
+    under jax.jit (``max_seqlen_q`` and ``max_seqlen_k`` static) and jax.vmap (each instance a
+    call of its own). Sequence b holds rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q and rows
+    cu_seqlens_k[b] .. cu_seqlens_k[b + 1] of k and v; empty sequences are allowed. The contents
+    of the cu_seqlens are not checked (they are device values, and checking them would stop the
+    program to copy them to the host): they must start at 0, never decrease, end at total_q and
+    total_k and hold no sequence longer than its maximum.
+
+    Parameters
+    ----------
+    q : jax.Array
+        Queries, (total_q, heads_q, head_dim), float16 or bfloat16, on a CUDA device; head_dim
+        64, 128 or 256.
+    k, v : jax.Array
+        Keys and values, (total_k, heads_kv, head_dim), of one shape and q's dtype; heads_q a
+        multiple of heads_kv (GQA/MQA).
+    cu_seqlens_q, cu_seqlens_k : jax.Array
+        int32, batch + 1 >= 2 entries each: the sequences' cumulative lengths. No gradient.
+    max_seqlen_q, max_seqlen_k : int
+        Non-negative bounds on the sequences' query and key lengths; static.
+    causal : bool, default False
+        Masks key j from query i of a sequence unless j <= i + seqlen_k - seqlen_q, with that
+        sequence's lengths (bottom-right aligned per sequence). A row that sees no key gives
+        output 0.
+    softmax_scale : float, optional
+        The scale of the scores, finite and positive; 1 / sqrt(head_dim) by default.
+    window : tuple of (int, int), default (-1, -1)
+        (left, right) keys around each sequence's diagonal, as in ``attention``; -1 is
+        unbounded, right is 0 when causal. Static.
+    softcap : float, default 0.0
+        When > 0, the scaled scores s become softcap * tanh(s / softcap); 0 turns it off.
+        Static.
+    sinks : jax.Array, optional
+        float32 (heads_q,): one logit per q head that joins every row's softmax denominator and
+        adds nothing to the output. Its gradient is summed over all rows.
+    deterministic : bool, default False
+        Makes the gradients bit-identical from run to run.
+
+    Returns
+    -------
+    jax.Array
+        The output like q, (total_q, heads_q, head_dim).
+
+    Raises
+    ------
+    TypeError
+        q, k or v not arrays of one float16 or bfloat16 dtype; the cu_seqlens not int32;
+        ``sinks`` not float32; ``causal`` or ``deterministic`` not a bool.
+    ValueError
+        A shape (q, k, v not 3-d or empty, k and v unlike, heads_q not a multiple of heads_kv,
+        ``sinks`` not (heads_q,)); head_dim not 64, 128 or 256; cu_seqlens not 1-d, of unlike
+        shapes or of fewer than 2 entries; a max_seqlen that is not a non-negative int; a bad
+        ``softmax_scale``, ``window`` or ``softcap``.
+
+    Examples
+    --------
+    Three sequences of 5, 0 and 11 tokens, causal self-attention, and its gradients:
+
+    >>> import jax, jax.numpy as jnp
+    >>> import ptxattn.jax
+    >>> cu_seqlens = jnp.array([0, 5, 5, 16], jnp.int32)
+    >>> keys = jax.random.split(jax.random.key(0), 3)
+    >>> q = jax.random.normal(keys[0], (16, 32, 128), jnp.bfloat16)
+    >>> k, v = (jax.random.normal(key, (16, 8, 128), jnp.bfloat16) for key in keys[1:])
+    >>> def loss(q, k, v):
+    ...     out = ptxattn.jax.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, 11, 11,
+    ...                                        causal=True)
+    ...     return out.astype(jnp.float32).sum()
+    >>> dq, dk, dv = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    """
+    _check_deterministic(deterministic)  # and ptxattn's checks, as in attention
+    problem = AttentionProblem.from_varlen(
+        _XlaOperand.like(q), _XlaOperand.like(k), _XlaOperand.like(v),
+        _XlaOperand.like(cu_seqlens_q), _XlaOperand.like(cu_seqlens_k), max_seqlen_q,
+        max_seqlen_k, causal=causal, window=window, softcap=softcap,
+        sinks=_XlaOperand.like(sinks), softmax_scale=softmax_scale)
+    return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks,
+                             _Attributes.of(problem, deterministic))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, attributes):
+    out, _ = _attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks,
+                                       attributes)
+    return out
+
+
+def _attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, attributes):
+    total_q, heads_q, _ = q.shape
+    result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                    jax.ShapeDtypeStruct((heads_q, total_q), np.float32))
+    out, lse = _forward_call(VARLEN_FORWARD_TARGET, (q, k, v, cu_seqlens_q, cu_seqlens_k), sinks,
+                             result_types, attributes)
+    return out, (q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, out, lse)
+
+
+def _attention_varlen_backward(attributes, residuals, dout):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, out, lse = residuals
+    dq, dk, dv, dsinks = _backward_call(
+        VARLEN_BACKWARD_TARGET, (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k), sinks,
+        attributes)
+    # No cotangent for the integer cu_seqlens (None: a zero, which custom_vjp takes).
+    return dq, dk, dv, None, None, dsinks
+
+
+_attention_varlen.defvjp(_attention_varlen_forward, _attention_varlen_backward)

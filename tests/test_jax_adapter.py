@@ -6,16 +6,21 @@ of jaxlib 0.10 and 0.11 and, where a C compiler is found, the header shipped wit
 jaxlib, whichever names it uses); the metadata query is answered with the API version XLA speaks
 (a stand-in XLA_FFI_Api of each version), another major version is refused; the handler
 machinery (buffers, scalar attributes, errors) runs for real on XLA's CPU runtime through test
-targets, on JAX's CPU device even where a GPU is the default; bad arguments fail at trace time;
-shapes, gradients' shapes, vmap and the lowered custom calls are right.
+targets, on JAX's CPU device even where a GPU is the default; so do the four attention targets'
+handlers, with host buffers for CuPy's and stand-ins for ptxattn's entry points that record their
+calls (each operand and attribute reaches its parameter, vmap's instances are split where sinks
+or cu_seqlens differ); bad arguments (window, softcap, sinks and the varlen ones too) fail at
+trace time; shapes, gradients' shapes (dsinks, varlen), vmap and the lowered custom calls are
+right; the reference below agrees with jax.nn.dot_product_attention where both apply.
 
-On the GPU, under jax.jit: outputs and gradients (jax.grad of a scalar loss) against FP32 attention,
-``jax.nn.dot_product_attention`` on float32 copies at the highest matmul precision. Tolerance as in
-tests/test_backward.py: each result's max error against FP32 is at most twice the max error of
-``jax.nn.dot_product_attention`` run on the same bf16/fp16 inputs (the same math in the input
-precision: FP32 logits and softmax, P rounded to the input dtype, as ptxattn does), plus twice the
-rounding noise of one value of that result in the input dtype. No GPU test can hang the run
-(GPU_TEST_TIMEOUT_S below).
+On the GPU, under jax.jit: outputs and gradients (jax.grad of a scalar loss) against FP32 attention:
+``jax.nn.dot_product_attention`` for plain attention and, with a window, softcap or sinks and for
+varlen, ``_reference_attention`` (the same math in plain jnp, per sequence for varlen), each on
+float32 copies at the highest matmul precision. Tolerance as in tests/test_backward.py: each
+result's max error against FP32 is at most twice the max error of the reference run on the same
+bf16/fp16 inputs (the same math in the input precision: FP32 logits and softmax, P rounded to the
+input dtype, as ptxattn does), plus twice the rounding noise of one value of that result in the
+input dtype (dsinks, float32, included). No GPU test can hang the run (GPU_TEST_TIMEOUT_S below).
 """
 
 import ctypes
@@ -367,6 +372,205 @@ def test_stream_request_on_cpu_passes_xla_error_on():
     assert "ptxattn_test_stream:" not in str(error.value)  # XLA's error, not one made of it
 
 
+def _host_view(buffer, device_id, rank):
+    """ptxattn.jax._cupy_view for a host buffer: a NumPy view, leading dimensions beyond ``rank``
+    folded into the first."""
+    import ptxattn.jax as pj
+
+    dtype = pj.NUMPY_DTYPES[buffer.dtype]
+    dims = tuple(buffer.dims[i] for i in range(buffer.rank))
+    raw = (ctypes.c_byte * (int(np.prod(dims)) * dtype.itemsize)).from_address(buffer.data)
+    view = np.frombuffer(raw, dtype=dtype).reshape(dims)
+    return view.reshape(-1, *dims[len(dims) - rank + 1:])
+
+
+class _RecordingPtxattn:
+    """Stand-ins for ptxattn's four entry points that record each call's options and write
+    results that name their inputs: out = q, lse = the sinks (0 without), dq = dout, dk = k,
+    dv = v, dsinks = 2 * sinks. A backward also checks that it got what its forward wrote."""
+
+    def __init__(self):
+        self.calls = []
+
+    def _record(self, entry, q, options):
+        self.calls.append((entry, q.shape, {name: value for name, value in options.items()
+                                            if name not in ("out", "lse", "dq", "dk", "dv",
+                                                            "dsinks")}))
+
+    def attention(self, q, k, v, *, sinks, out, lse, **options):
+        self._record("attention", q, {**options, "sinks": _copy(sinks)})
+        out[...] = q
+        lse[...] = 0 if sinks is None else sinks[None, :, None]
+
+    def attention_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         *, sinks, out, lse, **options):
+        self._record("attention_varlen", q, {
+            **options, "sinks": _copy(sinks), "cu_seqlens": (cu_seqlens_q.tolist(),
+                                                             cu_seqlens_k.tolist()),
+            "max_seqlens": (max_seqlen_q, max_seqlen_k)})
+        out[...] = q
+        lse[...] = 0 if sinks is None else sinks[:, None]
+
+    def _gradients(self, dout, q, k, v, out, lse, sinks, dq, dk, dv, dsinks, heads_axis):
+        np.testing.assert_array_equal(out, q)
+        written = 0 if sinks is None else np.expand_dims(
+            sinks, [axis for axis in range(lse.ndim) if axis != heads_axis])
+        np.testing.assert_array_equal(lse, np.broadcast_to(written, lse.shape))
+        dq[...], dk[...], dv[...] = dout, k, v
+        assert (dsinks is None) == (sinks is None), "dsinks is passed exactly with sinks"
+        if sinks is not None:
+            dsinks[...] = 2 * sinks
+
+    def attention_backward(self, dout, q, k, v, out, lse, *, sinks, dq, dk, dv, dsinks,
+                           **options):
+        self._record("attention_backward", q, {**options, "sinks": _copy(sinks)})
+        self._gradients(dout, q, k, v, out, lse, sinks, dq, dk, dv, dsinks, heads_axis=1)
+
+    def attention_varlen_backward(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                  max_seqlen_q, max_seqlen_k, *, sinks, dq, dk, dv, dsinks,
+                                  **options):
+        self._record("attention_varlen_backward", q, {**options, "sinks": _copy(sinks)})
+        self._gradients(dout, q, k, v, out, lse, sinks, dq, dk, dv, dsinks, heads_axis=0)
+
+
+def _copy(x):
+    return None if x is None else np.array(x)
+
+
+@pytest.fixture
+def recording_ptxattn(monkeypatch):
+    """ptxattn.jax's four targets on XLA's CPU runtime, their handlers as they are, with host
+    buffers for CuPy's device views, no device or stream, and _RecordingPtxattn for ptxattn's
+    entry points."""
+    pytest.importorskip("cupy")
+    import contextlib
+
+    import cupy
+
+    import ptxattn
+    import ptxattn.jax as pj
+
+    recorder = _RecordingPtxattn()
+    monkeypatch.setattr(pj, "_cupy_view", _host_view)
+    monkeypatch.setattr(pj, "_device_of", lambda buffer: 0)
+    monkeypatch.setattr(pj, "_cupy_stream", lambda address: contextlib.nullcontext())
+    monkeypatch.setattr(pj.FfiCall, "stream", lambda call: 0)
+    monkeypatch.setattr(cupy.cuda, "Device", lambda device_id: contextlib.nullcontext())
+    for entry in ("attention", "attention_backward", "attention_varlen",
+                  "attention_varlen_backward"):
+        monkeypatch.setattr(ptxattn, entry, getattr(recorder, entry), raising=False)
+    for target, run in ((pj.FORWARD_TARGET, pj._run_forward),
+                        (pj.BACKWARD_TARGET, pj._run_backward),
+                        (pj.VARLEN_FORWARD_TARGET, pj._run_varlen_forward),
+                        (pj.VARLEN_BACKWARD_TARGET, pj._run_varlen_backward)):
+        if target not in _cpu_targets:
+            _cpu_targets[target] = pj.ffi_handler(target, run)
+            pj.register(target, _cpu_targets[target], platform="cpu")
+    return recorder
+
+
+def _vjp_on_cpu(attend, inputs, cotangent):
+    """attend(*inputs) and its VJP at ``cotangent``, under jax.jit, on JAX's CPU device."""
+    import jax
+
+    def forward_and_back(inputs, cotangent):
+        out, pullback = jax.vjp(attend, *inputs)
+        return out, pullback(cotangent)
+
+    return jax.jit(forward_and_back)(*_on_cpu((inputs, cotangent)))
+
+
+@requires_jax
+def test_handlers_pass_xla_buffers_and_attributes_to_ptxattn(recording_ptxattn, rng):
+    """The fixed-length targets' handlers on XLA's CPU runtime: each operand reaches its
+    parameter, the attributes come back as ptxattn's options, the results land in the right
+    outputs, and the backward gets the forward's out and lse."""
+    import jax.numpy as jnp
+
+    import ptxattn.jax as pj
+
+    q, k, v, dout = (_random(rng, shape) for shape in ((2, 9, 4, 64), (2, 7, 2, 64),
+                                                       (2, 7, 2, 64), (2, 9, 4, 64)))
+    sinks = jnp.asarray(rng.standard_normal(4, dtype=np.float32))
+
+    def attend(q, k, v, sinks):
+        return pj.attention(q, k, v, causal=True, softmax_scale=0.5, window=(3, 0),
+                            softcap=7.5, sinks=sinks, deterministic=True)
+
+    out, (dq, dk, dv, dsinks) = _vjp_on_cpu(attend, (q, k, v, sinks), dout)
+    for got, want in ((out, q), (dq, dout), (dk, k), (dv, v), (dsinks, 2 * sinks)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    options = {"causal": True, "softmax_scale": 0.5, "window": (3, 0), "softcap": 7.5}
+    (forward, shape, forward_options), (backward, _, backward_options) = recording_ptxattn.calls
+    assert (forward, shape, backward) == ("attention", q.shape, "attention_backward")
+    for recorded in (forward_options, backward_options):
+        np.testing.assert_array_equal(recorded.pop("sinks"), np.asarray(sinks))
+    assert forward_options == options
+    assert backward_options == {**options, "deterministic": True}
+
+    recording_ptxattn.calls.clear()
+    out, (dq, dk, dv) = _vjp_on_cpu(lambda q, k, v: pj.attention(q, k, v), (q, k, v), dout)
+    for got, want in ((out, q), (dq, dout), (dk, k), (dv, v)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert [call[2]["sinks"] for call in recording_ptxattn.calls] == [None, None]
+
+
+@requires_jax
+def test_handlers_split_vmap_instances_where_sinks_or_cu_seqlens_differ(recording_ptxattn,
+                                                                         rng):
+    """Under vmap a fixed-length call without sinks is one call over the folded batch; with
+    sinks, and for varlen always, each instance is a call of its own with its own rows of sinks
+    and cu_seqlens, and the cu_seqlens' contents are not checked (no synchronization)."""
+    import jax
+    import jax.numpy as jnp
+
+    import ptxattn.jax as pj
+
+    q, k, dout = (_random(rng, shape) for shape in ((3, 2, 9, 4, 64), (3, 2, 7, 2, 64),
+                                                    (3, 2, 9, 4, 64)))
+    sinks = jnp.asarray(rng.standard_normal((3, 4), dtype=np.float32))
+    out, (dq, dk, dv, dsinks) = _vjp_on_cpu(
+        jax.vmap(lambda q, k, v, sinks: pj.attention(q, k, v, sinks=sinks)), (q, k, -k, sinks),
+        dout)
+    for got, want in ((out, q), (dq, dout), (dk, k), (dv, -k), (dsinks, 2 * sinks)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    calls = recording_ptxattn.calls
+    assert [(entry, shape) for entry, shape, _ in calls] == (
+        [("attention", (2, 9, 4, 64))] * 3 + [("attention_backward", (2, 9, 4, 64))] * 3)
+    for i in range(3):
+        np.testing.assert_array_equal(calls[i][2]["sinks"], np.asarray(sinks[i]))
+
+    recording_ptxattn.calls.clear()
+    _vjp_on_cpu(jax.vmap(lambda q, k, v: pj.attention(q, k, v)), (q, k, k), dout)
+    assert [(entry, shape) for entry, shape, _ in recording_ptxattn.calls] == [
+        ("attention", (6, 9, 4, 64)), ("attention_backward", (6, 9, 4, 64))]
+
+    recording_ptxattn.calls.clear()
+    packed_q, packed_k = _random(rng, (2, 71, 4, 64)), _random(rng, (2, 91, 2, 64))
+    cu_seqlens_q = np.stack([_cu_seqlens(VARLEN_LENGTHS_Q), _cu_seqlens((1, 0, 70))])
+    cu_seqlens_k = np.stack([_cu_seqlens(VARLEN_LENGTHS_K), _cu_seqlens((91, 0, 0))])
+
+    def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks):
+        return pj.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, 70, 91, causal=True,
+                                   window=(5, 0), sinks=sinks)
+
+    out, (dq, dk, dv, _, _, dsinks) = _vjp_on_cpu(
+        jax.vmap(varlen), (packed_q, packed_k, -packed_k, jnp.asarray(cu_seqlens_q),
+                           jnp.asarray(cu_seqlens_k), sinks[:2]), packed_q)
+    for got, want in ((out, packed_q), (dq, packed_q), (dk, packed_k), (dv, -packed_k),
+                      (dsinks, 2 * sinks[:2])):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    forwards = [call for call in recording_ptxattn.calls if call[0] == "attention_varlen"]
+    assert [shape for _, shape, _ in forwards] == [(71, 4, 64)] * 2
+    for i, (_, _, options) in enumerate(forwards):
+        np.testing.assert_array_equal(options.pop("sinks"), np.asarray(sinks[i]))
+        assert options == {"causal": True, "softmax_scale": 0.125, "window": (5, 0),
+                           "softcap": 0.0, "check_contents": False, "max_seqlens": (70, 91),
+                           "cu_seqlens": (cu_seqlens_q[i].tolist(), cu_seqlens_k[i].tolist())}
+    assert [call[2]["check_contents"] for call in recording_ptxattn.calls
+            if call[0] == "attention_varlen_backward"] == [False, False]
+
+
 # ---------------------------------------------------------------------------------------------
 # Tracing
 
@@ -458,6 +662,159 @@ def test_lowered_calls_carry_the_static_attributes():
     assert "tensor<1x4x64xf32>" in text
 
 
+@requires_jax
+@pytest.mark.parametrize("options, sinks, error, message", [
+    ({"window": (8,)}, None, ValueError, r"window must be a pair \(left, right\)"),
+    ({"window": (-2, 0)}, None, ValueError, "window must be a pair"),
+    ({"softcap": -1.0}, None, ValueError, "softcap must be a finite number >= 0"),
+    ({}, ((8,), "float16"), TypeError, "sinks must have dtype float32"),
+    ({}, ((2,), "float32"), ValueError, r"sinks must have shape \(heads_q,\) = \(8,\)"),
+])
+def test_bad_window_softcap_or_sinks_fail_at_trace_time(options, sinks, error, message):
+    import jax
+
+    import ptxattn.jax as pj
+
+    q, k = _spec((2, 128, 8, 64)), _spec((2, 100, 2, 64))
+    sinks = _spec(*sinks) if sinks is not None else None
+    with pytest.raises(error, match=message):
+        jax.eval_shape(lambda q, k, v, sinks: pj.attention(q, k, v, sinks=sinks, **options),
+                       q, k, k, sinks)
+
+
+# A packed batch of three sequences of 0, 1 and 70 queries over 0, 1 and 90 keys: an empty
+# sequence, a one-token one and a longer one.
+VARLEN_LENGTHS_Q = (0, 1, 70)
+VARLEN_LENGTHS_K = (0, 1, 90)
+
+
+def _cu_seqlens(lengths):
+    """The int32 cumulative lengths of ``lengths``, from 0."""
+    return np.cumsum([0, *lengths]).astype(np.int32)
+
+
+@requires_jax
+@pytest.mark.parametrize("change, error, message", [
+    ({"q": ((1, 71, 8, 64), "bfloat16")}, ValueError, "q must have 3 dimensions"),
+    ({"cu_seqlens_q": ((4,), "float32")}, TypeError, "cu_seqlens_q must have dtype int32"),
+    ({"cu_seqlens_k": ((5,), "int32")}, ValueError, "cu_seqlens_q and cu_seqlens_k must both"),
+    ({"max_seqlen_q": -1}, ValueError, "max_seqlen_q must be a non-negative int"),
+    ({"max_seqlen_k": 90.0}, ValueError, "max_seqlen_k must be a non-negative int"),
+    ({"sinks": ((4,), "float32")}, ValueError, r"sinks must have shape \(heads_q,\) = \(8,\)"),
+    ({"window": (1, 2, 3)}, ValueError, "window must be a pair"),
+    ({"deterministic": 0}, TypeError, "deterministic must be a bool"),
+])
+def test_bad_varlen_arguments_fail_at_trace_time(change, error, message):
+    import jax
+
+    import ptxattn.jax as pj
+
+    arrays = {"q": ((71, 8, 64), "bfloat16"), "k": ((91, 2, 64), "bfloat16"),
+              "v": ((91, 2, 64), "bfloat16"), "cu_seqlens_q": ((4,), "int32"),
+              "cu_seqlens_k": ((4,), "int32")}
+    sizes = {"max_seqlen_q": 70, "max_seqlen_k": 90}
+    options = {}
+    for name, value in change.items():
+        (arrays if name in arrays or name == "sinks" else
+         sizes if name in sizes else options)[name] = value
+    specs = {name: _spec(*spec) for name, spec in arrays.items()}
+
+    def attend(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks=None):
+        return pj.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, sizes["max_seqlen_q"],
+                                   sizes["max_seqlen_k"], sinks=sinks, **options)
+
+    with pytest.raises(error, match=message):
+        jax.eval_shape(attend, **specs)
+
+
+@requires_jax
+def test_shapes_of_gradients_with_sinks_and_of_varlen_and_vmap():
+    """dsinks is float32 (heads_q,); the integer cu_seqlens get no gradient; vmap over
+    per-instance sinks and over packed batches keeps the instance axis."""
+    import jax
+    import jax.numpy as jnp
+
+    import ptxattn.jax as pj
+
+    q, k, sinks = _spec((2, 128, 8, 64)), _spec((2, 300, 2, 64)), _spec((8,), "float32")
+
+    def loss(q, k, v, sinks):
+        out = pj.attention(q, k, v, causal=True, window=(64, 0), softcap=5.0, sinks=sinks)
+        return jnp.sum(out.astype(jnp.float32))
+
+    grads = jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2, 3)), q, k, k, sinks)
+    assert [(g.shape, g.dtype) for g in grads] == [(x.shape, x.dtype) for x in (q, k, k, sinks)]
+    batched = jax.eval_shape(jax.vmap(lambda q, k, v, sinks: pj.attention(q, k, v, sinks=sinks)),
+                             _spec((3, *q.shape)), _spec((3, *k.shape)), _spec((3, *k.shape)),
+                             _spec((3, 8), "float32"))
+    assert batched.shape == (3, *q.shape)
+
+    packed_q, packed_k = _spec((71, 8, 64)), _spec((91, 2, 64))
+    cu_seqlens_q = _cu_seqlens(VARLEN_LENGTHS_Q)
+    cu_seqlens_k = _cu_seqlens(VARLEN_LENGTHS_K)
+
+    def varlen(q, k, v, sinks):
+        return pj.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, 70, 90, causal=True,
+                                   sinks=sinks)
+
+    def varlen_loss(q, k, v, sinks):
+        return jnp.sum(varlen(q, k, v, sinks).astype(jnp.float32))
+
+    out = jax.eval_shape(varlen, packed_q, packed_k, packed_k, sinks)
+    assert (out.shape, out.dtype) == (packed_q.shape, packed_q.dtype)
+    grads = jax.eval_shape(jax.grad(varlen_loss, argnums=(0, 1, 2, 3)), packed_q, packed_k,
+                           packed_k, sinks)
+    assert [(g.shape, g.dtype) for g in grads] == [
+        (x.shape, x.dtype) for x in (packed_q, packed_k, packed_k, sinks)]
+    grads = jax.eval_shape(jax.vmap(jax.grad(varlen_loss, argnums=(0, 3)),
+                                    in_axes=(0, 0, 0, None)),
+                           _spec((3, *packed_q.shape)), _spec((3, *packed_k.shape)),
+                           _spec((3, *packed_k.shape)), sinks)
+    assert [g.shape for g in grads] == [(3, *packed_q.shape), (3, 8)]
+
+
+@requires_jax
+def test_lowered_calls_carry_window_softcap_sinks_and_max_seqlens():
+    import jax
+    import jax.numpy as jnp
+
+    import ptxattn.jax as pj
+
+    q, k, sinks = _spec((1, 64, 4, 128)), _spec((1, 80, 2, 128)), _spec((4,), "float32")
+
+    def loss(q, k, v, sinks):
+        return jnp.sum(pj.attention(q, k, v, causal=True, window=(32, 0), softcap=7.5,
+                                    sinks=sinks).astype(jnp.float32))
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(q, k, k, sinks).as_text()
+    assert "custom_call @ptxattn_attention_forward" in text
+    assert "custom_call @ptxattn_attention_backward" in text
+    assert "window_left = 32 : i64" in text and "window_right = 0 : i64" in text
+    assert "softcap = 7.500000e+00 : f64" in text
+    # the backward takes the sinks after lse and returns dsinks, float32 (heads_q,), last
+    assert "tensor<1x4x64xf32>, tensor<4xf32>) -> (tensor<1x64x4x128xbf16>" in text
+    assert "tensor<1x80x2x128xbf16>, tensor<4xf32>)" in text
+
+    packed_q, packed_k = _spec((71, 4, 128)), _spec((91, 2, 128))
+    cu_seqlens_q = _cu_seqlens(VARLEN_LENGTHS_Q)
+    cu_seqlens_k = _cu_seqlens(VARLEN_LENGTHS_K)
+
+    def varlen_loss(q, k, v):
+        return jnp.sum(pj.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, 70, 90,
+                                           window=(16, 8), deterministic=True
+                                           ).astype(jnp.float32))
+
+    text = jax.jit(jax.grad(varlen_loss, argnums=(0, 1, 2))).lower(
+        packed_q, packed_k, packed_k).as_text()
+    assert "custom_call @ptxattn_attention_varlen_forward" in text
+    assert "custom_call @ptxattn_attention_varlen_backward" in text
+    assert "max_seqlen_q = 70 : i64" in text and "max_seqlen_k = 90 : i64" in text
+    assert "window_left = 16 : i64" in text and "window_right = 8 : i64" in text
+    assert "deterministic = true" in text and "softcap = 0.000000e+00 : f64" in text
+    # lse: float32 (heads_q, total_q)
+    assert "tensor<4x71xf32>" in text
+
+
 # ---------------------------------------------------------------------------------------------
 # On the GPU
 
@@ -520,56 +877,124 @@ def _run_in_child(check, rng):
                     + f"\n{child.stdout}\n{child.stderr}")
 
 
-def _bottom_right_causal_mask(seqlen_q, seqlen_k):
-    rows = np.arange(seqlen_q)[:, None]
-    return np.arange(seqlen_k)[None, :] <= rows + seqlen_k - seqlen_q
+def _visible_keys(seqlen_q, seqlen_k, causal, window=(-1, -1)):
+    """(seqlen_q, seqlen_k) bool, bottom-right aligned: query i sees key j iff
+    j <= i + seqlen_k - seqlen_q + right (right 0 when causal, -1 unbounded) and
+    j >= i + seqlen_k - seqlen_q - left (-1 unbounded)."""
+    left, right = window
+    right = 0 if causal else right
+    diagonal = np.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q
+    keys = np.arange(seqlen_k)[None, :]
+    visible = np.ones((seqlen_q, seqlen_k), dtype=bool)
+    if right >= 0:
+        visible &= keys <= diagonal + right
+    if left >= 0:
+        visible &= keys >= diagonal - left
+    return visible
 
 
 def _jax_nn_attention(q, k, v, causal, softmax_scale):
     import jax
-    mask = _bottom_right_causal_mask(q.shape[1], k.shape[1]) if causal else None
+    mask = _visible_keys(q.shape[1], k.shape[1], causal=True) if causal else None
     return jax.nn.dot_product_attention(q, k, v, scale=softmax_scale, mask=mask,
                                         implementation="xla")
 
 
-def _value_and_grads(attend, q, k, v, dout, precision="default"):
-    """attend's output and the gradients of sum(out * dout) in q, k, v, under jax.jit, with
+def _reference_attention(q, k, v, sinks=None, *, causal=False, softmax_scale=None,
+                         window=(-1, -1), softcap=0.0):
+    """ptxattn.jax.attention's math in plain jnp, computed as jax.nn.dot_product_attention
+    computes it: logits and softmax in float32, the probabilities rounded to v's dtype for the
+    product with v, the output in q's dtype (float32 inputs: FP32 attention). The scores are
+    softmax_scale * q k^T, then softcap * tanh(s / softcap); keys that _visible_keys hides are
+    masked; exp(sinks[h]) joins each row's denominator; a row that sees nothing gives 0."""
+    import jax
+    import jax.numpy as jnp
+
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    group = q.shape[2] // k.shape[2]
+    k, v = (jnp.repeat(x, group, axis=2) for x in (k, v))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+    if softcap > 0:
+        scores = softcap * jnp.tanh(scores / softcap)
+    scores = jnp.where(_visible_keys(q.shape[1], k.shape[1], causal, window), scores, -jnp.inf)
+    row_max = scores.max(axis=-1, keepdims=True, initial=-jnp.inf)
+    if sinks is not None:
+        sink = sinks[None, :, None, None]
+        row_max = jnp.maximum(row_max, sink)
+    # The shift cancels in the softmax: no gradient through it (nor a NaN from a masked row).
+    shift = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    weights = jnp.exp(scores - shift)
+    denominator = weights.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        denominator = denominator + jnp.exp(sink - shift)
+    probs = weights / jnp.where(denominator > 0, denominator, 1.0)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    return out.astype(q.dtype)
+
+
+def _reference_varlen(q, k, v, sinks, lengths_q, lengths_k, **options):
+    """_reference_attention over each sequence of a packed batch (``lengths_q`` and
+    ``lengths_k`` on the host), its rows packed back."""
+    import jax.numpy as jnp
+
+    starts_q, starts_k = _cu_seqlens(lengths_q), _cu_seqlens(lengths_k)
+    rows = [_reference_attention(q[None, starts_q[b]:starts_q[b + 1]],
+                                 k[None, starts_k[b]:starts_k[b + 1]],
+                                 v[None, starts_k[b]:starts_k[b + 1]], sinks, **options)[0]
+            for b in range(len(lengths_q)) if lengths_q[b]]
+    return jnp.concatenate(rows)
+
+
+def _value_and_grads(attend, inputs, dout, precision="default"):
+    """attend(*inputs) and the gradients of sum(out * dout) in every input, under jax.jit, with
     float32 matmuls at ``precision`` (jax_default_matmul_precision)."""
     import jax
     import jax.numpy as jnp
 
-    def loss(q, k, v):
-        out = attend(q, k, v)
+    def loss(*inputs):
+        out = attend(*inputs)
         return jnp.sum(out.astype(jnp.float32) * dout), out
 
-    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
+    step = jax.jit(jax.grad(loss, argnums=tuple(range(len(inputs))), has_aux=True))
     with jax.default_matmul_precision(precision):
-        grads, out = step(q, k, v)
+        grads, out = step(*inputs)
     return (out, *grads)
 
 
-def _assert_matches_fp32(q, k, v, dout, *, causal, softmax_scale=None, deterministic=False):
+def _assert_close_to_fp32(ours, reference, inputs, dout):
+    """ours(*inputs) and its gradients (dq, dk, dv, then dsinks where ``inputs`` hold sinks)
+    against ``reference`` on float32 copies at the highest matmul precision, by the rule of the
+    module docstring: the naive error is ``reference``'s on the 16-bit inputs themselves. Returns
+    ours."""
     import jax.numpy as jnp
 
+    dtype = inputs[0].dtype
+    got = _value_and_grads(ours, inputs, dout)
+    naive = _value_and_grads(reference, inputs, dout)
+    fp32 = _value_and_grads(reference, [x.astype(jnp.float32) for x in inputs], dout,
+                            precision="highest")
+    names = ("out", "dq", "dk", "dv", "dsinks")
+    for name, result, like, n, ref in zip(names, got, (inputs[0], *inputs), naive, fp32):
+        assert result.dtype == like.dtype, name
+        assert bool(jnp.isfinite(result).all()), f"{name} has NaN/Inf (or was not written)"
+        noise = float(jnp.abs(ref.astype(dtype).astype(jnp.float32) - ref).max())
+        err = float(jnp.abs(result.astype(jnp.float32) - ref).max())
+        naive_err = float(jnp.abs(n.astype(jnp.float32) - ref).max())
+        assert err <= 2 * naive_err + 2 * noise + 1e-6, (name, err, naive_err, noise)
+    return got
+
+
+def _assert_matches_fp32(q, k, v, dout, *, causal, softmax_scale=None, deterministic=False):
+    """_assert_close_to_fp32 of plain attention, with jax.nn.dot_product_attention as the
+    reference."""
     import ptxattn.jax as pj
 
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    ours = _value_and_grads(
+    return _assert_close_to_fp32(
         lambda q, k, v: pj.attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                     deterministic=deterministic), q, k, v, dout)
-    naive = _value_and_grads(lambda q, k, v: _jax_nn_attention(q, k, v, causal, scale),
-                             q, k, v, dout)
-    fp32 = _value_and_grads(lambda q, k, v: _jax_nn_attention(q, k, v, causal, scale),
-                            *(x.astype(jnp.float32) for x in (q, k, v)), dout,
-                            precision="highest")
-    for name, got, n, ref in zip(("out", "dq", "dk", "dv"), ours, naive, fp32):
-        assert got.dtype == q.dtype, name
-        assert bool(jnp.isfinite(got).all()), f"{name} has NaN/Inf (or was not written)"
-        noise = float(jnp.abs(ref.astype(q.dtype).astype(jnp.float32) - ref).max())
-        err = float(jnp.abs(got.astype(jnp.float32) - ref).max())
-        naive_err = float(jnp.abs(n.astype(jnp.float32) - ref).max())
-        assert err <= 2 * naive_err + 2 * noise + 1e-6, (name, err, naive_err, noise)
-    return ours
+                                     deterministic=deterministic),
+        lambda q, k, v: _jax_nn_attention(q, k, v, causal, scale), (q, k, v), dout)
 
 
 def _random(rng, shape, dtype="bfloat16"):
@@ -620,7 +1045,7 @@ def _check_deterministic_gradients_are_bitwise_reproducible(rng):
     dout = _loss_weights(rng, (2, 1000, 8, 128))
     first = _assert_matches_fp32(q, k, v, dout, causal=True, deterministic=True)
     again = _value_and_grads(lambda q, k, v: pj.attention(q, k, v, causal=True,
-                                                          deterministic=True), q, k, v, dout)
+                                                          deterministic=True), (q, k, v), dout)
     for a, b in zip(first, again):
         assert bool(jnp.all(a.view(jnp.uint16) == b.view(jnp.uint16)))
 
@@ -645,8 +1070,8 @@ def _check_vmap_folds_into_batch(rng):
     def attend(q, k, v):
         return pj.attention(q, k, v, causal=True, deterministic=True)
 
-    vmapped = _value_and_grads(jax.vmap(attend), q, k, v, dout)
-    flat = _value_and_grads(attend, *(x.reshape(6, *x.shape[2:]) for x in (q, k, v)),
+    vmapped = _value_and_grads(jax.vmap(attend), (q, k, v), dout)
+    flat = _value_and_grads(attend, [x.reshape(6, *x.shape[2:]) for x in (q, k, v)],
                             dout.reshape(6, *dout.shape[2:]))
     for a, b in zip(vmapped, flat):
         assert bool(jnp.all(a.reshape(b.shape).view(jnp.uint16) == b.view(jnp.uint16)))
@@ -655,3 +1080,209 @@ def _check_vmap_folds_into_batch(rng):
 @pytest.mark.gpu
 def test_vmap_folds_into_batch(rng):
     _run_in_child(_check_vmap_folds_into_batch, rng)
+
+
+@requires_jax
+def test_reference_attention_matches_jax_nn_with_the_sinks_as_one_more_key(rng):
+    """The reference of the GPU tests against jax.nn.dot_product_attention, float32 at the
+    highest precision (on any device): the window as jax.nn's mask, each head's sink as one more
+    key of value 0 whose logit is the sink (a bias). With 12 queries over 9 keys, causal, the
+    first 3 rows see only the sink. Values and gradients, dsinks included, agree."""
+    import jax
+    import jax.numpy as jnp
+
+    q = _random(rng, (2, 12, 4, 16), "float32")
+    k = _random(rng, (2, 9, 2, 16), "float32")
+    v = _random(rng, (2, 9, 2, 16), "float32")
+    sinks = _sink_logits(rng, 4)
+    dout = _loss_weights(rng, q.shape, "float32")
+    options = {"causal": True, "window": (4, 0), "softmax_scale": 0.3}
+    visible = _visible_keys(12, 9, options["causal"], options["window"])
+
+    def jax_nn(q, k, v, sinks):
+        k, v = (jnp.concatenate([jnp.repeat(x, 2, axis=2), jnp.zeros((2, 1, 4, 16))], axis=1)
+                for x in (k, v))
+        keys_bias = jnp.where(visible, 0.0, -jnp.inf)[None, None]
+        sink_bias = jnp.broadcast_to(sinks[None, :, None, None], (1, 4, 12, 1))
+        bias = jnp.concatenate([jnp.broadcast_to(keys_bias, (1, 4, 12, 9)), sink_bias], axis=-1)
+        return jax.nn.dot_product_attention(q, k, v, bias=bias, scale=options["softmax_scale"],
+                                            implementation="xla")
+
+    ours = _value_and_grads(lambda q, k, v, sinks: _reference_attention(q, k, v, sinks,
+                                                                        **options),
+                            (q, k, v, sinks), dout, precision="highest")
+    theirs = _value_and_grads(jax_nn, (q, k, v, sinks), dout, precision="highest")
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), ours, theirs):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5,
+                                   err_msg=name)
+    assert not np.asarray(ours[0][:, :3]).any()
+
+
+def _sink_logits(rng, heads_q):
+    """float32 sinks from 2 to 5: exp(sink) is then a visible share of a row's denominator
+    (each visible key adds about e^0.5 for these random inputs), so that the sinks and their
+    gradient matter."""
+    import jax.numpy as jnp
+    return jnp.asarray(rng.uniform(2.0, 5.0, heads_q).astype(np.float32))
+
+
+def _attend_and_reference(rng, heads_q, options, deterministic=False):
+    """ptxattn.jax.attention and _reference_attention with ``options`` (``sinks=True``: random
+    sinks, an input of both), and their inputs beyond q, k and v."""
+    import ptxattn.jax as pj
+
+    options = dict(options)
+    with_sinks = options.pop("sinks", False)
+
+    def attend(q, k, v, sinks=None):
+        return pj.attention(q, k, v, sinks=sinks, deterministic=deterministic, **options)
+
+    def reference(q, k, v, sinks=None):
+        return _reference_attention(q, k, v, sinks, **options)
+
+    return attend, reference, (_sink_logits(rng, heads_q),) if with_sinks else ()
+
+
+FIXED_LENGTH_OPTIONS = [
+    pytest.param({"causal": True, "window": (48, 0)}, id="causal-window"),
+    pytest.param({"window": (40, 24)}, id="two-sided-window"),
+    pytest.param({"causal": True, "softcap": 2.0}, id="softcap"),
+    pytest.param({"sinks": True}, id="sinks"),
+    pytest.param({"causal": True, "window": (64, 0), "softcap": 3.0, "sinks": True}, id="all"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", FIXED_LENGTH_OPTIONS)
+@pytest.mark.parametrize("seqlens", [(160, 230), (200, 150)], ids=lambda p: f"{p[0]}x{p[1]}")
+def test_window_softcap_and_sinks_values_and_gradients(jax_gpu, options, seqlens, rng):
+    """Against FP32 autograd of _reference_attention, dsinks included. With 200 queries over
+    150 keys the first rows see no key when causal or under the two-sided window."""
+    seqlen_q, seqlen_k = seqlens
+    q = _random(rng, (2, seqlen_q, 8, 128))
+    k = _random(rng, (2, seqlen_k, 2, 128))
+    v = _random(rng, (2, seqlen_k, 2, 128))
+    dout = _loss_weights(rng, q.shape)
+    attend, reference, sinks = _attend_and_reference(rng, 8, options)
+    _assert_close_to_fp32(attend, reference, (q, k, v, *sinks), dout)
+
+
+VARLEN_OPTIONS = [
+    pytest.param({"causal": True}, id="causal"),
+    pytest.param({"causal": True, "window": (32, 0), "softcap": 3.0, "sinks": True},
+                 id="causal-window-softcap-sinks"),
+    pytest.param({"window": (16, 8), "sinks": True}, id="two-sided-window-sinks"),
+]
+
+
+def _varlen_attend_and_reference(rng, heads_q, options, deterministic=False):
+    """ptxattn.jax.attention_varlen over the VARLEN_LENGTHS batch and _reference_varlen, with
+    ``options`` as in _attend_and_reference, and their inputs beyond q, k and v."""
+    import jax.numpy as jnp
+
+    import ptxattn.jax as pj
+
+    options = dict(options)
+    with_sinks = options.pop("sinks", False)
+    cu_seqlens_q = jnp.asarray(_cu_seqlens(VARLEN_LENGTHS_Q))
+    cu_seqlens_k = jnp.asarray(_cu_seqlens(VARLEN_LENGTHS_K))
+
+    def attend(q, k, v, sinks=None):
+        return pj.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max(VARLEN_LENGTHS_Q),
+                                   max(VARLEN_LENGTHS_K), sinks=sinks,
+                                   deterministic=deterministic, **options)
+
+    def reference(q, k, v, sinks=None):
+        return _reference_varlen(q, k, v, sinks, VARLEN_LENGTHS_Q, VARLEN_LENGTHS_K, **options)
+
+    return attend, reference, (_sink_logits(rng, heads_q),) if with_sinks else ()
+
+
+def _packed_inputs(rng, heads_q=8, heads_kv=2, head_dim=64):
+    """q, k, v and the loss weights of the VARLEN_LENGTHS batch."""
+    q = _random(rng, (sum(VARLEN_LENGTHS_Q), heads_q, head_dim))
+    k = _random(rng, (sum(VARLEN_LENGTHS_K), heads_kv, head_dim))
+    v = _random(rng, (sum(VARLEN_LENGTHS_K), heads_kv, head_dim))
+    return q, k, v, _loss_weights(rng, q.shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", VARLEN_OPTIONS)
+def test_varlen_values_and_gradients(jax_gpu, options, rng):
+    """An empty, a one-token and a longer sequence, packed: values and gradients against FP32
+    autograd of _reference_attention per sequence."""
+    q, k, v, dout = _packed_inputs(rng)
+    attend, reference, sinks = _varlen_attend_and_reference(rng, 8, options)
+    _assert_close_to_fp32(attend, reference, (q, k, v, *sinks), dout)
+
+
+def _same_bits(a, b) -> bool:
+    return np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def _check_deterministic_gradients_with_window_softcap_and_sinks(rng):
+    """deterministic=True with every option on: gradients (dsinks too) bit-identical from run
+    to run, fixed-length and varlen, and close to FP32."""
+    options = {"causal": True, "window": (96, 0), "softcap": 3.0, "sinks": True}
+    q = _random(rng, (2, 600, 8, 128))
+    k = _random(rng, (2, 600, 2, 128))
+    v = _random(rng, (2, 600, 2, 128))
+    dout = _loss_weights(rng, q.shape)
+    attend, reference, sinks = _attend_and_reference(rng, 8, options, deterministic=True)
+    first = _assert_close_to_fp32(attend, reference, (q, k, v, *sinks), dout)
+    again = _value_and_grads(attend, (q, k, v, *sinks), dout)
+    assert all(_same_bits(a, b) for a, b in zip(first, again))
+
+    q, k, v, dout = _packed_inputs(rng)
+    attend, reference, sinks = _varlen_attend_and_reference(rng, 8, options, deterministic=True)
+    first = _assert_close_to_fp32(attend, reference, (q, k, v, *sinks), dout)
+    again = _value_and_grads(attend, (q, k, v, *sinks), dout)
+    assert all(_same_bits(a, b) for a, b in zip(first, again))
+
+
+@pytest.mark.gpu
+def test_deterministic_gradients_with_window_softcap_and_sinks(rng):
+    _run_in_child(_check_deterministic_gradients_with_window_softcap_and_sinks, rng)
+
+
+def _check_vmap_gives_each_instance_its_sinks_and_packed_batch(rng):
+    """vmap over per-instance sinks, and over packed batches, gives bit for bit what each
+    instance's own call gives, gradients included."""
+    import jax
+    import jax.numpy as jnp
+
+    import ptxattn.jax as pj
+
+    q = _random(rng, (3, 2, 130, 4, 64))
+    k = _random(rng, (3, 2, 170, 2, 64))
+    v = _random(rng, (3, 2, 170, 2, 64))
+    sinks = jnp.stack([_sink_logits(rng, 4) for _ in range(3)])
+    dout = _loss_weights(rng, q.shape)
+
+    def attend(q, k, v, sinks):
+        return pj.attention(q, k, v, causal=True, window=(32, 0), sinks=sinks,
+                            deterministic=True)
+
+    vmapped = _value_and_grads(jax.vmap(attend), (q, k, v, sinks), dout)
+    for i in range(3):
+        single = _value_and_grads(attend, (q[i], k[i], v[i], sinks[i]), dout[i])
+        assert all(_same_bits(a[i], b) for a, b in zip(vmapped, single)), i
+
+    packed = [jnp.stack(x) for x in zip(*(_packed_inputs(rng, 4) for _ in range(2)))]
+    attend_varlen, _, varlen_sinks = _varlen_attend_and_reference(
+        rng, 4, {"causal": True, "sinks": True}, deterministic=True)
+    vmapped = _value_and_grads(jax.vmap(attend_varlen, in_axes=(0, 0, 0, None)),
+                               (*packed[:3], *varlen_sinks), packed[3])
+    singles = [_value_and_grads(attend_varlen, (*(x[i] for x in packed[:3]), *varlen_sinks),
+                                packed[3][i]) for i in range(2)]
+    for i, single in enumerate(singles):
+        for name, a, b in zip(("out", "dq", "dk", "dv"), vmapped, single):
+            assert _same_bits(a[i], b), (name, i)
+    # The sinks, shared by the instances, get the sum of the instances' gradients.
+    np.testing.assert_allclose(np.asarray(vmapped[4]),
+                               np.asarray(singles[0][4] + singles[1][4]), rtol=1e-6)
+
+
+@pytest.mark.gpu
+def test_vmap_gives_each_instance_its_sinks_and_packed_batch(rng):
+    _run_in_child(_check_vmap_gives_each_instance_its_sinks_and_packed_batch, rng)
