@@ -1,7 +1,7 @@
-"""Trains a small model with ptxattn's attention and with the framework's own, from the same seed,
-initial weights and data, and checks that the two loss curves agree to bf16 noise.
+"""Trains a small model with ptxattn's attention and with a reference attention, from the same
+seed, initial weights and data, and checks that the two loss curves agree to bf16 noise.
 
-    python scripts/train_smoke.py --framework torch [--steps 20]
+    python scripts/train_smoke.py --framework torch [--steps 20] [--packed | --gpt-oss]
 
 The model: token embedding, two pre-norm transformer blocks (causal self-attention, 4 heads of
 128, d_model 512, MLP 4x), final norm, unembedding; one fixed batch of 4 x 512 random tokens to
@@ -10,64 +10,118 @@ weights; AdamW; forward and backward under torch.compile(fullgraph=True). Three 
 but for the attention:
 
     ptxattn    ptxattn.torch.attention
-    native     the framework's own (torch: SDPA, FlashAttention or cuDNN on an H100)
+    reference  the framework's own (torch: SDPA, FlashAttention or cuDNN on an H100)
     naive      the same attention in plain bf16 ops (scores and probabilities rounded to bf16)
 
+Two other attentions in the same model, each a flag:
+
+    --packed   each row of the batch holds 2 to 6 documents of random lengths (from the seed),
+               and a token attends causally within its own document only: ptxattn runs
+               ptxattn.torch.attention_varlen over the rows as one packed batch, cu_seqlens at
+               the document boundaries
+    --gpt-oss  gpt-oss's attention: 8 heads of 64, a sliding window of 128 keys (window
+               (127, 0)) on every other layer, and a learned float32 sink logit per head and
+               layer, trained with the rest
+
+SDPA takes no sinks, and a document or window mask only as a dense mask tensor, so for these two
+the reference is the attention in FP32 eager ops, as the tests' reference is: a block-diagonal
+causal mask, or a window mask and the sinks as one more column of the softmax; the naive run is
+the same ops under bf16 autocast.
+
 The threshold: how far two runs drift apart through bf16 rounding alone is measured, not
-guessed. The naive run differs from the native one only by how a straightforward bf16 attention
+guessed. The naive run differs from the reference only by how a straightforward bf16 attention
 rounds, the yardstick the tests hold every kernel to (tests/test_attention.py); so at every step
-ptxattn's loss may be at most twice as far from the native loss as the naive run ever is (the
+ptxattn's loss may be at most twice as far from the reference loss as the naive run ever is (the
 tests' factor 2). A fused kernel rounds less than the naive computation, so ptxattn's curve is
 expected inside that: on a CPU stand-in of this script (exact attention in place of ptxattn's
-kernels, shorter sequences), its largest distance was 0.9-1.3 times the naive run's. bf16's own
-relative precision, 2^-8 of the loss, would be no test at all: the runs agree 10-100 times closer.
+kernels, shorter sequences), its largest distance was 0.9-1.3 times the naive run's (1.0 with
+--packed, 1.1 with --gpt-oss, at full length). bf16's own relative precision, 2^-8 of the loss,
+would be no test at all: the runs agree 10-100 times closer. With sinks the trained sinks are
+held to the same rule: AdamW moves them by about the learning rate a step whatever their
+gradient's size, too little to show in the loss, so a gradient of the wrong sign, or none,
+would pass the loss check alone (on the stand-in, sinks without a gradient did).
 
-Prints the curves side by side; exits 1 if ptxattn's curve is further from the native one than
-allowed at some step, or if training did not lower the loss; 2 where the framework or a GPU is
-missing.
+Prints the curves side by side and the largest distance, also relative to the reference's loss;
+exits 1 if ptxattn's curve (or its trained sinks) is further from the reference than allowed,
+or if training did not lower the loss; 2 where the framework or a GPU is missing.
 
-A framework is a function in FRAMEWORKS returning the three curves; another framework (JAX, say)
-is one more entry with the same model, data and runs.
+A framework is a function in FRAMEWORKS returning the three curves of a ModelSpec; another
+framework (JAX, say) is one more entry with the same models, data and runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+import random
 import sys
 from typing import NamedTuple
 
 # torch.compile imports cProfile, which loads the standard library's `profile`, which this
-# folder's profile.py would shadow: keep this folder off the import path.
+# folder's profile.py would shadow: keep this folder off the import path, and the checkout's
+# package on it.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
 
 DEVICE = "cuda"
 SEED = 0
 VOCAB = 1024
 D_MODEL = 512
-HEADS = 4
-HEAD_DIM = D_MODEL // HEADS
 LAYERS = 2
 BATCH = 4
 SEQLEN = 512
 LEARNING_RATE = 3e-4  # the memorized loss falls steadily over 20 steps, without saturating
+FULL = (-1, -1)  # no window
+
+
+class ModelSpec(NamedTuple):
+    """What a model's attention is."""
+
+    head_dim: int
+    packed: bool  # documents of random lengths back to back in each row, attending apart
+    windows: tuple  # per layer, (left, right) keys around the diagonal; FULL: none
+    sinks: bool  # a learned float32 sink logit per head and layer
+    reference: str  # "sdpa": the framework's fused attention; "fp32": FP32 eager ops
+
+
+MODELS = {
+    "default": ModelSpec(128, packed=False, windows=(FULL,) * LAYERS, sinks=False,
+                         reference="sdpa"),
+    "packed": ModelSpec(128, packed=True, windows=(FULL,) * LAYERS, sinks=False,
+                        reference="fp32"),
+    "gpt-oss": ModelSpec(64, packed=False, sinks=True, reference="fp32",
+                         windows=tuple((127, 0) if layer % 2 == 0 else FULL
+                                       for layer in range(LAYERS))),
+}
 
 
 class LossCurves(NamedTuple):
-    """The per-step losses of three runs identical but for their attention."""
+    """The per-step losses of three runs identical but for their attention, and with sinks
+    each run's trained sinks (every layer's, one list)."""
 
     ptxattn: list[float]
-    native: list[float]
+    reference: list[float]
     naive: list[float]
-    native_name: str  # what the framework's own attention is called, for the table
+    reference_name: str  # what the reference attention is called, for the table
+    sinks: tuple[list[float], list[float], list[float]] | None  # ptxattn, reference, naive
 
 
 class Unavailable(Exception):
     """The framework or a GPU for it is missing."""
 
 
-def torch_curves(steps: int) -> LossCurves:
+def document_lengths(rng: random.Random) -> list[list[int]]:
+    """Per row of the batch, the lengths of its 2 to 6 documents, which fill its SEQLEN tokens."""
+    rows = []
+    for _ in range(BATCH):
+        cuts = sorted(rng.sample(range(1, SEQLEN), rng.randint(1, 5)))
+        rows.append([end - start for start, end in zip([0, *cuts], [*cuts, SEQLEN])])
+    return rows
+
+
+def torch_curves(steps: int, spec: ModelSpec) -> LossCurves:
     try:
         import torch
     except ImportError as error:
@@ -78,45 +132,85 @@ def torch_curves(steps: int) -> LossCurves:
 
     import ptxattn.torch
 
-    # All three take and return (batch, seqlen, heads, head_dim).
-    def ptxattn_attention(q, k, v):
-        return ptxattn.torch.attention(q, k, v, causal=True)
+    heads = D_MODEL // spec.head_dim
+    # the packed model's documents, each row's back to back
+    lengths = [n for row in document_lengths(random.Random(SEED)) for n in row]
+    longest = max(lengths)
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32,
+                              device=DEVICE)
+    document = torch.arange(len(lengths), device=DEVICE).repeat_interleave(
+        torch.tensor(lengths, device=DEVICE)).view(BATCH, SEQLEN)
 
-    def sdpa_attention(q, k, v):
+    def visible(window):
+        """The (query, key) pairs a layer attends, broadcast over batch and heads."""
+        query = torch.arange(SEQLEN, device=DEVICE)[:, None]
+        key = torch.arange(SEQLEN, device=DEVICE)[None, :]
+        seen = key <= query
+        if window[0] >= 0:
+            seen = seen & (key >= query - window[0])
+        if spec.packed:
+            seen = seen & (document[:, :, None] == document[:, None, :])
+        return seen.unsqueeze(-3)
+
+    masks = {window: visible(window) for window in set(spec.windows)}
+
+    # All take and return (batch, seqlen, heads, head_dim), sinks float32 (heads,) or None.
+    def ptxattn_attention(q, k, v, window, sinks):
+        if not spec.packed:
+            return ptxattn.torch.attention(q, k, v, causal=True, window=window, sinks=sinks)
+        # the rows back to back are one sequence per document
+        packed = (x.flatten(0, 1) for x in (q, k, v))
+        return ptxattn.torch.attention_varlen(
+            *packed, cu_seqlens, cu_seqlens, longest, longest, causal=True,
+            window=window, sinks=sinks).view(q.shape)
+
+    def sdpa_attention(q, k, v, window, sinks):  # the default model's: no window, no sinks
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
         return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
 
-    def naive_attention(q, k, v):
+    def naive_attention(q, k, v, window, sinks):
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-        scores = (q @ k.transpose(-2, -1)) * HEAD_DIM ** -0.5  # bf16 under autocast
-        hidden = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        scores = (q @ k.transpose(-2, -1)) * spec.head_dim ** -0.5  # bf16 under autocast
+        scores = scores.masked_fill(~masks[window], float("-inf"))
         # autocast runs softmax in FP32; the product with v rounds the probabilities to bf16
-        probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
+        if sinks is None:
+            probs = scores.softmax(dim=-1)
+        else:  # a sink is one more logit in every row's softmax, attending to nothing
+            sink_logits = sinks[:, None, None].expand(*scores.shape[:-1], 1)
+            probs = torch.cat([scores, sink_logits], dim=-1).softmax(dim=-1)[..., :-1]
         return (probs @ v).transpose(1, 2)
 
+    def fp32_attention(q, k, v, window, sinks):
+        with torch.autocast(DEVICE, enabled=False):  # the naive ops, nothing rounded to bf16
+            return naive_attention(q.float(), k.float(), v.float(), window, sinks)
+
     class Block(torch.nn.Module):
-        def __init__(self, attention):
+        def __init__(self, attention, window):
             super().__init__()
             self.attention = attention
+            self.window = window
             self.attention_norm = torch.nn.LayerNorm(D_MODEL)
             self.qkv = torch.nn.Linear(D_MODEL, 3 * D_MODEL, bias=False)
             self.out = torch.nn.Linear(D_MODEL, D_MODEL, bias=False)
             self.mlp_norm = torch.nn.LayerNorm(D_MODEL)
             self.mlp = torch.nn.Sequential(torch.nn.Linear(D_MODEL, 4 * D_MODEL), torch.nn.GELU(),
                                            torch.nn.Linear(4 * D_MODEL, D_MODEL))
+            # created last and from zeros: every model draws the same initial weights above
+            self.sinks = torch.nn.Parameter(torch.zeros(heads)) if spec.sinks else None
 
         def forward(self, x):
             batch, seqlen, _ = x.shape
-            qkv = self.qkv(self.attention_norm(x)).view(batch, seqlen, 3, HEADS, HEAD_DIM)
-            attended = self.attention(*qkv.unbind(2)).reshape(batch, seqlen, D_MODEL)
-            x = x + self.out(attended)
+            qkv = self.qkv(self.attention_norm(x)).view(batch, seqlen, 3, heads, spec.head_dim)
+            attended = self.attention(*qkv.unbind(2), self.window, self.sinks)
+            x = x + self.out(attended.reshape(batch, seqlen, D_MODEL))
             return x + self.mlp(self.mlp_norm(x))
 
     class Model(torch.nn.Module):
         def __init__(self, attention):
             super().__init__()
             self.embedding = torch.nn.Embedding(VOCAB, D_MODEL)
-            self.blocks = torch.nn.ModuleList(Block(attention) for _ in range(LAYERS))
+            self.blocks = torch.nn.ModuleList(Block(attention, window)
+                                              for window in spec.windows)
             self.norm = torch.nn.LayerNorm(D_MODEL)
             self.unembedding = torch.nn.Linear(D_MODEL, VOCAB, bias=False)
 
@@ -130,7 +224,7 @@ def torch_curves(steps: int) -> LossCurves:
     tokens = torch.randint(VOCAB, (BATCH, SEQLEN + 1), device=DEVICE, generator=generator)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
 
-    def train(attention) -> list[float]:
+    def train(attention) -> tuple[list[float], list[float] | None]:
         torch.manual_seed(SEED)  # the same initial weights for every run
         model = Model(attention).to(DEVICE)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
@@ -148,45 +242,71 @@ def torch_curves(steps: int) -> LossCurves:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
-        return losses
+        sinks = [s for block in model.blocks for s in block.sinks.tolist()] if spec.sinks else None
+        return losses, sinks
 
-    return LossCurves(train(ptxattn_attention), train(sdpa_attention), train(naive_attention),
-                      "sdpa")
+    reference = {"sdpa": sdpa_attention, "fp32": fp32_attention}[spec.reference]
+    (ours, our_sinks), (theirs, their_sinks), (naive, naive_sinks) = (
+        train(attention) for attention in (ptxattn_attention, reference, naive_attention))
+    return LossCurves(ours, theirs, naive, spec.reference,
+                      (our_sinks, their_sinks, naive_sinks) if spec.sinks else None)
 
 
 FRAMEWORKS = {"torch": torch_curves}
 
 
+def drift(ours: list[float], reference: list[float], naive: list[float]):
+    """|ours - reference| elementwise, and what it may reach: 2 x max |naive - reference|."""
+    distances = [abs(a - b) for a, b in zip(ours, reference)]
+    return distances, 2 * max(abs(a - b) for a, b in zip(naive, reference))
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--framework", choices=sorted(FRAMEWORKS), required=True)
     parser.add_argument("--steps", type=int, default=20)
+    models = parser.add_mutually_exclusive_group()
+    models.add_argument("--packed", action="store_true",
+                        help="documents of random lengths packed into rows, attention per "
+                             "document (ptxattn.torch.attention_varlen)")
+    models.add_argument("--gpt-oss", action="store_true",
+                        help="head_dim 64, a sliding window on every other layer, learned sinks")
     args = parser.parse_args()
+    spec = MODELS["packed" if args.packed else "gpt-oss" if args.gpt_oss else "default"]
     try:
-        curves = FRAMEWORKS[args.framework](args.steps)
+        curves = FRAMEWORKS[args.framework](args.steps, spec)
     except Unavailable as reason:
         print(f"train_smoke: {reason}", file=sys.stderr)
         return 2
 
-    native = curves.native_name
-    naive_distance = max(abs(a - b) for a, b in zip(curves.naive, curves.native))
-    allowed = 2 * naive_distance
-    print(f"{'step':>4} {'ptxattn':>10} {native:>10} {'naive bf16':>10} "
-          f"{'|ptxattn-' + native + '|':>16} {'|naive-' + native + '|':>14}")
-    for step, losses in enumerate(zip(curves.ptxattn, curves.native, curves.naive)):
+    ref = curves.reference_name
+    distances, allowed = drift(curves.ptxattn, curves.reference, curves.naive)
+    print(f"{'step':>4} {'ptxattn':>10} {ref:>10} {'naive bf16':>10} "
+          f"{'|ptxattn-' + ref + '|':>16} {'|naive-' + ref + '|':>14}")
+    for step, losses in enumerate(zip(curves.ptxattn, curves.reference, curves.naive)):
         ours, theirs, naive = losses
         print(f"{step:>4} {ours:>10.5f} {theirs:>10.5f} {naive:>10.5f} "
               f"{abs(ours - theirs):>16.2e} {abs(naive - theirs):>14.2e}")
-    distances = [abs(a - b) for a, b in zip(curves.ptxattn, curves.native)]
     exceeded = [step for step, distance in enumerate(distances) if distance > allowed]
-    print(f"max |ptxattn - {native}| = {max(distances):.3e}; allowed {allowed:.3e} "
-          f"(2 x max |naive bf16 - {native}|)")
-    if curves.native[-1] >= curves.native[0]:
-        print("FAIL: the loss did not fall, so the curves compare nothing")
-        return 1
+    relative = max(d / abs(loss) for d, loss in zip(distances, curves.reference))
+    print(f"max |ptxattn - {ref}| = {max(distances):.3e} (relative {relative:.3e}); allowed "
+          f"{allowed:.3e} (2 x max |naive bf16 - {ref}|)")
+    failures = []
+    if curves.sinks:
+        sink_distances, sinks_allowed = drift(*curves.sinks)
+        print(f"trained sinks: max |ptxattn - {ref}| = {max(sink_distances):.3e}; allowed "
+              f"{sinks_allowed:.3e}; the furthest a {ref} sink moved from 0: "
+              f"{max(abs(s) for s in curves.sinks[1]):.3e}")
+        if max(sink_distances) > sinks_allowed:
+            failures.append(f"ptxattn's trained sinks are further from {ref}'s than bf16 noise")
+    if curves.reference[-1] >= curves.reference[0]:
+        failures.append("the loss did not fall, so the curves compare nothing")
     if exceeded:
-        print(f"FAIL: ptxattn's loss is further from {native}'s than bf16 noise at steps "
-              f"{exceeded}")
+        failures.append(f"ptxattn's loss is further from {ref}'s than bf16 noise at steps "
+                        f"{exceeded}")
+    for failure in failures:
+        print(f"FAIL: {failure}")
+    if failures:
         return 1
     print("OK: the loss curves agree to bf16 noise")
     return 0

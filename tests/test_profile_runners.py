@@ -1,5 +1,9 @@
 """The profiler's runners, read from the dispatch table (no GPU): one per 16-bit backend that
-runs on the arch, with that backend's head dims."""
+runs on the arch, with that backend's head dims; and the pure parts of --backward-features: the
+(query, key) pairs a mask lets through, the mixed-length draw, a row's line, the refusal of two
+runs at once."""
+
+import pytest
 
 from ptxattn.tools import profile
 
@@ -9,3 +13,55 @@ def test_each_16_bit_backend_that_runs_on_the_arch_has_a_runner():
     assert sorted(profile.ptxattn_runners("sm_80")) == ["ptxattn-portable"]
     head_dims, max_seqlen, _ = profile.ptxattn_runners("sm_90a")["ptxattn-hopper"]
     assert head_dims == (64, 128, 256) and max_seqlen is None
+
+
+def test_visible_pairs_counts_each_query_row_s_keys():
+    assert profile.visible_pairs(2048, 2048, False) == 2048 * 2048
+    assert profile.visible_pairs(2048, 2048, True) == 2048 * 2049 // 2  # the diagonal included
+    # bottom-right aligned: 4 queries over 6 keys see 3, 4, 5 and 6 keys
+    assert profile.visible_pairs(4, 6, True) == 3 + 4 + 5 + 6
+    # a causal window (4096, 0): query i sees min(i, 4096) + 1 keys
+    seqlen, left = 32768, 4096
+    assert profile.visible_pairs(seqlen, seqlen, True, (left, 0)) == (
+        left * (left + 1) // 2 + (seqlen - left) * (left + 1)) == 125_859_840
+    # (2, 1) without the mask: 4 keys a row, cut at both ends
+    assert profile.visible_pairs(8, 8, False, (2, 1)) == 8 * 4 - (2 + 1) - 1
+
+
+def test_varlen_pairs_sum_the_sequences_pairs():
+    assert profile.varlen_pairs([2048] * 8, True) == 8 * profile.visible_pairs(2048, 2048, True)
+    assert profile.varlen_pairs([3, 5], False) == 9 + 25
+    assert profile.varlen_pairs([3, 5], True, (1, 0)) == (1 + 2 + 2) + (1 + 2 + 2 + 2 + 2)
+
+
+def test_mixed_lengths_lie_in_range_sum_to_about_the_total_and_repeat_with_the_seed():
+    lengths = profile.mixed_lengths(16384, 128, 8192)
+    assert all(128 <= n <= 8192 for n in lengths)
+    assert 16384 - 128 < sum(lengths) <= 16384
+    assert lengths == profile.mixed_lengths(16384, 128, 8192, seed=0)
+    assert lengths != profile.mixed_lengths(16384, 128, 8192, seed=1)
+    # a mix: short and long sequences both
+    assert min(lengths) < 512 and max(lengths) > 2048
+    assert profile.mixed_lengths(100, 128, 8192) == []
+
+
+def test_a_feature_line_gives_each_call_s_tflops_and_its_time_over_the_plain_call_s():
+    flops = 2e12  # forward: the backward does 2.5 times as much, 5e12 in 10 ms is 500 TFLOP/s
+    ms = {"plain": 10.0, "softcap 50": 12.5}
+    line = profile.feature_line("4 x 4096 causal", ms, {"plain": flops, "softcap 50": flops},
+                                "plain")
+    assert line == ("4 x 4096 causal: plain 500.0 (10.000 ms), softcap 50 400.0 (12.500 ms); "
+                    "time / plain's: softcap 50 1.250")
+    # the plain call failed: no ratios
+    assert profile.feature_line("x", {"sinks": 10.0}, {"sinks": flops}, "plain") == (
+        "x: sinks 500.0 (10.000 ms)")
+    assert profile.feature_line("x", {}, {"sinks": flops}, "plain") == "x: no call ran"
+
+
+def test_two_runs_at_once_are_refused_before_any_timing(capsys):
+    with pytest.raises(SystemExit):
+        profile.main(["--backward", "--backward-features"])
+    assert "--backward and --backward-features are runs of their own" in capsys.readouterr().err
+    for option in (["--energy"], ["--plot", "x.png"], ["--grid", "targets"]):
+        with pytest.raises(SystemExit):
+            profile.main(["--backward-features", *option])

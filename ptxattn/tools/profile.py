@@ -3,6 +3,7 @@
     python -m ptxattn profile [--quick] [--csv FILE] [--json FILE] [--plot FILE.png]
     python -m ptxattn profile --grid targets [--dtype float16] --slow-max-seqlen 0 [--energy]
     python -m ptxattn profile --backward [--quick] [--json FILE] [--plot FILE.png]
+    python -m ptxattn profile --backward-features [--quick] [--json FILE]
     python -m ptxattn profile --serving [--repeats N]
 
 (in a checkout also ``python scripts/profile.py [options]``). It needs a GPU: without one it
@@ -25,6 +26,17 @@ times the forward's FLOPs over the time. Peers: torch SDPA's FlashAttention-2 an
 (torch.autograd.grad of one recorded forward), and FlashAttention-3's backward through the
 flash-attn3-jax wheel (flash_mha under jax.vjp, head_dim 128) when it imports. It also reports
 the extra memory ptxattn's backward allocates (its workspace).
+
+--backward-features times the backward of calls with a feature beside the plain call each
+stands for, ptxattn alone (torch SDPA has no varlen, window, softcap or sinks argument), bf16 by
+default, 16 heads of 128: a varlen batch of 8 x 2048 against the fixed-length 8 x 2048 on the
+same memory and a varlen batch of mixed lengths (mixed_lengths: 128 to 8192 summing to about 16k
+tokens), each causal and not; a causal window (4096, 0) over seqlen 32768 against the whole
+causal sequence, with the window's share of the causal pairs beside its share of the time; a
+softcap of 50 and sinks, each against the call without, causal, at seqlens 4096 and 8192 (batch
+x seqlen = 16k). Each row prints TFLOP/s = 2.5 x the forward's FLOPs over the (query, key) pairs
+the call computes (visible_pairs; fixed-length rows without a window as above), the
+milliseconds, and each call's time over the plain call's.
 
 --energy adds, for the forward rows, each compared runner's energy per call (ptxattn-hopper,
 ptxattn-fp8-head and their peers): after the timing, each runs alone for --energy-window seconds
@@ -510,6 +522,167 @@ def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window=(-1, -1)) -
     return int(np.maximum(stop - start, 0).sum())
 
 
+def varlen_pairs(lengths, causal: bool, window=(-1, -1)) -> int:
+    """visible_pairs summed over a varlen batch of sequences of ``lengths`` (self-attention)."""
+    return sum(visible_pairs(n, n, causal, window) for n in lengths)
+
+
+def mixed_lengths(total_tokens: int, shortest: int, longest: int, seed: int = 0) -> list[int]:
+    """Sequence lengths from ``shortest`` to ``longest``, drawn log-uniformly (short and long
+    sequences alike: a uniform draw would give mostly long ones), each at most what is left of
+    ``total_tokens``, until less than ``shortest`` is left: they sum to within ``shortest`` of
+    it. The same ``seed`` draws the same lengths on any machine (Python's own generator)."""
+    import math
+    import random
+
+    draw = random.Random(seed)
+    lengths: list[int] = []
+    while (left := total_tokens - sum(lengths)) >= shortest:
+        top = min(longest, left)
+        lengths.append(round(math.exp(draw.uniform(math.log(shortest), math.log(top)))))
+    return lengths
+
+
+def feature_line(title: str, ms: dict, forward_flops: dict, baseline: str) -> str:
+    """One --backward-features row: each call's backward TFLOP/s (2.5 x its forward FLOPs) and
+    milliseconds, then each other call's time over ``baseline``'s where that ran."""
+    cells = ", ".join(f"{name} {2.5 * forward_flops[name] / t / 1e9:.1f} ({t:.3f} ms)"
+                      for name, t in ms.items())
+    ratios = ", ".join(f"{name} {t / ms[baseline]:.3f}" for name, t in ms.items()
+                       if name != baseline and baseline in ms)
+    return f"{title}: {cells or 'no call ran'}" + (f"; time / {baseline}'s: {ratios}"
+                                                   if ratios else "")
+
+
+def backward_features_main(args) -> int:
+    """The backward of varlen, sliding-window, softcap and sinks calls, each beside the plain
+    call it stands for, in TFLOP/s over the (query, key) pairs it computes."""
+    import itertools
+
+    import cupy
+    import ptxattn
+    from ptxattn.runtime import device_arch
+
+    arch = device_arch()
+    repeats = args.repeats or (5 if args.quick else 10)
+    props = device_props()
+    print(f"# {device_line(props, arch)}, dtype {args.dtype}, backward features, "
+          f"median of {repeats} runs")
+    print("# backward TFLOP/s = 2.5 x 4 x heads x head_dim x the visible (query, key) pairs / "
+          "time; fixed-length rows without a window: 4 x B x H x S^2 x D, halved for causal")
+    heads, head_dim = 16, 128
+    rng = cupy.random.default_rng(0)
+    results = []
+
+    def normal(shape):
+        return rng.standard_normal(shape, dtype=cupy.float32).astype(args.dtype)
+
+    def pair_flops(pairs):
+        return 4.0 * pairs * heads * head_dim
+
+    def measure(title: str, calls: dict, baseline: str, **extra) -> dict:
+        """Times name -> (backward call, its forward FLOPs) in shuffled turns, prints the row;
+        a call that fails (a feature this GPU or build lacks) is reported and left out."""
+        runnable = {}
+        for name, (call, _) in calls.items():
+            try:
+                call()  # compiles, warms
+                runnable[name] = call
+            except Exception as err:  # noqa: BLE001 - reported, the row goes on without it
+                print(f"  ({title}: {name} failed: {type(err).__name__}: {str(err)[-160:]})")
+        ms = time_ms_interleaved(runnable, warmup=2, repeats=repeats) if runnable else {}
+        forward_flops = {name: work for name, (_, work) in calls.items()}
+        print(f"  {feature_line(title, ms, forward_flops, baseline)}")
+        results.append(dict(row=title, ms=ms, **extra, backward={
+            name: 2.5 * forward_flops[name] / t / 1e9 for name, t in ms.items()}))
+        return ms
+
+    def varlen_beside_fixed(causal: bool):
+        """8 sequences of 2048 as a varlen batch, on the memory of the fixed-length batch."""
+        batch, seqlen = 8, 2048
+        q, k, v, dout = (normal((batch, seqlen, heads, head_dim)) for _ in range(4))
+        packed = [x.reshape(batch * seqlen, heads, head_dim) for x in (q, k, v, dout)]
+        cu = cupy.arange(0, batch * seqlen + 1, seqlen, dtype=cupy.int32)
+        out, lse = ptxattn.attention(q, k, v, causal=causal, return_lse=True)
+        varlen_out, varlen_lse = ptxattn.attention_varlen(*packed[:3], cu, cu, seqlen, seqlen,
+                                                          causal=causal, return_lse=True)
+        fixed = functools.partial(ptxattn.attention_backward, dout, q, k, v, out, lse,
+                                  causal=causal)
+        varlen = functools.partial(ptxattn.attention_varlen_backward, packed[3], *packed[:3],
+                                   varlen_out, varlen_lse, cu, cu, seqlen, seqlen,
+                                   causal=causal, check_contents=False)
+        measure(f"{batch} x {seqlen}{' causal' if causal else ''}", {
+            "fixed": (fixed, attention_flops(batch, heads, seqlen, seqlen, head_dim, causal)),
+            "varlen": (varlen, pair_flops(batch * visible_pairs(seqlen, seqlen, causal)))},
+            "fixed")
+
+    def mixed_varlen(lengths, causal: bool):
+        total, longest = sum(lengths), max(lengths)
+        q, k, v, dout = (normal((total, heads, head_dim)) for _ in range(4))
+        cu = cupy.asarray([0, *itertools.accumulate(lengths)], dtype=cupy.int32)
+        out, lse = ptxattn.attention_varlen(q, k, v, cu, cu, longest, longest, causal=causal,
+                                            return_lse=True)
+        backward = functools.partial(ptxattn.attention_varlen_backward, dout, q, k, v, out,
+                                     lse, cu, cu, longest, longest, causal=causal,
+                                     check_contents=False)
+        measure(f"{len(lengths)} sequences, {total} tokens{' causal' if causal else ''}",
+                {"varlen": (backward, pair_flops(varlen_pairs(lengths, causal)))}, "varlen",
+                lengths=lengths)
+
+    def window_beside_causal(seqlen: int, window):
+        q, k, v, dout = (normal((1, seqlen, heads, head_dim)) for _ in range(4))
+        out, lse = ptxattn.attention(q, k, v, causal=True, return_lse=True)
+        window_out, window_lse = ptxattn.attention(q, k, v, causal=True, window=window,
+                                                   return_lse=True)
+        share = (visible_pairs(seqlen, seqlen, True, window)
+                 / visible_pairs(seqlen, seqlen, True))
+        name = f"window {window}"
+        whole = functools.partial(ptxattn.attention_backward, dout, q, k, v, out, lse,
+                                  causal=True)
+        windowed = functools.partial(ptxattn.attention_backward, dout, q, k, v, window_out,
+                                     window_lse, causal=True, window=window)
+        ms = measure(f"1 x {seqlen} causal", {
+            "causal": (whole, attention_flops(1, heads, seqlen, seqlen, head_dim, True)),
+            name: (windowed, pair_flops(visible_pairs(seqlen, seqlen, True, window)))},
+            "causal", visible_pairs_share=share)
+        if len(ms) == 2:
+            time_share = ms[name] / ms["causal"]
+            print(f"    {name} sees {share:.4f} of the causal pairs and takes {time_share:.4f} "
+                  f"of the causal time: {time_share / share:.3f}x its share")
+
+    def softcap_and_sinks(seqlen: int):
+        batch = 16384 // seqlen
+        q, k, v, dout = (normal((batch, seqlen, heads, head_dim)) for _ in range(4))
+        options = {"plain": {}, "softcap 50": dict(softcap=50.0),
+                   "sinks": dict(sinks=rng.standard_normal(heads, dtype=cupy.float32))}
+        work = attention_flops(batch, heads, seqlen, seqlen, head_dim, True)
+        calls = {}
+        for name, option in options.items():
+            out, lse = ptxattn.attention(q, k, v, causal=True, return_lse=True, **option)
+            calls[name] = (functools.partial(ptxattn.attention_backward, dout, q, k, v, out,
+                                             lse, causal=True, **option), work)
+        measure(f"{batch} x {seqlen} causal", calls, "plain")
+
+    print(f"varlen against the fixed-length batch on the same memory, {heads} heads, "
+          f"head_dim {head_dim}")
+    for causal in (False, True):
+        varlen_beside_fixed(causal)
+    lengths = mixed_lengths(16384, 128, 8192)
+    print(f"varlen, mixed lengths (128 to 8192, log-uniform, seed 0): {lengths}")
+    for causal in (False, True):
+        mixed_varlen(lengths, causal)
+    print(f"sliding window against the whole causal sequence, {heads} heads, head_dim {head_dim}")
+    window_beside_causal(32768, (4096, 0))
+    print(f"softcap and sinks against the plain call, {heads} heads, head_dim {head_dim}")
+    for seqlen in (4096, 8192):
+        softcap_and_sinks(seqlen)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": props["name"].decode(), "arch": arch, "nvrtc": nvrtc_text(),
+                       "dtype": args.dtype, "unit": "TFLOP/s", "results": results}, f, indent=1)
+    return 0
+
+
 def serving_main(args) -> int:
     """Decode in GB/s of K/V read beside the copy bandwidth, paged against contiguous caches,
     varlen against fixed-length prefill, chunked prefill and a sliding window, in TFLOP/s."""
@@ -701,6 +874,9 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="a few shapes, fewer repeats")
     parser.add_argument("--backward", action="store_true",
                         help="the backward pass and forward + backward instead of the forward")
+    parser.add_argument("--backward-features", action="store_true",
+                        help="the backward of varlen, sliding-window, softcap and sinks calls "
+                             "beside the plain call each stands for")
     parser.add_argument("--serving", action="store_true",
                         help="decode (GB/s), paged, varlen, chunked and sliding-window prefill")
     parser.add_argument("--shapes", help="with --backward: head_dim x seqlen pairs to run, "
@@ -724,17 +900,24 @@ def main(argv=None) -> int:
     parser.add_argument("--energy-window", type=float, default=2.0, metavar="SECONDS",
                         help="with --energy: how long each runner runs alone per sample")
     args = parser.parse_args(argv)
-    if args.energy and (args.backward or args.serving):
-        parser.error("--energy measures the forward rows: not with --backward or --serving")
+    modes = [mode for mode, chosen in (("--backward", args.backward),
+                                       ("--backward-features", args.backward_features),
+                                       ("--serving", args.serving)) if chosen]
+    if len(modes) > 1:
+        parser.error(f"{' and '.join(modes)} are runs of their own: one at a time")
+    if args.energy and modes:
+        parser.error("--energy measures the forward rows: not with --backward, "
+                     "--backward-features or --serving")
     if args.energy and args.energy_window < 0.5:
         parser.error("--energy-window must be at least 0.5 s: NVML's counter moves in steps of "
                      "tens of milliseconds")
-    if args.grid != "sweep" and (args.backward or args.serving or args.quick):
+    if args.grid != "sweep" and (modes or args.quick):
         parser.error("--grid targets is a forward grid of its own: not with --backward, "
-                     "--serving or --quick")
+                     "--backward-features, --serving or --quick")
     if args.plot:
-        if args.serving:
-            parser.error("--plot draws the forward or --backward sweep, not --serving")
+        if args.serving or args.backward_features:
+            parser.error("--plot draws the forward or --backward sweep, not --serving or "
+                         "--backward-features")
         try:
             import matplotlib  # noqa: F401
         except ImportError:
@@ -751,6 +934,8 @@ def main(argv=None) -> int:
     import cupy
     if args.backward:
         return backward_main(args)
+    if args.backward_features:
+        return backward_features_main(args)
     if args.serving:
         return serving_main(args)
 
