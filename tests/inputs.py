@@ -44,3 +44,42 @@ def assert_within_naive_error(out, lse, ref, ref_lse, naive, naive_lse, dtype):
     lse_err = float(cupy.abs(cupy.where(visible, lse - ref_lse, 0)).max())
     naive_lse_err = float(cupy.abs(cupy.where(visible, naive_lse - ref_lse, 0)).max())
     assert lse_err <= 2 * naive_lse_err + 1e-4, (lse_err, naive_lse_err)
+
+
+def backward_backend(backend: str, head_dim: int) -> str:
+    """``backend`` if its backward runs on this GPU at ``head_dim``; skips the test otherwise."""
+    import pytest
+    from ptxattn import dispatch
+    from ptxattn.runtime import device_arch
+
+    routes = [route for route in dispatch.TABLE if route.backend == backend
+              and route.call == "backward"]
+    if device_arch() not in routes[0].archs:
+        pytest.skip(f"backend {backend} does not run on {device_arch()}")
+    dims = {d for route in routes for d in route.head_dims}
+    if head_dim not in dims:
+        pytest.skip(f"backend {backend} has no backward at head_dim {head_dim}")
+    return backend
+
+
+def normal(shape, dtype, rng, scale=1.0):
+    """A CuPy array of standard normal values times ``scale``, in ``dtype``."""
+    import cupy
+    import numpy as np
+    return cupy.asarray(rng.standard_normal(shape, dtype=np.float32) * scale).astype(dtype)
+
+
+def assert_matches_finite_differences(loss, args, grads, names, eps=1e-6):
+    """Each of ``grads`` (CuPy arrays) against central differences of ``loss`` (a float of the
+    float64 NumPy ``args``) at every element of its argument."""
+    import cupy
+    import numpy as np
+    for index, (arg, grad) in enumerate(zip(args, grads)):
+        numeric = np.zeros_like(arg)
+        for pos in np.ndindex(arg.shape):
+            plus, minus = [a.copy() for a in args], [a.copy() for a in args]
+            plus[index][pos] += eps
+            minus[index][pos] -= eps
+            numeric[pos] = (loss(*plus) - loss(*minus)) / (2 * eps)
+        np.testing.assert_allclose(cupy.asnumpy(grad), numeric, rtol=1e-4, atol=1e-4,
+                                   err_msg=names[index])

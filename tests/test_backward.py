@@ -10,28 +10,11 @@ differences.
 import numpy as np
 import pytest
 
+from inputs import assert_matches_finite_differences, backward_backend, normal
+
 pytestmark = pytest.mark.gpu
 
 BACKENDS = ("portable", "hopper")
-
-
-def _backend(backend, head_dim):
-    from ptxattn import dispatch
-    from ptxattn.runtime import device_arch
-
-    routes = [route for route in dispatch.TABLE if route.backend == backend
-              and route.call == "backward"]
-    if device_arch() not in routes[0].archs:
-        pytest.skip(f"backend {backend} does not run on {device_arch()}")
-    dims = {d for route in routes for d in route.head_dims}
-    if head_dim not in dims:
-        pytest.skip(f"backend {backend} has no backward at head_dim {head_dim}")
-    return backend
-
-
-def _random(shape, dtype, rng, scale=1.0):
-    import cupy
-    return cupy.asarray(rng.standard_normal(shape, dtype=np.float32) * scale).astype(dtype)
 
 
 def _gradients(dout, q, k, v, *, causal, backend, softmax_scale=None, deterministic=False,
@@ -68,12 +51,12 @@ def _assert_close(grads, dout, q, k, v, *, causal, softmax_scale=None):
 @pytest.mark.parametrize("seqlens", [(1, 1), (17, 17), (129, 129), (1000, 1000), (17, 1000),
                                      (1000, 17), (129, 300)], ids=lambda p: f"{p[0]}x{p[1]}")
 def test_matches_fp32_reference(backend, causal, head_dim, seqlens, rng):
-    backend = _backend(backend, head_dim)
+    backend = backward_backend(backend, head_dim)
     seqlen_q, seqlen_k = seqlens
-    q = _random((2, seqlen_q, 4, head_dim), "bfloat16", rng)
-    k = _random((2, seqlen_k, 4, head_dim), "bfloat16", rng)
-    v = _random((2, seqlen_k, 4, head_dim), "bfloat16", rng)
-    dout = _random((2, seqlen_q, 4, head_dim), "bfloat16", rng)
+    q = normal((2, seqlen_q, 4, head_dim), "bfloat16", rng)
+    k = normal((2, seqlen_k, 4, head_dim), "bfloat16", rng)
+    v = normal((2, seqlen_k, 4, head_dim), "bfloat16", rng)
+    dout = normal((2, seqlen_q, 4, head_dim), "bfloat16", rng)
     grads = _gradients(dout, q, k, v, causal=causal, backend=backend)
     _assert_close(grads, dout, q, k, v, causal=causal)
 
@@ -82,11 +65,11 @@ def test_matches_fp32_reference(backend, causal, head_dim, seqlens, rng):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_float16(backend, head_dim, causal, rng):
-    backend = _backend(backend, head_dim)
-    q = _random((1, 300, 2, head_dim), "float16", rng)
-    k = _random((1, 300, 2, head_dim), "float16", rng)
-    v = _random((1, 300, 2, head_dim), "float16", rng)
-    dout = _random((1, 300, 2, head_dim), "float16", rng)
+    backend = backward_backend(backend, head_dim)
+    q = normal((1, 300, 2, head_dim), "float16", rng)
+    k = normal((1, 300, 2, head_dim), "float16", rng)
+    v = normal((1, 300, 2, head_dim), "float16", rng)
+    dout = normal((1, 300, 2, head_dim), "float16", rng)
     grads = _gradients(dout, q, k, v, causal=causal, backend=backend, softmax_scale=0.2)
     _assert_close(grads, dout, q, k, v, causal=causal, softmax_scale=0.2)
 
@@ -96,11 +79,11 @@ def test_float16(backend, head_dim, causal, rng):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_grouped_query_heads(backend, group, head_dim, causal, rng):
-    backend = _backend(backend, head_dim)
-    q = _random((2, 257, 8, head_dim), "bfloat16", rng)
-    k = _random((2, 200, 8 // group, head_dim), "bfloat16", rng)
-    v = _random((2, 200, 8 // group, head_dim), "bfloat16", rng)
-    dout = _random((2, 257, 8, head_dim), "bfloat16", rng)
+    backend = backward_backend(backend, head_dim)
+    q = normal((2, 257, 8, head_dim), "bfloat16", rng)
+    k = normal((2, 200, 8 // group, head_dim), "bfloat16", rng)
+    v = normal((2, 200, 8 // group, head_dim), "bfloat16", rng)
+    dout = normal((2, 257, 8, head_dim), "bfloat16", rng)
     grads = _gradients(dout, q, k, v, causal=causal, backend=backend)
     _assert_close(grads, dout, q, k, v, causal=causal)
 
@@ -131,10 +114,10 @@ def test_every_portable_tile_runs_here(head_dim, tile, causal, rng):
         pytest.skip(f"the portable family does not run on {arch}")
     if tile.smem_bytes(head_dim) > archs.get(arch).smem_per_block:
         pytest.skip(f"{tile.label()} needs more shared memory than {arch} has")
-    q = _random((2, 257, 4, head_dim), "bfloat16", rng)
-    k = _random((2, 300, 2, head_dim), "bfloat16", rng)
-    v = _random((2, 300, 2, head_dim), "bfloat16", rng)
-    dout = _random((2, 257, 4, head_dim), "bfloat16", rng)
+    q = normal((2, 257, 4, head_dim), "bfloat16", rng)
+    k = normal((2, 300, 2, head_dim), "bfloat16", rng)
+    v = normal((2, 300, 2, head_dim), "bfloat16", rng)
+    dout = normal((2, 257, 4, head_dim), "bfloat16", rng)
     out, lse = ptxattn.attention(q, k, v, causal=causal, return_lse=True)
     problem = AttentionProblem.from_backward(dout, q, k, v, out, lse, causal=causal)
     for deterministic in (False, True):
@@ -156,10 +139,10 @@ def test_strided_inputs_gradients_and_dout(backend, causal, rng):
     wider buffer, laid out unlike out; gradients written into strided slices."""
     import cupy
 
-    backend = _backend(backend, 128)
-    qkv = _random((2, 333, 3, 4, 128), "bfloat16", rng)
+    backend = backward_backend(backend, 128)
+    qkv = normal((2, 333, 3, 4, 128), "bfloat16", rng)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    dout = _random((2, 4, 333, 256), "bfloat16", rng)[..., 64:192].transpose(0, 2, 1, 3)
+    dout = normal((2, 4, 333, 256), "bfloat16", rng)[..., 64:192].transpose(0, 2, 1, 3)
     grads = cupy.zeros((2, 333, 3, 4, 128), dtype="bfloat16")
     dq, dk, dv = grads[:, :, 0], grads[:, :, 1], grads[:, :, 2]
     got = _gradients(dout, q, k, v, causal=causal, backend=backend, dq=dq, dk=dk, dv=dv)
@@ -172,11 +155,11 @@ def test_strided_inputs_gradients_and_dout(backend, causal, rng):
 def test_deterministic_is_bitwise_reproducible(backend, head_dim, rng):
     import cupy
 
-    backend = _backend(backend, head_dim)
-    q = _random((2, 1000, 8, head_dim), "bfloat16", rng)
-    k = _random((2, 1000, 2, head_dim), "bfloat16", rng)
-    v = _random((2, 1000, 2, head_dim), "bfloat16", rng)
-    dout = _random((2, 1000, 8, head_dim), "bfloat16", rng)
+    backend = backward_backend(backend, head_dim)
+    q = normal((2, 1000, 8, head_dim), "bfloat16", rng)
+    k = normal((2, 1000, 2, head_dim), "bfloat16", rng)
+    v = normal((2, 1000, 2, head_dim), "bfloat16", rng)
+    dout = normal((2, 1000, 8, head_dim), "bfloat16", rng)
     runs = [_gradients(dout, q, k, v, causal=causal, backend=backend, deterministic=True)
             for causal in (True, True, False, False)]
     for first, again in ((runs[0], runs[1]), (runs[2], runs[3])):
@@ -190,11 +173,11 @@ def test_rows_that_see_no_key_have_zero_gradients(backend, rng):
     """Bottom-right causal with seqlen_q > seqlen_k: the first rows see no key (LSE -inf)."""
     import cupy
 
-    backend = _backend(backend, 64)
-    q = _random((1, 300, 2, 64), "bfloat16", rng)
-    k = _random((1, 100, 2, 64), "bfloat16", rng)
-    v = _random((1, 100, 2, 64), "bfloat16", rng)
-    dout = _random((1, 300, 2, 64), "bfloat16", rng)
+    backend = backward_backend(backend, 64)
+    q = normal((1, 300, 2, 64), "bfloat16", rng)
+    k = normal((1, 100, 2, 64), "bfloat16", rng)
+    v = normal((1, 100, 2, 64), "bfloat16", rng)
+    dout = normal((1, 300, 2, 64), "bfloat16", rng)
     grads = _gradients(dout, q, k, v, causal=True, backend=backend)
     assert not bool(grads[0][:, :200].astype(cupy.float32).any())
     _assert_close(grads, dout, q, k, v, causal=True)
@@ -204,14 +187,13 @@ def test_reference_gradients_match_finite_differences(rng):
     """The float32 reference's gradients against central differences of a float64 attention,
     on a tiny problem with a causal mask and GQA: the yardstick the kernels are held to is
     itself right."""
-    import cupy
     from ptxattn import reference
 
     shape_q, shape_kv = (1, 5, 2, 64), (1, 7, 1, 64)
-    q = _random(shape_q, "float16", rng)
-    k = _random(shape_kv, "float16", rng)
-    v = _random(shape_kv, "float16", rng)
-    dout = _random(shape_q, "float16", rng)
+    q = normal(shape_q, "float16", rng)
+    k = normal(shape_kv, "float16", rng)
+    v = normal(shape_kv, "float16", rng)
+    dout = normal(shape_q, "float16", rng)
     scale = 0.125
 
     def loss(q64, k64, v64):
@@ -225,15 +207,7 @@ def test_reference_gradients_match_finite_differences(rng):
 
     args = [x.get().astype(np.float64) for x in (q, k, v)]
     grads = reference.attention_backward(dout, q, k, v, causal=True, softmax_scale=scale)
-    eps = 1e-6
-    for index, (arg, grad) in enumerate(zip(args, grads)):
-        numeric = np.zeros_like(arg)
-        for pos in np.ndindex(arg.shape):
-            plus, minus = [a.copy() for a in args], [a.copy() for a in args]
-            plus[index][pos] += eps
-            minus[index][pos] -= eps
-            numeric[pos] = (loss(*plus) - loss(*minus)) / (2 * eps)
-        np.testing.assert_allclose(cupy.asnumpy(grad), numeric, rtol=1e-4, atol=1e-4)
+    assert_matches_finite_differences(loss, args, grads, ("dq", "dk", "dv"))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -244,11 +218,11 @@ def test_kernel_gradients_match_finite_differences(backend, rng):
 
     from ptxattn import reference
 
-    backend = _backend(backend, 64)
-    q = _random((1, 3, 1, 64), "float16", rng)
-    k = _random((1, 4, 1, 64), "float16", rng)
-    v = _random((1, 4, 1, 64), "float16", rng)
-    dout = _random((1, 3, 1, 64), "float16", rng)
+    backend = backward_backend(backend, 64)
+    q = normal((1, 3, 1, 64), "float16", rng)
+    k = normal((1, 4, 1, 64), "float16", rng)
+    v = normal((1, 4, 1, 64), "float16", rng)
+    dout = normal((1, 3, 1, 64), "float16", rng)
     scale = 0.125
     args = [x.get().astype(np.float64) for x in (q, k, v)]
     d64 = dout.get().astype(np.float64)
@@ -283,11 +257,11 @@ def test_deterministic_with_more_key_blocks_than_fit_on_the_gpu(backend, head_di
     never wait for one launched after it, or this hangs."""
     import cupy
 
-    backend = _backend(backend, head_dim)
-    q = _random((1, 300, 2, head_dim), "bfloat16", rng)
-    k = _random((1, 20000, 1, head_dim), "bfloat16", rng)
-    v = _random((1, 20000, 1, head_dim), "bfloat16", rng)
-    dout = _random((1, 300, 2, head_dim), "bfloat16", rng)
+    backend = backward_backend(backend, head_dim)
+    q = normal((1, 300, 2, head_dim), "bfloat16", rng)
+    k = normal((1, 20000, 1, head_dim), "bfloat16", rng)
+    v = normal((1, 20000, 1, head_dim), "bfloat16", rng)
+    dout = normal((1, 300, 2, head_dim), "bfloat16", rng)
     first = _gradients(dout, q, k, v, causal=causal, backend=backend, deterministic=True)
     again = _gradients(dout, q, k, v, causal=causal, backend=backend, deterministic=True)
     for a, b in zip(first, again):

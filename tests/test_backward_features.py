@@ -17,6 +17,8 @@ import math
 import numpy as np
 import pytest
 
+from inputs import assert_matches_finite_differences, backward_backend, normal
+
 from meta_array import MetaArray
 
 BACKENDS = ("portable", "hopper")
@@ -31,25 +33,6 @@ SINK_HEADS = (16, 4)
 KEY_BLOCK = 128
 
 
-def _backend(backend, head_dim):
-    from ptxattn import dispatch
-    from ptxattn.runtime import device_arch
-
-    routes = [route for route in dispatch.TABLE if route.backend == backend
-              and route.call == "backward"]
-    if device_arch() not in routes[0].archs:
-        pytest.skip(f"backend {backend} does not run on {device_arch()}")
-    dims = {d for route in routes for d in route.head_dims}
-    if head_dim not in dims:
-        pytest.skip(f"backend {backend} has no backward at head_dim {head_dim}")
-    return backend
-
-
-def _random(shape, dtype, rng):
-    import cupy
-    return cupy.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
-
-
 def _nan_like(x):
     """A buffer of x's shape and dtype full of NaN: a gradient the kernel does not write stays
     NaN, so it cannot pass for a zero left in freshly allocated memory."""
@@ -60,10 +43,10 @@ def _nan_like(x):
 def _fixed_inputs(seqlens, heads, head_dim, dtype, rng, batch=2):
     """dout, q, k, v (batch, seqlen, heads, head_dim) of standard normal values."""
     (seqlen_q, seqlen_k), (heads_q, heads_kv) = seqlens, heads
-    q = _random((batch, seqlen_q, heads_q, head_dim), dtype, rng)
-    k = _random((batch, seqlen_k, heads_kv, head_dim), dtype, rng)
-    v = _random((batch, seqlen_k, heads_kv, head_dim), dtype, rng)
-    return _random(q.shape, dtype, rng), q, k, v
+    q = normal((batch, seqlen_q, heads_q, head_dim), dtype, rng)
+    k = normal((batch, seqlen_k, heads_kv, head_dim), dtype, rng)
+    v = normal((batch, seqlen_k, heads_kv, head_dim), dtype, rng)
+    return normal(q.shape, dtype, rng), q, k, v
 
 
 def _masks(spec, heads_q, head_dim, rng):
@@ -173,7 +156,7 @@ def test_window_matches_fp32_reference(backend, head_dim, window, causal, seqlen
     """Left, right and both sides; windows narrower than a key block and wider than the
     sequence; with and without causal; seqlen_q below and above seqlen_k; tails of every
     tile."""
-    backend = _backend(backend, head_dim)
+    backend = backward_backend(backend, head_dim)
     dout, q, k, v = _fixed_inputs(seqlens, heads, head_dim, "bfloat16", rng)
     masks = dict(causal=causal, window=window)
     grads = _gradients(dout, q, k, v, backend=backend, masks=masks)
@@ -205,7 +188,7 @@ FEATURE_CASES = [
 def test_softcap_and_sinks_match_fp32_reference(backend, head_dim, spec, seqlens, heads, rng):
     """A softcap alone and with a window; sinks alone, with a window, and with rows that see
     only their sink; all three together. dsinks is held to the same rule as dq, dk, dv."""
-    backend = _backend(backend, head_dim)
+    backend = backward_backend(backend, head_dim)
     dout, q, k, v = _fixed_inputs(seqlens, heads, head_dim, "bfloat16", rng)
     masks = _masks(spec, heads[0], head_dim, rng)
     grads = _gradients(dout, q, k, v, backend=backend, masks=masks)
@@ -222,7 +205,7 @@ def test_softcap_and_sinks_match_fp32_reference(backend, head_dim, spec, seqlens
 def test_float16(backend, head_dim, spec, rng):
     """float16 inputs, more queries than keys: a window with sinks, and causal with a window
     and a softcap (its first 217 rows see no key)."""
-    backend = _backend(backend, head_dim)
+    backend = backward_backend(backend, head_dim)
     dout, q, k, v = _fixed_inputs((517, 300), SINK_HEADS, head_dim, "float16", rng, batch=1)
     masks = _masks(spec, SINK_HEADS[0], head_dim, rng)
     grads = _gradients(dout, q, k, v, backend=backend, masks=masks)
@@ -242,7 +225,7 @@ def test_deterministic_is_bitwise_reproducible(backend, head_dim, spec, rng):
     forward's out and lse."""
     import ptxattn
 
-    backend = _backend(backend, head_dim)
+    backend = backward_backend(backend, head_dim)
     dout, q, k, v = _fixed_inputs((1000, 1000), SINK_HEADS, head_dim, "bfloat16", rng)
     masks = _masks(spec, SINK_HEADS[0], head_dim, rng)
     out, lse = ptxattn.attention(q, k, v, return_lse=True, **masks)
@@ -264,7 +247,7 @@ def test_window_backward_reads_no_key_block_outside_every_window(backend, head_d
     import cupy
     import ptxattn
 
-    backend = _backend(backend, head_dim)
+    backend = backward_backend(backend, head_dim)
     seqlen_q, seqlen_k, left = 128, 1024, 100
     masks = dict(causal=True, window=(left, 0))
     dout, q, k, v = _fixed_inputs((seqlen_q, seqlen_k), (8, 2), head_dim, "bfloat16", rng)
@@ -295,10 +278,10 @@ SEQLENS_K = (0, 1, 1030, 129, 200, 0, 700)
 def _packed_inputs(seqlens_q, seqlens_k, heads, head_dim, dtype, rng):
     """dout, q, k, v packed (tokens, heads, head_dim) for sequences of these lengths."""
     heads_q, heads_kv = heads
-    q = _random((sum(seqlens_q), heads_q, head_dim), dtype, rng)
-    k = _random((sum(seqlens_k), heads_kv, head_dim), dtype, rng)
-    v = _random((sum(seqlens_k), heads_kv, head_dim), dtype, rng)
-    return _random(q.shape, dtype, rng), q, k, v
+    q = normal((sum(seqlens_q), heads_q, head_dim), dtype, rng)
+    k = normal((sum(seqlens_k), heads_kv, head_dim), dtype, rng)
+    v = normal((sum(seqlens_k), heads_kv, head_dim), dtype, rng)
+    return normal(q.shape, dtype, rng), q, k, v
 
 
 def _cu_seqlens(seqlens):
@@ -378,7 +361,7 @@ def _assert_varlen_close(grads, dout, q, k, v, seqlens_q, seqlens_k, **masks):
 ])
 def test_varlen_matches_each_sequence(backend, head_dim, spec, rng):
     """Per-sequence lengths of their own (cu_seqlens_q unlike cu_seqlens_k), GQA 4:1."""
-    backend = _backend(backend, head_dim)
+    backend = backward_backend(backend, head_dim)
     dout, q, k, v = _packed_inputs(SEQLENS_Q, SEQLENS_K, SINK_HEADS, head_dim, "bfloat16", rng)
     masks = _masks(spec, SINK_HEADS[0], head_dim, rng)
     grads = _varlen_gradients(dout, q, k, v, SEQLENS_Q, SEQLENS_K, backend=backend, masks=masks)
@@ -393,7 +376,7 @@ def test_varlen_with_max_seqlens_above_the_longest(backend, dtype, causal, rng):
     """max_seqlen_q and max_seqlen_k are bounds, not the maxima: with bounds well past the
     longest sequences (more tiles than any sequence fills) the gradients are still each
     sequence's own; float16 here too."""
-    backend = _backend(backend, 128)
+    backend = backward_backend(backend, 128)
     dout, q, k, v = _packed_inputs(SEQLENS_Q, SEQLENS_K, SINK_HEADS, 128, dtype, rng)
     masks = _masks(dict(causal=causal, window=(100, -1), sinks=True), SINK_HEADS[0], 128, rng)
     loose = (max(SEQLENS_Q) + 333, max(SEQLENS_K) + 1000)
@@ -410,7 +393,7 @@ def test_varlen_deterministic_is_bitwise_reproducible(backend, head_dim, rng):
     dsinks (a sum over every sequence's rows) bit for bit from run to run."""
     import ptxattn
 
-    backend = _backend(backend, head_dim)
+    backend = backward_backend(backend, head_dim)
     dout, q, k, v = _packed_inputs(SEQLENS_Q, SEQLENS_K, SINK_HEADS, head_dim, "bfloat16", rng)
     masks = _masks(dict(causal=True, window=(300, -1), sinks=True), SINK_HEADS[0], head_dim,
                    rng)
@@ -444,7 +427,7 @@ def test_varlen_backward_reads_no_keys_of_a_sequence_without_queries(backend, he
     import cupy
     import ptxattn
 
-    backend = _backend(backend, head_dim)
+    backend = backward_backend(backend, head_dim)
     dout, q, k, v = _packed_inputs(POISON_SEQLENS_Q, POISON_SEQLENS_K, SINK_HEADS, head_dim,
                                    "bfloat16", rng)
     masks = _masks(spec, SINK_HEADS[0], head_dim, rng)
@@ -506,10 +489,10 @@ def test_reference_gradients_match_finite_differences(masks, seqlens, rng):
     from ptxattn import reference
 
     seqlen_q, seqlen_k = seqlens
-    q = _random((1, seqlen_q, 2, 64), "float16", rng)
-    k = _random((1, seqlen_k, 1, 64), "float16", rng)
-    v = _random((1, seqlen_k, 1, 64), "float16", rng)
-    dout = _random(q.shape, "float16", rng)
+    q = normal((1, seqlen_q, 2, 64), "float16", rng)
+    k = normal((1, seqlen_k, 1, 64), "float16", rng)
+    v = normal((1, seqlen_k, 1, 64), "float16", rng)
+    dout = normal(q.shape, "float16", rng)
     sinks = cupy.asarray(rng.standard_normal(2, dtype=np.float32))
     scale = 0.125
     d64 = dout.get().astype(np.float64)
@@ -521,16 +504,7 @@ def test_reference_gradients_match_finite_differences(masks, seqlens, rng):
     grads = reference.attention_backward(dout, q, k, v, softmax_scale=scale, sinks=sinks,
                                          **masks)
     assert len(grads) == len(args)
-    eps = 1e-6
-    for index, (arg, grad) in enumerate(zip(args, grads)):
-        numeric = np.zeros_like(arg)
-        for pos in np.ndindex(arg.shape):
-            plus, minus = [a.copy() for a in args], [a.copy() for a in args]
-            plus[index][pos] += eps
-            minus[index][pos] -= eps
-            numeric[pos] = (loss(*plus) - loss(*minus)) / (2 * eps)
-        np.testing.assert_allclose(cupy.asnumpy(grad), numeric, rtol=1e-4, atol=1e-4,
-                                   err_msg=GRADIENTS[index])
+    assert_matches_finite_differences(loss, args, grads, GRADIENTS)
 
 
 # ---------------------------------------------------------------------------------------------

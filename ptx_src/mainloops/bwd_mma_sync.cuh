@@ -575,8 +575,10 @@ struct BwdMmaSyncMainloop {
                 if (Cfg::kOptions && p.softcap_scale != 0.0f) {
                     float lse_log2[Cfg::kScoreRows / 16][2];
                     Mainloop::read_row_values(lse_log2, row_values, score_row0, lane);
-                    score_gradient_softcapped<Cfg::kBf16>(dp, pairs, dpsum, lse_log2,
-                                                          SoftcapSlope{__frcp_rn(p.scale_log2)});
+                    score_gradient<Cfg::kBf16>(
+                        dp, pairs, dpsum,
+                        SoftcapRows<Cfg::kScoreRows / 16>{lse_log2,
+                                                          SoftcapSlope{__frcp_rn(p.scale_log2)}});
                 } else {
                     score_gradient<Cfg::kBf16>(dp, pairs, dpsum);
                 }

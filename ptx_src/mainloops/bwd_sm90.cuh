@@ -537,10 +537,10 @@ struct BwdSm90Mainloop {
             if (Cfg::kOptions && p.softcap_scale != 0.0f) {
                 // The LSE again, from shared memory: held from P's recompute, it would take
                 // registers through dV's GEMM.
-                const ColumnValues<false, kBlockM / 8> lse_again{row_values};
-                score_gradient_transposed_softcapped<kBf16>(
-                    dst, reinterpret_cast<const Tiles&>(dp), pt, dpsum, lse_again,
-                    SoftcapSlope{__frcp_rn(p.scale_log2)});
+                using Lse = ColumnValues<false, kBlockM / 8>;
+                score_gradient_transposed<kBf16>(
+                    dst, reinterpret_cast<const Tiles&>(dp), pt, dpsum,
+                    SoftcapColumns<Lse>{Lse{row_values}, SoftcapSlope{__frcp_rn(p.scale_log2)}});
             } else {
                 score_gradient_transposed<kBf16>(dst, reinterpret_cast<const Tiles&>(dp), pt,
                                                  dpsum);

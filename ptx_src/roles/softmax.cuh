@@ -238,8 +238,17 @@ __device__ __forceinline__ void fold_sink(float& lse, float& factor, float sink)
 //     log-sum-exp (lse_log2 = LSE log2(e); +inf for a row that sees no key or lies past
 //     seqlen_q, so that its P is 0);
 //   score_gradient: dS = P (dP - dpsum) in place of dP, dpsum being the row's sum(dO * O) and P
-//     given as the 16-bit pairs it is stored in (pack_f32x2), the precision dS's GEMMs see it in.
+//     given as the 16-bit pairs it is stored in (pack_f32x2), the precision dS's GEMMs see it in;
+//     times factor(m, h, P), which a softcap gives (SoftcapSlope below) and which is 1 otherwise
+//     (NoFactor, folded away).
 // Rows h = 0, 1 of each 16-row group m, in the accumulator layout.
+struct NoFactor {
+    __device__ __forceinline__ constexpr float operator()(int, int, float) const { return 1.0f; }
+    // The transposed tiles' form: the factor of column tile i, called with (e, P).
+    __device__ __forceinline__ constexpr NoFactor column_tile(int) const { return {}; }
+    __device__ __forceinline__ constexpr float operator()(int, float) const { return 1.0f; }
+};
+
 template <int kRowGroups, int kTiles>
 __device__ __forceinline__ void recompute_probabilities(float (&s)[kRowGroups][kTiles][4],
                                                         const float (&lse_log2)[kRowGroups][2],
@@ -256,10 +265,11 @@ __device__ __forceinline__ void recompute_probabilities(float (&s)[kRowGroups][k
     }
 }
 
-template <bool kBf16, int kRowGroups, int kTiles>
+template <bool kBf16, int kRowGroups, int kTiles, class Factor = NoFactor>
 __device__ __forceinline__ void score_gradient(float (&dp)[kRowGroups][kTiles][4],
                                                const uint32_t (&p)[kRowGroups][kTiles][2],
-                                               const float (&dpsum)[kRowGroups][2]) {
+                                               const float (&dpsum)[kRowGroups][2],
+                                               Factor factor = {}) {
 #pragma unroll
     for (int m = 0; m < kRowGroups; ++m) {
 #pragma unroll
@@ -267,8 +277,10 @@ __device__ __forceinline__ void score_gradient(float (&dp)[kRowGroups][kTiles][4
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const float2 pair = unpack_f32x2<kBf16>(p[m][j][h]);
-                dp[m][j][2 * h] = pair.x * (dp[m][j][2 * h] - dpsum[m][h]);
-                dp[m][j][2 * h + 1] = pair.y * (dp[m][j][2 * h + 1] - dpsum[m][h]);
+                dp[m][j][2 * h] =
+                    pair.x * (dp[m][j][2 * h] - dpsum[m][h]) * factor(m, h, pair.x);
+                dp[m][j][2 * h + 1] =
+                    pair.y * (dp[m][j][2 * h + 1] - dpsum[m][h]) * factor(m, h, pair.y);
             }
         }
     }
@@ -280,7 +292,8 @@ __device__ __forceinline__ void score_gradient(float (&dp)[kRowGroups][kTiles][4
 //   recompute_probabilities_transposed: P^T in place of S^T;
 //   score_gradient_transposed: dS^T = P^T (dP^T - D), P^T given as the 16-bit pairs dV's GEMM
 //     read it in (pack_f32x2; pair 2 i + h holds row h of column tile i), returned in the same
-//     pairs, the A fragments of dK's GEMM.
+//     pairs, the A fragments of dK's GEMM; times factor.column_tile(i)(e, P) for column
+//     8 i + 2 t + e.
 template <int kTiles, class ColumnValues>
 __device__ __forceinline__ void recompute_probabilities_transposed(float (&s)[kTiles][4],
                                                                    ColumnValues lse_log2,
@@ -295,19 +308,22 @@ __device__ __forceinline__ void recompute_probabilities_transposed(float (&s)[kT
     }
 }
 
-template <bool kBf16, int kTiles, class ColumnValues>
+template <bool kBf16, int kTiles, class ColumnValues, class Factor = NoFactor>
 __device__ __forceinline__ void score_gradient_transposed(uint32_t (&ds)[2 * kTiles],
                                                           const float (&dp)[kTiles][4],
                                                           const uint32_t (&p)[2 * kTiles],
-                                                          ColumnValues dpsum_of) {
+                                                          ColumnValues dpsum_of,
+                                                          Factor factor = {}) {
 #pragma unroll
     for (int i = 0; i < kTiles; ++i) {
         const float2 dpsum = dpsum_of(i);
+        const auto column_factor = factor.column_tile(i);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const float2 pair = unpack_f32x2<kBf16>(p[2 * i + h]);
-            ds[2 * i + h] = pack_f32x2<kBf16>(pair.x * (dp[i][2 * h] - dpsum.x),
-                                              pair.y * (dp[i][2 * h + 1] - dpsum.y));
+            ds[2 * i + h] = pack_f32x2<kBf16>(
+                pair.x * (dp[i][2 * h] - dpsum.x) * column_factor(0, pair.x),
+                pair.y * (dp[i][2 * h + 1] - dpsum.y) * column_factor(1, pair.y));
         }
     }
 }
@@ -331,47 +347,34 @@ struct SoftcapSlope {
     }
 };
 
-// score_gradient under a softcap: dS = P (dP - dpsum) (1 - t^2), t from P and the row's LSE.
-template <bool kBf16, int kRowGroups, int kTiles>
-__device__ __forceinline__ void score_gradient_softcapped(
-    float (&dp)[kRowGroups][kTiles][4], const uint32_t (&p)[kRowGroups][kTiles][2],
-    const float (&dpsum)[kRowGroups][2], const float (&lse_log2)[kRowGroups][2],
-    SoftcapSlope slope) {
-#pragma unroll
-    for (int m = 0; m < kRowGroups; ++m) {
-#pragma unroll
-        for (int j = 0; j < kTiles; ++j) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const float2 pair = unpack_f32x2<kBf16>(p[m][j][h]);
-                const float lse = lse_log2[m][h];
-                dp[m][j][2 * h] =
-                    pair.x * (dp[m][j][2 * h] - dpsum[m][h]) * slope(pair.x, lse);
-                dp[m][j][2 * h + 1] =
-                    pair.y * (dp[m][j][2 * h + 1] - dpsum[m][h]) * slope(pair.y, lse);
-            }
-        }
-    }
-}
+// score_gradient's factor under a softcap, rows in the accumulator layout: the slope of each
+// row's P, from the caller's lse_log2 of the rows (rows h = 0, 1 of each 16-row group).
+template <int kRowGroups>
+struct SoftcapRows {
+    const float (&lse_log2)[kRowGroups][2];
+    SoftcapSlope slope;
 
-// score_gradient_transposed under a softcap (the Hopper backward's tiles).
-template <bool kBf16, int kTiles, class ColumnValues, class LseValues>
-__device__ __forceinline__ void score_gradient_transposed_softcapped(
-    uint32_t (&ds)[2 * kTiles], const float (&dp)[kTiles][4], const uint32_t (&p)[2 * kTiles],
-    ColumnValues dpsum_of, LseValues lse_log2_of, SoftcapSlope slope) {
-#pragma unroll
-    for (int i = 0; i < kTiles; ++i) {
-        const float2 dpsum = dpsum_of(i);
-        const float2 lse = lse_log2_of(i);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const float2 pair = unpack_f32x2<kBf16>(p[2 * i + h]);
-            ds[2 * i + h] = pack_f32x2<kBf16>(
-                pair.x * (dp[i][2 * h] - dpsum.x) * slope(pair.x, lse.x),
-                pair.y * (dp[i][2 * h + 1] - dpsum.y) * slope(pair.y, lse.y));
-        }
+    __device__ __forceinline__ float operator()(int m, int h, float p) const {
+        return slope(p, lse_log2[m][h]);
     }
-}
+};
+
+// score_gradient_transposed's factor under a softcap: the LSE belongs to the columns, read a
+// column tile at a time (ColumnValues, mainloops/bwd_sm90.cuh).
+template <class ColumnValues>
+struct SoftcapColumns {
+    ColumnValues lse_log2;
+    SoftcapSlope slope;
+
+    struct Tile {
+        float2 lse;
+        SoftcapSlope slope;
+        __device__ __forceinline__ float operator()(int e, float p) const {
+            return slope(p, e ? lse.y : lse.x);
+        }
+    };
+    __device__ __forceinline__ Tile column_tile(int i) const { return {lse_log2(i), slope}; }
+};
 
 // scores <- tanh(softcap_scale * scores): the logit softcap (params.cuh), tanh.approx.f32.
 template <int kRowGroups, int kTiles>
