@@ -1,10 +1,11 @@
 """The public modules: what dir() shows, and the docstrings the API reference is generated from.
 
 CPU only. For each public module (ptxattn, ptxattn.api, ptxattn.serving, ptxattn.fp8,
-ptxattn.blockscaled, ptxattn.distributed, and ptxattn.torch and ptxattn.jax where torch and JAX
-are installed): dir() is sorted(__all__), every name of __all__ exists, and every public
-function has a numpy-style docstring (mkdocstrings' numpy handler renders them): a one-line
-summary, a ``Parameters`` section naming exactly the signature's parameters, and an ``Examples``
+ptxattn.blockscaled, ptxattn.distributed, and ptxattn.torch, ptxattn.jax and
+ptxattn.transformers where torch, JAX and transformers are installed): dir() is sorted(__all__),
+every name of __all__ exists, and every public function has a numpy-style docstring
+(mkdocstrings' numpy handler renders them): a one-line summary, a ``Parameters`` section naming
+exactly the signature's parameters (none for a function that takes none), and an ``Examples``
 section of ``>>>`` lines. A class has a summary, a ``Parameters`` or ``Attributes`` section and
 ``Examples``; a constant is named in its module's docstring. The examples need a GPU, so they
 are not run.
@@ -19,14 +20,13 @@ import pytest
 # module -> the framework it imports at import time, skipped where that is not installed
 MODULES = {"ptxattn": None, "ptxattn.api": None, "ptxattn.serving": None, "ptxattn.fp8": None,
            "ptxattn.blockscaled": None, "ptxattn.distributed": None, "ptxattn.torch": "torch",
-           "ptxattn.jax": "jax"}
+           "ptxattn.jax": "jax", "ptxattn.transformers": "transformers"}
 
 # ptxattn's own __all__ also holds the runtime's exception classes and __version__; its reference
 # page documents the entry points, so only those are held to the docstring rules.
-ENTRY_POINTS = ("attention", "attention_backward", "attention_varlen", "attention_with_kvcache",
-                "merge_attention_states", "fp8_attention", "blockscaled_attention")
-
-# Names whose docstrings live in ptxattn/distributed/transports.py, not yet in numpy style.
+ENTRY_POINTS = ("attention", "attention_backward", "attention_varlen",
+                "attention_varlen_backward", "attention_with_kvcache", "merge_attention_states",
+                "fp8_attention", "blockscaled_attention")
 
 def _module(name: str):
     framework = MODULES[name]
@@ -87,10 +87,13 @@ def _problems(module, name: str) -> list[str]:
         if "Parameters" not in sections and "Attributes" not in sections:
             problems.append(f"{name}: a class with neither Parameters nor Attributes")
         return problems
-    if "Parameters" not in sections:
-        return problems + [f"{name}: no Parameters section"]
     signature = {p.name for p in inspect.signature(obj).parameters.values()
                  if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    if "Parameters" not in sections:
+        # a function of no parameters has none to document (an empty section is a docs warning)
+        if signature:
+            return problems + [f"{name}: no Parameters section"]
+        sections["Parameters"] = ""
     documented = _parameter_names(sections["Parameters"])
     if documented != signature:
         problems.append(f"{name}: Parameters documents {sorted(documented)}, the signature "
