@@ -56,15 +56,29 @@ holds a shard of the sequence; ptxattn.distributed, docs/guide/distributed.md) i
 ``torch.autograd.Function``, not a custom op: its process group is no schema type. It runs
 eagerly (torch.compile breaks the graph around it), on torch's current stream, its K/V exchanges
 on torch's NCCL stream; its outputs come from CuPy's pool.
+
+``enable_sdpa``, ``disable_sdpa`` and the context manager ``sdpa_enabled`` make ptxattn the
+flash-attention implementation of ``torch.nn.functional.scaled_dot_product_attention``, through
+torch's registry of them (``torch.nn.attention.register_flash_attention_impl``, torch 2.11 and
+newer, the way FlashAttention 4 plugs in): activating "ptxattn" registers Python kernels for
+``aten::_scaled_dot_product_flash_attention`` and its backward on CUDA over torch's own. They
+run ptxattn's kernels for the calls ptxattn has kernels for (16-bit, head_dim 64, 128 or 256,
+no dropout) and torch's FlashAttention 2 ops, ``aten::_flash_attention_forward`` and
+``_flash_attention_backward``, which stay torch's, for the others, as torch's own kernels do.
 """
 
+import contextlib
+import functools
+import math
 from typing import Optional, Sequence
 
 import torch
 
-from . import api, serving
+from . import api, archs, dispatch, serving
+from .problem.checks import ALIGN_BYTES
 
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "ring_attention"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "ring_attention",
+           "enable_sdpa", "disable_sdpa", "sdpa_enabled"]
 
 # What the backward ops return: dq, dk, dv and dsinks.
 _Gradients = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -696,3 +710,309 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group,
     _check_16bit(q=q, k=k, v=v)
     out, lse = _RingAttention.apply(q, k, v, group, causal, softmax_scale, deterministic)
     return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# torch's scaled_dot_product_attention: ptxattn as its flash-attention implementation
+
+# ptxattn's name in torch's registry of flash-attention implementations
+_SDPA_IMPL = "ptxattn"
+# What enable_sdpa, disable_sdpa and sdpa_enabled use of that registry. torch 2.10 has the first
+# three but no restore_flash_attention_impl: an implementation activated there stays for good.
+_REGISTRY_FUNCTIONS = ("register_flash_attention_impl", "activate_flash_attention_impl",
+                       "current_flash_attention_impl", "restore_flash_attention_impl")
+
+
+def _flash_attention_registry():
+    """torch.nn.attention, which holds torch's registry of flash-attention implementations, or
+    a RuntimeError naming this torch's version and the registry functions it lacks."""
+    from torch.nn import attention as registry
+
+    missing = [name for name in _REGISTRY_FUNCTIONS if not hasattr(registry, name)]
+    if missing:
+        raise RuntimeError(
+            f"ptxattn's SDPA backend needs torch 2.11 or newer: torch {torch.__version__} has no "
+            + ", ".join(f"torch.nn.attention.{name}" for name in missing))
+    return registry
+
+
+@functools.cache
+def _arch_of(device_index: int) -> Optional[str]:
+    """ptxattn's compile target for a torch CUDA device, or None for a GPU it has no kernels
+    for (torch's flash kernels run on some of those: sm_87, sm_110)."""
+    try:
+        return archs.arch_for_capability(*torch.cuda.get_device_capability(device_index))
+    except archs.UnsupportedGpuError:
+        return None
+
+
+def _ptxattn_runs(arch: Optional[str], query: torch.Tensor, key: torch.Tensor,
+                  value: torch.Tensor, dropout_p: float, is_causal: bool,
+                  scale: Optional[float]) -> bool:
+    """Whether ptxattn's kernels run an SDPA flash call on q, k, v (batch, heads, seqlen,
+    head_dim), forward and backward, on an ``arch`` GPU (None: one without ptxattn kernels):
+    non-empty float16 or bfloat16 tensors of one dtype and head_dim that a route takes, no
+    dropout, the default scale or a finite positive one. It reads only what the backward op gets
+    too, so a backward asks it with its forward's arguments and gets the forward's answer: the
+    output and log-sum-exp it receives always come from the same implementation."""
+    if arch is None or dropout_p != 0.0:
+        return False
+    if scale is not None and not (math.isfinite(scale) and scale > 0):
+        return False
+    tensors = (query, key, value)
+    if any(x.dim() != 4 or x.numel() == 0 or x.dtype != query.dtype for x in tensors):
+        return False
+    head_dim = query.shape[-1]
+    if query.dtype not in _SIXTEEN_BIT or any(x.shape[-1] != head_dim for x in tensors):
+        return False
+    features = {"causal"} if is_causal else set()
+    if query.shape[1] != key.shape[1]:
+        features.add("gqa")
+    input_format = str(query.dtype).removeprefix("torch.")
+    try:
+        dispatch.select(arch, input_format, head_dim, features=features)
+        dispatch.select(arch, input_format, head_dim, features=features | {"backward"})
+    except ValueError:
+        return False
+    return True
+
+
+def _kernel_layout(x: torch.Tensor) -> bool:
+    """Whether ptxattn's kernels read or write ``x``, (batch, seqlen, heads, head_dim), where it
+    is (the rule of ptxattn.problem.checks.check_rows): unit stride in head_dim, a 16-byte
+    aligned base, batch/seqlen/heads strides that are multiples of 16 bytes, none zero or
+    negative along a dimension longer than 1."""
+    size = x.element_size()
+    return (x.stride(-1) == 1 and x.data_ptr() % ALIGN_BYTES == 0
+            and all(stride * size % ALIGN_BYTES == 0 and (stride > 0 or n == 1)
+                    for n, stride in zip(x.shape[:-1], x.stride()[:-1])))
+
+
+def _kernel_rows(x: torch.Tensor) -> torch.Tensor:
+    """The (batch, seqlen, heads, head_dim) view of an SDPA operand (batch, heads, seqlen,
+    head_dim) for the kernels, without its autograd history (ptxattn refuses tensors that
+    require grad): the view itself where they read it in place, a contiguous copy otherwise
+    (a broadcast k, a dout of stride 0)."""
+    rows = x.detach().transpose(1, 2)
+    return rows if _kernel_layout(rows) else rows.contiguous()
+
+
+def _kernel_target(output: torch.Tensor) -> torch.Tensor:
+    """Where the kernels write a fresh (batch, heads, seqlen, head_dim) output: its (batch,
+    seqlen, heads, head_dim) view where they can write that in place, a buffer of its own
+    otherwise, which _copy_back copies into the output."""
+    rows = output.transpose(1, 2)
+    if _kernel_layout(rows):
+        return rows
+    return torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+
+
+def _copy_back(outputs, targets) -> None:
+    """Copies each of ``targets`` that _kernel_target gave as a buffer of its own into its
+    output."""
+    for output, target in zip(outputs, targets):
+        if target.data_ptr() != output.data_ptr():
+            output.transpose(1, 2).copy_(target)
+
+
+def _sdpa_flash_forward(query, key, value, dropout_p=0.0, is_causal=False,
+                        return_debug_mask=False, *, scale=None):
+    """aten::_scaled_dot_product_flash_attention on CUDA, what SDPA's flash backend calls on q,
+    k, v (batch, heads, seqlen, head_dim): ptxattn's forward where _ptxattn_runs says so,
+    otherwise what torch's own kernel does, FlashAttention 2 on the (batch, seqlen, heads,
+    head_dim) views. The dispatcher leaves out trailing arguments that have their schema
+    default, so the defaults here are the schema's."""
+    max_q, max_k = query.size(2), key.size(2)
+    # The debug mask (the dropout pattern) is FlashAttention 2's: asked for, the call is its,
+    # and it refuses it without dropout as it does without ptxattn.
+    if return_debug_mask or not _ptxattn_runs(_arch_of(query.device.index), query, key, value,
+                                              dropout_p, is_causal, scale):
+        out, lse, rng_state, unused, debug_mask = torch.ops.aten._flash_attention_forward(
+            *(x.transpose(1, 2) for x in (query, key, value)), None, None, max_q, max_k,
+            dropout_p, is_causal, return_debug_mask, scale=scale)
+        return out.transpose(1, 2), lse, None, None, max_q, max_k, rng_state, unused, debug_mask
+    # torch's meta kernel gives the output query's strides, which a compiled graph relies on
+    out = torch.empty_like(query)
+    lse = query.new_empty((query.size(0), query.size(1), max_q), dtype=torch.float32)
+    target = _kernel_target(out)
+    api.attention(*(_kernel_rows(x) for x in (query, key, value)), causal=is_causal,
+                  softmax_scale=scale, out=target, lse=lse)
+    _copy_back((out,), (target,))
+    # No dropout, so no random state to hand the backward: zeros shaped as the meta kernel's.
+    rng_state = query.new_zeros((2,), dtype=torch.uint64)
+    philox_offset = query.new_zeros((), dtype=torch.uint64)
+    return out, lse, None, None, max_q, max_k, rng_state, philox_offset, query.new_empty(0)
+
+
+def _sdpa_flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
+                         max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *,
+                         scale=None):
+    """aten::_scaled_dot_product_flash_attention_backward on CUDA: ptxattn's backward for the
+    calls whose forward was ptxattn's (_ptxattn_runs on the forward's arguments), otherwise
+    what torch's own kernel does, FlashAttention 2's backward on the (batch, seqlen, heads,
+    head_dim) views. Deterministic under torch.use_deterministic_algorithms, as torch's."""
+    if grad_out is None:  # an undefined gradient, which torch's own kernel passes on
+        return None, None, None
+    if not _ptxattn_runs(_arch_of(query.device.index), query, key, value, dropout_p, is_causal,
+                         scale):
+        grads = torch.ops.aten._flash_attention_backward(
+            *(x.transpose(1, 2) for x in (grad_out, query, key, value, out)), logsumexp,
+            cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, philox_seed,
+            philox_offset, scale=scale)
+        return tuple(grad.transpose(1, 2) for grad in grads)
+    # the meta kernel's strides: each gradient like its input
+    grads = [torch.empty_like(x) for x in (query, key, value)]
+    dq, dk, dv = targets = [_kernel_target(grad) for grad in grads]
+    api.attention_backward(*(_kernel_rows(x) for x in (grad_out, query, key, value, out)),
+                           logsumexp.detach(), causal=is_causal, softmax_scale=scale,
+                           deterministic=torch.are_deterministic_algorithms_enabled(), dq=dq,
+                           dk=dk, dv=dv)
+    _copy_back(grads, targets)
+    return tuple(grads)
+
+
+class _SdpaKernels:
+    """ptxattn's kernels for SDPA's flash ops in torch's dispatcher, over torch's own CUDA
+    ones: what torch's registry calls to activate "ptxattn", and the handle it keeps, whose
+    remove() puts torch's kernels back.
+
+    Only the two ops SDPA's flash backend calls are taken. The FlashAttention 2 ops inside them,
+    aten::_flash_attention_forward and _flash_attention_backward, stay torch's, so that the
+    calls ptxattn has no kernels for still reach FlashAttention 2 (and what calls those ops
+    directly, torch.nn.attention.varlen and nested tensors, keeps it)."""
+
+    def __init__(self):
+        self._library = torch.library.Library("aten", "IMPL", "CUDA")
+        self._library.impl("_scaled_dot_product_flash_attention", _sdpa_flash_forward, "CUDA")
+        self._library.impl("_scaled_dot_product_flash_attention_backward", _sdpa_flash_backward,
+                           "CUDA")
+
+    def remove(self) -> None:
+        # now, rather than whenever the registry's last reference goes and the Library with it
+        self._library._destroy()
+
+
+def enable_sdpa() -> None:
+    """Make ptxattn the flash-attention implementation of torch's scaled_dot_product_attention.
+
+    Registers "ptxattn" in torch's registry of flash-attention implementations
+    (``torch.nn.attention.register_flash_attention_impl``, torch 2.11 and newer) and activates
+    it, which first restores torch's default (FlashAttention 2), so taking over from FA3 or FA4
+    if one was active. From then on, every call torch's backend selection gives its flash
+    backend runs ptxattn's forward and backward when ptxattn has kernels for it: CUDA float16
+    or bfloat16 q, k, v of head_dim 64, 128 or 256 (after SDPA pads head_dim to a multiple of
+    8), ``dropout_p=0``, causal or not, GQA (``enable_gqa=True``), any positive ``scale``, on a
+    GPU ptxattn runs on. The flash backend's other calls (another head_dim, dropout) run on
+    FlashAttention 2 as without ptxattn, and calls the selection gives another backend (an
+    ``attn_mask``, float32, head_dim over 256, ``is_causal`` with seqlen_q != seqlen_k, whose
+    top-left alignment torch's flash backend refuses) never reach ptxattn. Forward and backward
+    each dispatch when they run, so run ``.backward()`` while ptxattn is still active: the
+    backward of a forward computed before ``enable_sdpa`` (or after ``disable_sdpa``) is not
+    ptxattn's. The backward is deterministic under ``torch.use_deterministic_algorithms(True)``.
+
+    torch tries its backends in its priority order, and where cuDNN attention comes before
+    flash (on sm_90 and sm_100 with a cuDNN newer than 9.15, as torch 2.11's wheels bring) the
+    calls cuDNN takes never reach the flash backend: select it with
+    ``torch.nn.attention.sdpa_kernel(SDPBackend.FLASH_ATTENTION)``, or list it first with
+    ``set_priority=True``. The flash op called directly
+    (``torch.ops.aten._scaled_dot_product_flash_attention``) aligns ``is_causal`` bottom-right
+    for seqlen_q != seqlen_k, as FlashAttention 2 and ptxattn do.
+
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    RuntimeError
+        torch lacks the registry (older than 2.11): the message names its version and the
+        missing functions.
+
+    Examples
+    --------
+    >>> import torch, torch.nn.functional as F, ptxattn.torch
+    >>> from torch.nn.attention import SDPBackend, sdpa_kernel
+    >>> ptxattn.torch.enable_sdpa()
+    >>> torch.nn.attention.current_flash_attention_impl()
+    'ptxattn'
+    >>> q, k, v = (torch.randn(2, 16, 1024, 128, device="cuda", dtype=torch.bfloat16,
+    ...                        requires_grad=True) for _ in range(3))   # (batch, heads, seq, dim)
+    >>> with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+    ...     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)   # ptxattn's forward
+    ...     out.float().square().mean().backward()                         # and backward
+    >>> ptxattn.torch.disable_sdpa()
+    """
+    registry = _flash_attention_registry()
+    registry.register_flash_attention_impl(_SDPA_IMPL, register_fn=_SdpaKernels)
+    registry.activate_flash_attention_impl(_SDPA_IMPL)
+
+
+def disable_sdpa() -> None:
+    """Give scaled_dot_product_attention's flash backend back to torch's FlashAttention 2.
+
+    ``torch.nn.attention.restore_flash_attention_impl`` when "ptxattn" is the active
+    flash-attention implementation (``enable_sdpa``); nothing otherwise, so that an
+    implementation activated since (FA4, say) stays.
+
+
+    Returns
+    -------
+    None
+
+    Raises
+    ------
+    RuntimeError
+        torch lacks the registry (older than 2.11), as in ``enable_sdpa``.
+
+    Examples
+    --------
+    >>> ptxattn.torch.enable_sdpa()
+    >>> ptxattn.torch.disable_sdpa()
+    >>> torch.nn.attention.current_flash_attention_impl() is None
+    True
+    """
+    registry = _flash_attention_registry()
+    if registry.current_flash_attention_impl() == _SDPA_IMPL:
+        registry.restore_flash_attention_impl()
+
+
+@contextlib.contextmanager
+def sdpa_enabled():
+    """A context in which ptxattn is scaled_dot_product_attention's flash implementation.
+
+    ``enable_sdpa`` on entry; on exit, however the block ends, the flash-attention
+    implementation active before it (torch's default, FA4, or "ptxattn" of an enclosing block)
+    is activated again. A backward dispatches when it runs: call ``.backward()`` inside the block
+    for ptxattn's gradients. What reaches ptxattn, and the priority of torch's backends, as in
+    ``enable_sdpa``.
+
+
+    Returns
+    -------
+    context manager
+        Yields nothing.
+
+    Raises
+    ------
+    RuntimeError
+        On entry, when torch lacks the registry (older than 2.11), as in ``enable_sdpa``.
+
+    Examples
+    --------
+    >>> import torch.nn.functional as F
+    >>> from torch.nn.attention import SDPBackend, sdpa_kernel
+    >>> with ptxattn.torch.sdpa_enabled(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+    ...     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    ...     out.float().square().mean().backward()
+    """
+    registry = _flash_attention_registry()
+    previous = registry.current_flash_attention_impl()
+    enable_sdpa()
+    try:
+        yield
+    finally:
+        if previous is None:
+            registry.restore_flash_attention_impl()
+        else:
+            registry.activate_flash_attention_impl(previous)
