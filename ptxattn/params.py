@@ -138,6 +138,16 @@ class CombineParams(_Params):
     _fields_ = _COMBINE_FIELDS
 
 
+def score_scales(softmax_scale: float, softcap: float = 0.0) -> tuple[float, float]:
+    """The (scale_log2, softcap_scale) fields of FwdParams and BwdParams for ``softmax_scale``
+    and a logit ``softcap`` (0: off). Under a softcap the scores are softcap tanh(softmax_scale
+    s / softcap): the kernels take t = tanh(softcap_scale s) and scale t by scale_log2 = softcap
+    log2(e); softcap_scale 0 leaves the scores as they are."""
+    if softcap > 0:
+        return softcap * math.log2(math.e), softmax_scale / softcap
+    return softmax_scale * math.log2(math.e), 0.0
+
+
 def strides(x, dims: int = 3) -> list[int]:
     """The element strides of an array's first ``dims`` dimensions."""
     return [s // x.itemsize for s in x.strides[:dims]]

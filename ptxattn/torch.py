@@ -914,10 +914,9 @@ def enable_sdpa() -> None:
     flash (on sm_90 and sm_100 with a cuDNN newer than 9.15, as torch 2.11's wheels bring) the
     calls cuDNN takes never reach the flash backend: select it with
     ``torch.nn.attention.sdpa_kernel(SDPBackend.FLASH_ATTENTION)``, or list it first with
-    ``set_priority=True``. The flash op called directly
+    ``sdpa_kernel(..., set_priority=True)``. The flash op called directly
     (``torch.ops.aten._scaled_dot_product_flash_attention``) aligns ``is_causal`` bottom-right
     for seqlen_q != seqlen_k, as FlashAttention 2 and ptxattn do.
-
 
     Returns
     -------
@@ -955,7 +954,6 @@ def disable_sdpa() -> None:
     flash-attention implementation (``enable_sdpa``); nothing otherwise, so that an
     implementation activated since (FA4, say) stays.
 
-
     Returns
     -------
     None
@@ -986,7 +984,6 @@ def sdpa_enabled():
     is activated again. A backward dispatches when it runs: call ``.backward()`` inside the block
     for ptxattn's gradients. What reaches ptxattn, and the priority of torch's backends, as in
     ``enable_sdpa``.
-
 
     Returns
     -------

@@ -140,8 +140,7 @@ def make_params(problem, dout, q, k, v, out, lse, dq, dk, dv, workspace: Workspa
         dq_semaphore=workspace.dq_semaphore if workspace.dq_semaphore is not None else 0,
         batch=problem.batch, seqlen_q=problem.seqlen_q, seqlen_k=problem.seqlen_k,
         heads_q=problem.heads_q, heads_kv=problem.heads_kv, q_per_kv=problem.gqa_ratio,
-        softmax_scale=problem.softmax_scale,
-        scale_log2=problem.softmax_scale * math.log2(math.e), causal=int(problem.causal),
+        softmax_scale=problem.softmax_scale, causal=int(problem.causal),
         num_m_blocks=math.ceil(problem.seqlen_q / block_m),
         seqlen_q_rounded=workspace_rows(problem, block_m)[1], row_padding=block_m,
         window_left=problem.window[0], window_right=0 if problem.causal else problem.window[1],
@@ -152,9 +151,8 @@ def make_params(problem, dout, q, k, v, out, lse, dq, dk, dv, workspace: Workspa
         # blocks that may wait on one another must fit on the GPU at once: one per SM is a
         # lower bound for every backward kernel
         dq_turn_group=runtime.sm_count(problem.device))
-    if problem.softcap > 0:  # the forward's scores: softcap tanh(softmax_scale s / softcap)
-        p.softcap_scale = problem.softmax_scale / problem.softcap
-        p.scale_log2 = problem.softcap * math.log2(math.e)
+    # the forward's scores (softcap tanh(softmax_scale s / softcap) under a softcap)
+    p.scale_log2, p.softcap_scale = params.score_scales(problem.softmax_scale, problem.softcap)
     for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("dq", dq),
                     ("dk", dk), ("dv", dv)):
         for dim, stride in zip("bsh", params.strides(x)):

@@ -343,16 +343,6 @@ def _fp8_key_block_scaled_tiles(schedule: Schedule, head_dim: int) -> tuple[int,
     return None if 128 % schedule.block_n == 0 else FP8_KEY_BLOCK_SCALED_TILES[head_dim]
 
 
-def score_scales(softmax_scale: float, softcap: float = 0.0) -> tuple[float, float]:
-    """FwdParams' (scale_log2, softcap_scale) for ``softmax_scale`` and a logit ``softcap`` (0:
-    off), as launchers/portable_decode.py fills them. Under a softcap the scores are softcap
-    tanh(softmax_scale s / softcap): the kernel takes t = tanh(softcap_scale s) and its softmax
-    scales t by scale_log2 = softcap log2(e); softcap_scale 0 leaves the scores as they are."""
-    if softcap > 0:
-        return softcap * math.log2(math.e), softmax_scale / softcap
-    return softmax_scale * math.log2(math.e), 0.0
-
-
 def section_heads(batch: int, heads_q: int, heads_kv: int, seqlen_k: int, head_dim: int,
                   itemsize: int) -> int:
     """How many (batch, head) pairs the kernel schedules together (TileOrder in
@@ -462,7 +452,7 @@ def _prepare(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
         blocks = min(num_tiles, runtime.sm_count(q.device.id))
     if grid_blocks is not None:
         blocks = min(num_tiles, grid_blocks)
-    scale_log2, softcap_scale = score_scales(softmax_scale,
+    scale_log2, softcap_scale = params.score_scales(softmax_scale,
                                              seqs.softcap if seqs is not None else 0.0)
     p = params.FwdParams(
         q_map=runtime.tensor_map(q, (1, v_info.block_m, 1, box_cols), swizzle=swizzle),

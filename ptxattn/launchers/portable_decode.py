@@ -155,15 +155,14 @@ def _prepare(problem, q, k, v, out, lse, *, seqused_k, block_table, cu_seqlens_q
     else:
         splits = choose_splits(tiles, key_blocks(problem, tile), sms * tile.min_blocks)
     splits = min(splits, key_blocks(problem, tile))
-    softcap = problem.softcap
-    scale_log2 = (softcap if softcap > 0 else problem.softmax_scale) * math.log2(math.e)
+    scale_log2, softcap_scale = params.score_scales(problem.softmax_scale, problem.softcap)
     p = params.FwdParams(
         q=q, k=k, v=v, out=out, lse=lse, batch=problem.batch, seqlen_q=problem.seqlen_q,
         seqlen_k=problem.seqlen_k, heads_q=problem.heads_q, heads_kv=problem.heads_kv,
         q_per_kv=problem.gqa_ratio, scale_log2=scale_log2, causal=int(problem.causal),
         window_left=problem.window[0], window_right=problem.window[1],
         total_q=problem.total_q, num_splits=splits,
-        softcap_scale=problem.softmax_scale / softcap if softcap > 0 else 0.0)
+        softcap_scale=softcap_scale)
     params.set_strides(p, q, k, v, out, lse)
     for name, value in (("seqused_k", seqused_k), ("cu_seqlens_q", cu_seqlens_q),
                         ("cu_seqlens_k", cu_seqlens_k), ("sinks", sinks)):
