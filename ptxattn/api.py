@@ -45,12 +45,17 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     Parameters
     ----------
     q : CUDA array
-        Queries, (batch, seqlen_q, heads_q, head_dim), float16 or bfloat16; head_dim 64, 128
-        or 256.
-    k, v : CUDA array
-        Keys and values, (batch, seqlen_k, heads_kv, head_dim), of one shape and q's dtype,
-        batch and head_dim as q's. heads_q must be a multiple of heads_kv (GQA/MQA: each k/v
-        head serves heads_q / heads_kv consecutive q heads).
+        Queries, (batch, seqlen_q, heads_q, head_dim), float16 or bfloat16; head_dim a
+        multiple of 8 from 8 to 256 (it runs on the least compiled head_dim that holds it,
+        nothing padded in memory; docs/design/head-dims.md lists them).
+    k : CUDA array
+        Keys, (batch, seqlen_k, heads_kv, head_dim), q's dtype, batch and head_dim as q's.
+        heads_q must be a multiple of heads_kv (GQA/MQA: each k/v head serves
+        heads_q / heads_kv consecutive q heads).
+    v : CUDA array
+        Values, (batch, seqlen_k, heads_kv, head_dim_v), k's shape but for head_dim_v, a
+        multiple of 8 at most head_dim (narrower value heads, as in multi-head latent
+        attention); the output has head_dim_v.
     causal : bool, default False
         Masks key j from query i unless j <= i + seqlen_k - seqlen_q (bottom-right aligned,
         as FlashAttention 2.1+). A row that sees no key gives output 0 and LSE -inf.
@@ -59,8 +64,8 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     return_lse : bool, default False
         Also return the log-sum-exp.
     out : CUDA array, optional
-        The buffer to write the output into: q's shape and dtype, laid out as above, on q's
-        device, its memory apart from q's, k's and v's.
+        The buffer to write the output into: (batch, seqlen_q, heads_q, head_dim_v), q's
+        dtype, laid out as above, on q's device, its memory apart from q's, k's and v's.
     lse : CUDA array, optional
         The buffer to write the log-sum-exp into: float32, C-contiguous, (batch, heads_q,
         seqlen_q), on q's device.
@@ -80,7 +85,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     Returns
     -------
     out : array
-        The output, (batch, seqlen_q, heads_q, head_dim) in q's dtype: ``out`` itself if
+        The output, (batch, seqlen_q, heads_q, head_dim_v) in q's dtype: ``out`` itself if
         given.
     lse : array
         Only with ``return_lse``: float32 (batch, heads_q, seqlen_q), the natural log of each
@@ -94,9 +99,10 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         not float16 or bfloat16, or not of one dtype; ``out`` not of q's dtype; ``lse`` or
         ``sinks`` not float32; ``causal`` not a bool; a torch tensor that requires grad.
     ValueError
-        A shape (not 4-d, empty, k and v unlike, batch or head_dim unlike q's, heads_q not a
-        multiple of heads_kv, ``out``, ``lse`` or ``sinks`` of the wrong shape); head_dim not
-        64, 128 or 256; a stride or alignment above; arrays on different devices; ``out`` or
+        A shape (not 4-d, empty, k and v unlike but for head_dim_v, batch or k's head_dim
+        unlike q's, heads_q not a multiple of heads_kv, ``out``, ``lse`` or ``sinks`` of the
+        wrong shape); head_dim or head_dim_v outside the rule above; a stride or alignment
+        above; arrays on different devices; ``out`` or
         ``lse`` overlapping an input; a bad ``softmax_scale``, ``window`` or ``softcap``; an
         unknown ``backend``; or a GPU, head_dim or
         option that no kernel (of the chosen backend) runs (the message names what runs where).
@@ -123,8 +129,10 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
                                           out=out, lse=lse, window=window, softcap=softcap,
                                           sinks=sinks)
     arch = runtime.device_arch(problem.device)
-    route = dispatch.select(arch, problem.format, problem.head_dim, features=problem.features,
-                            backend=backend)  # refuses the call before anything is allocated
+    # refuses the call before anything is allocated
+    route = dispatch.select(arch, problem.format, problem.head_dim,
+                            head_dim_v=problem.head_dim_v, features=problem.features,
+                            backend=backend)
     with cupy.cuda.Device(problem.device):
         if out is None:
             out = cupy.empty(problem.out_shape, dtype=problem.out_dtype)
@@ -153,12 +161,12 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False,
     Parameters
     ----------
     dout : CUDA array
-        The gradient of the loss with respect to ``out``: q's shape and dtype, its own strides
-        (by the layout rules).
+        The gradient of the loss with respect to ``out``: out's shape, (batch, seqlen_q,
+        heads_q, head_dim_v), q's dtype, its own strides (by the layout rules).
     q, k, v : CUDA array
         The forward's inputs.
     out : CUDA array
-        The forward's output: q's shape and dtype.
+        The forward's output: (batch, seqlen_q, heads_q, head_dim_v), q's dtype.
     lse : CUDA array
         The forward's log-sum-exp: float32 (batch, heads_q, seqlen_q), positive strides, unit
         stride along seqlen_q.
@@ -198,10 +206,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False,
         As in the forward, and: ``dout``, ``out``, ``dq``, ``dk`` or ``dv`` not of q's dtype;
         ``lse`` or ``dsinks`` not float32; ``deterministic`` not a bool.
     ValueError
-        As in the forward, and: ``dout`` or ``out`` not of q's shape; ``lse`` not (batch,
-        heads_q, seqlen_q) or without unit stride along seqlen_q; a gradient buffer of the
-        wrong shape, overlapping an input, or sharing memory with another gradient buffer;
-        ``dsinks`` without ``sinks``.
+        As in the forward, and: ``dout`` or ``out`` not of the output's shape (q's with v's
+        head_dim_v); ``lse`` not (batch, heads_q, seqlen_q) or without unit stride along
+        seqlen_q; a gradient buffer of the wrong shape, overlapping an input, or sharing memory
+        with another gradient buffer; ``dsinks`` without ``sinks``.
 
     Examples
     --------
@@ -232,7 +240,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False,
                                              deterministic=deterministic, dq=dq, dk=dk, dv=dv,
                                              dsinks=dsinks)
     route = dispatch.select(runtime.device_arch(problem.device), problem.format,
-                            problem.head_dim, features=problem.backward_features,
+                            problem.head_dim, head_dim_v=problem.head_dim_v,
+                            features=problem.backward_features,
                             backend=backend)
     with cupy.cuda.Device(problem.device):
         dq = cupy.empty(q.shape, dtype=q.dtype) if dq is None else dq

@@ -11,6 +11,14 @@ Fixed-length calls with a window, a softcap or sinks run on a serving build (the
 kernels take none of them): select() gives them a serving route, and :func:`forward` calls its
 launcher's serve() over the whole of k and v.
 
+Head dims: a route lists the head dims its kernels are compiled for. A 16-bit or FP8 call may
+have any head_dim that is a multiple of 16 bytes (8 16-bit values, 16 e4m3 ones) up to the largest
+of them, and runs on the least that holds it (launchers.kernel_head_dim): the kernels' loads fill
+the columns past the call's with zeros and their stores leave them alone, so no array is padded
+in memory. The 16-bit routes also take value heads narrower than the query/key heads
+(head_dim_v <= head_dim, e.g. 192/128), V's and the output's columns bounded the same way. The
+block-scaled formats run their compiled head dims only (their scales cover 32 columns).
+
 Needs no GPU: the caller passes the arch (``runtime.device_arch(device_id)``).
 """
 
@@ -41,6 +49,10 @@ SERVING_OPTIONS = frozenset({"window", "softcap", "sinks"})
 SIXTEEN_BIT = ("bfloat16", "float16")
 BLOCK_SCALED = ("mxfp8", "nvfp4")
 CALLS = ("forward", "backward", "serve")
+# Bytes an element of each format takes: a head_dim runs padded where its rows are whole
+# 16-byte pieces (TMA boxes and cp.async chunks), and the strides of every array are too.
+ITEM_BYTES = {"bfloat16": 2, "float16": 2, "e4m3": 1}
+ROW_PIECE_BYTES = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,32 +65,62 @@ class Route:
     call: str = "forward"         # which of the launcher's CALLS the route makes
     emulated: bool = False        # the family's emulation build (archs.Arch.emulated_families)
     features: frozenset[str] = FORWARD
+    padded: bool = True           # runs every head_dim below its largest (the module docstring)
+    narrow_v: bool = False        # takes head_dim_v < head_dim
 
     @property
     def archs(self) -> tuple[str, ...]:
         return archs.running(self.family, emulated=self.emulated)
 
+    def takes(self, input_format: str, head_dim: int, head_dim_v: int) -> bool:
+        """Whether the route runs a call of these head dims."""
+        if head_dim_v != head_dim and not (self.narrow_v and head_dim_v < head_dim and
+                                           takes_head_dim(input_format, head_dim_v)):
+            return False
+        if not self.padded:
+            return head_dim in self.head_dims
+        return takes_head_dim(input_format, head_dim) and head_dim <= max(self.head_dims)
+
     def describe(self) -> str:
         build = ", emulated" if self.emulated else ""
+        dims = ", ".join(map(str, self.head_dims))
+        dims = (f"head_dim {head_dim_rule(self.formats[0], max(self.head_dims))} (compiled "
+                f"{dims})" if self.padded else f"head_dim {dims}")
         return (f"backend {self.backend!r} ({self.launcher.__name__}.{self.call}{build}) on "
-                f"{', '.join(self.archs)} with head_dim {', '.join(map(str, self.head_dims))}")
+                f"{', '.join(self.archs)} with {dims}"
+                + (", head_dim_v <= head_dim" if self.narrow_v else ""))
+
+
+def takes_head_dim(input_format: str, head_dim: int) -> bool:
+    """Whether ``head_dim`` columns of ``input_format`` are whole 16-byte pieces."""
+    step = ROW_PIECE_BYTES // ITEM_BYTES.get(input_format, ROW_PIECE_BYTES)
+    return head_dim >= step and head_dim % step == 0
+
+
+def head_dim_rule(input_format: str, largest: int) -> str:
+    """The padded routes' head_dim rule in words."""
+    step = ROW_PIECE_BYTES // ITEM_BYTES[input_format]
+    return f"a multiple of {step} from {step} to {largest}"
 
 
 TABLE: tuple[Route, ...] = (
-    Route("hopper", "hopper", SIXTEEN_BIT, (64, 128, 256), hopper_forward),
-    Route("hopper", "hopper", SIXTEEN_BIT, (64, 128, 256), hopper_forward, call="serve",
-          features=PREFILL),
-    Route("hopper", "hopper", SIXTEEN_BIT, (64, 128, 256), hopper_backward, call="backward",
-          features=BACKWARD),
-    Route("portable", "portable", SIXTEEN_BIT, (64, 128, 256), portable_forward),
-    Route("portable", "portable", SIXTEEN_BIT, (64, 128, 256), portable_backward,
-          call="backward", features=BACKWARD),
-    Route("portable", "portable", SIXTEEN_BIT, (64, 128, 256), portable_decode, call="serve",
-          features=SERVING),
-    Route("hopper", "hopper", ("e4m3",), (64, 128, 256), hopper_forward),
-    Route("blockscaled", "blockscaled", BLOCK_SCALED, (64, 128), blockscaled),
-    Route("blockscaled-emulated", "blockscaled", BLOCK_SCALED, (64, 128), blockscaled,
-          emulated=True),
+    Route("hopper", "hopper", SIXTEEN_BIT, hopper_forward.HEAD_DIMS, hopper_forward,
+          narrow_v=True),
+    Route("hopper", "hopper", SIXTEEN_BIT, hopper_forward.HEAD_DIMS, hopper_forward,
+          call="serve", features=PREFILL, narrow_v=True),
+    Route("hopper", "hopper", SIXTEEN_BIT, hopper_backward.HEAD_DIMS, hopper_backward,
+          call="backward", features=BACKWARD, narrow_v=True),
+    Route("portable", "portable", SIXTEEN_BIT, portable_forward.HEAD_DIMS, portable_forward,
+          narrow_v=True),
+    Route("portable", "portable", SIXTEEN_BIT, portable_backward.HEAD_DIMS, portable_backward,
+          call="backward", features=BACKWARD, narrow_v=True),
+    Route("portable", "portable", SIXTEEN_BIT, portable_decode.HEAD_DIMS, portable_decode,
+          call="serve", features=SERVING, narrow_v=True),
+    Route("hopper", "hopper", ("e4m3",), hopper_forward.FP8_HEAD_DIMS, hopper_forward),
+    Route("blockscaled", "blockscaled", BLOCK_SCALED, blockscaled.HEAD_DIMS, blockscaled,
+          padded=False),
+    Route("blockscaled-emulated", "blockscaled", BLOCK_SCALED, blockscaled.HEAD_DIMS,
+          blockscaled, emulated=True, padded=False),
 )
 
 FORMATS = tuple(dict.fromkeys(fmt for route in TABLE for fmt in route.formats))
@@ -97,9 +139,31 @@ def routes_for(input_format: str, table: tuple[Route, ...] | None = None) -> lis
 
 
 def head_dims(input_format: str) -> tuple[int, ...]:
-    """Every head_dim some GPU runs for inputs of this format (the metadata check before any
-    GPU is known)."""
+    """Every compiled head_dim of some route for inputs of this format."""
     return tuple(sorted({d for route in routes_for(input_format) for d in route.head_dims}))
+
+
+def check_head_dims(input_format: str, head_dim: int, head_dim_v: int | None = None) -> None:
+    """Refuses head dims that no route runs for this format (the metadata check before any
+    GPU is known), naming the rule."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    routes = routes_for(input_format)
+    if not any(route.takes(input_format, head_dim, head_dim) for route in routes):
+        raise ValueError(f"head_dim must be {_dims_rule(input_format, routes)} for "
+                         f"{input_format} inputs, got {head_dim}")
+    if not any(route.takes(input_format, head_dim, head_dim_v) for route in routes):
+        if any(route.narrow_v for route in routes):
+            rule = (f"at most head_dim ({head_dim}) and "
+                    f"{head_dim_rule(input_format, head_dim)}")
+        else:
+            rule = f"head_dim ({head_dim}) for {input_format} inputs"
+        raise ValueError(f"v's head_dim (head_dim_v) must be {rule}, got {head_dim_v}")
+
+
+def _dims_rule(input_format: str, routes: list[Route]) -> str:
+    if any(route.padded for route in routes):
+        return head_dim_rule(input_format, max(d for route in routes for d in route.head_dims))
+    return f"one of {list(head_dims(input_format))}"
 
 
 def archs_for(input_format: str) -> tuple[str, ...]:
@@ -109,17 +173,19 @@ def archs_for(input_format: str) -> tuple[str, ...]:
 
 
 def select(arch: str, input_format: str, head_dim: int, *, features=frozenset(),
-           backend: str | None = None) -> Route:
+           backend: str | None = None, head_dim_v: int | None = None) -> Route:
     """The route for an attention call on an ``arch`` GPU: the first of TABLE that takes
-    ``input_format`` and ``head_dim`` there and handles every one of ``features`` (a subset of
-    FEATURES), restricted to routes named ``backend`` if given. Raises ValueError naming the
-    arch and what the routes for that format support when none fits."""
-    return _select(TABLE, arch, input_format, head_dim, frozenset(features), backend)
+    ``input_format``, ``head_dim`` and ``head_dim_v`` (v's, if not head_dim) there and handles
+    every one of ``features`` (a subset of FEATURES), restricted to routes named ``backend`` if
+    given. Raises ValueError naming the arch and what the routes for that format support when
+    none fits."""
+    return _select(TABLE, arch, input_format, head_dim,
+                   head_dim if head_dim_v is None else head_dim_v, frozenset(features), backend)
 
 
 @functools.lru_cache(maxsize=256)
 def _select(table: tuple[Route, ...], arch: str, input_format: str, head_dim: int,
-            features: frozenset, backend: str | None) -> Route:
+            head_dim_v: int, features: frozenset, backend: str | None) -> Route:
     """select() over ``table`` (TABLE, passed so that it is part of the key), remembered:
     every call of an entry point asks it. Refusals are not kept."""
     archs.get(arch)
@@ -135,11 +201,12 @@ def _select(table: tuple[Route, ...], arch: str, input_format: str, head_dim: in
     if not routes:
         raise ValueError(f"{input_format} attention does not run on this {arch} GPU; it runs "
                          f"as {supported}")
-    fitting = [route for route in routes if head_dim in route.head_dims]
+    fitting = [route for route in routes if route.takes(input_format, head_dim, head_dim_v)]
     if not fitting:
-        dims = sorted({d for route in routes for d in route.head_dims})
-        raise ValueError(f"head_dim must be one of {dims} for {input_format} inputs on {arch}, "
-                         f"got {head_dim} ({supported})")
+        dims = (f"head_dim {head_dim}" if head_dim_v == head_dim
+                else f"head_dim {head_dim} with head_dim_v {head_dim_v}")
+        raise ValueError(f"{input_format} attention at {dims} does not run on {arch}; it runs "
+                         f"as {supported}")
     # a backward route takes the calls for gradients, and only those
     fitting = [route for route in fitting if ("backward" in features) == (route.call == "backward")]
     for route in fitting:

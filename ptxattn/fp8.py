@@ -36,8 +36,10 @@ clearly the most accurate.
 
 Constants: ``E4M3`` is the NumPy dtype ``float8_e4m3fn`` (ml_dtypes); ``E4M3_MAX`` = 448.0,
 e4m3's largest finite value; ``GRANULARITIES`` = ("tensor", "head", "block"), the descale
-granularities; ``HEAD_DIMS`` = (64, 128, 256), the head dims the kernel and the quantizers
-take; ``SCALE_BLOCK_ROWS`` = 128, the rows of one batch and head that share a "block" descale.
+granularities; ``HEAD_DIMS`` = (64, 128, 256), the head dims the quantizers take and the
+attention kernel is compiled for (it takes any multiple of 16 from 16 to 256, on the least of
+them that holds it); ``SCALE_BLOCK_ROWS`` = 128, the rows of one batch and head that share a
+"block" descale.
 """
 
 from __future__ import annotations
@@ -78,10 +80,12 @@ def attention(q, k, v, *, q_descale, k_descale, v_descale, causal: bool = False,
     ----------
     q : E4M3Array or float8_e4m3fn CUDA array
         Queries, (batch, seqlen_q, heads_q, head_dim): an ``E4M3Array``, a torch
-        float8_e4m3fn tensor or a CuPy float8_e4m3fn view; head_dim 64, 128 or 256.
+        float8_e4m3fn tensor or a CuPy float8_e4m3fn view; head_dim a multiple of 16 from 16
+        to 256.
     k, v : E4M3Array or float8_e4m3fn CUDA array
-        Keys and values, (batch, seqlen_k, heads_kv, head_dim), of one shape, batch and
-        head_dim as q's; heads_q a multiple of heads_kv (GQA/MQA).
+        Keys and values, (batch, seqlen_k, heads_kv, head_dim), of one shape (v's head_dim is
+        k's: FP8 takes no narrower value heads), batch and head_dim as q's; heads_q a multiple
+        of heads_kv (GQA/MQA).
     q_descale, k_descale : float or CUDA array
         Required. A finite positive number, or a float32 array on q's device of shape () or
         (1,) (per tensor), (batch, heads) (per head: heads_kv for k) or (batch, heads,
@@ -118,10 +122,10 @@ def attention(q, k, v, *, q_descale, k_descale, v_descale, causal: bool = False,
         an array in host memory; a descale missing, or neither a number nor a float32 array;
         ``out`` not bfloat16 or float16; ``causal`` not a bool.
     ValueError
-        A shape, stride or alignment above; head_dim not 64, 128 or 256; a descale that is not
-        positive or of none of its shapes; ``out_dtype`` not bfloat16 or float16, or unlike
-        ``out``'s dtype; arrays on different devices; ``out`` overlapping an input; a bad
-        ``softmax_scale``; a GPU other than sm_90a.
+        A shape, stride or alignment above; head_dim not a multiple of 16 from 16 to 256, or
+        v's unlike it; a descale that is not positive or of none of its shapes; ``out_dtype``
+        not bfloat16 or float16, or unlike ``out``'s dtype; arrays on different devices;
+        ``out`` overlapping an input; a bad ``softmax_scale``; a GPU other than sm_90a.
 
     Examples
     --------

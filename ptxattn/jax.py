@@ -738,10 +738,14 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     ----------
     q : jax.Array
         Queries, (batch, seqlen_q, heads_q, head_dim), float16 or bfloat16, on a CUDA device;
-        head_dim 64, 128 or 256.
-    k, v : jax.Array
-        Keys and values, (batch, seqlen_k, heads_kv, head_dim), of one shape and q's dtype;
-        heads_q a multiple of heads_kv (GQA/MQA).
+        head_dim a multiple of 8 from 8 to 256.
+    k : jax.Array
+        Keys, (batch, seqlen_k, heads_kv, head_dim), q's dtype; heads_q a multiple of heads_kv
+        (GQA/MQA).
+    v : jax.Array
+        Values, (batch, seqlen_k, heads_kv, head_dim_v), k's shape but for head_dim_v, a
+        multiple of 8 at most head_dim (narrower value heads, as in multi-head latent
+        attention).
     causal : bool, default False
         Masks key j from query i unless j <= i + seqlen_k - seqlen_q (bottom-right aligned,
         as in ``ptxattn.attention``). A row that sees no key gives output 0.
@@ -763,7 +767,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     Returns
     -------
     jax.Array
-        The output, (batch, seqlen_q, heads_q, head_dim) in q's dtype.
+        The output, (batch, seqlen_q, heads_q, head_dim_v) in q's dtype.
 
     Raises
     ------
@@ -771,9 +775,9 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         q, k or v not arrays, not float16 or bfloat16, or not of one dtype; ``sinks`` not a
         float32 array; ``causal`` or ``deterministic`` not a bool.
     ValueError
-        A shape (not 4-d, empty, k and v unlike, batch or head_dim unlike q's, heads_q not a
-        multiple of heads_kv, ``sinks`` not (heads_q,)); head_dim not 64, 128 or 256; a bad
-        ``softmax_scale``, ``window`` or ``softcap``.
+        A shape (not 4-d, empty, k and v unlike but for head_dim_v, batch or k's head_dim
+        unlike q's, heads_q not a multiple of heads_kv, ``sinks`` not (heads_q,)); head_dim or
+        head_dim_v outside the rule above; a bad ``softmax_scale``, ``window`` or ``softcap``.
 
     Examples
     --------
@@ -814,7 +818,7 @@ def _attention(q, k, v, sinks, attributes):
 
 def _attention_forward(q, k, v, sinks, attributes):
     batch, seqlen_q, heads_q, _ = q.shape
-    result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+    result_types = (jax.ShapeDtypeStruct((*q.shape[:-1], v.shape[-1]), q.dtype),
                     jax.ShapeDtypeStruct((batch, heads_q, seqlen_q), np.float32))
     out, lse = _forward_call(FORWARD_TARGET, (q, k, v), sinks, result_types, attributes)
     return out, (q, k, v, sinks, out, lse)
@@ -847,10 +851,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     ----------
     q : jax.Array
         Queries, (total_q, heads_q, head_dim), float16 or bfloat16, on a CUDA device; head_dim
-        64, 128 or 256.
-    k, v : jax.Array
-        Keys and values, (total_k, heads_kv, head_dim), of one shape and q's dtype; heads_q a
-        multiple of heads_kv (GQA/MQA).
+        a multiple of 8 from 8 to 256.
+    k : jax.Array
+        Keys, (total_k, heads_kv, head_dim), q's dtype; heads_q a multiple of heads_kv
+        (GQA/MQA).
+    v : jax.Array
+        Values, (total_k, heads_kv, head_dim_v), k's shape but for head_dim_v, a multiple of 8
+        at most head_dim.
     cu_seqlens_q, cu_seqlens_k : jax.Array
         int32, batch + 1 >= 2 entries each: the sequences' cumulative lengths. No gradient.
     max_seqlen_q, max_seqlen_k : int
@@ -876,7 +883,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     Returns
     -------
     jax.Array
-        The output like q, (total_q, heads_q, head_dim).
+        The output, (total_q, heads_q, head_dim_v) in q's dtype.
 
     Raises
     ------
@@ -884,10 +891,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
         q, k or v not arrays of one float16 or bfloat16 dtype; the cu_seqlens not int32;
         ``sinks`` not float32; ``causal`` or ``deterministic`` not a bool.
     ValueError
-        A shape (q, k, v not 3-d or empty, k and v unlike, heads_q not a multiple of heads_kv,
-        ``sinks`` not (heads_q,)); head_dim not 64, 128 or 256; cu_seqlens not 1-d, of unlike
-        shapes or of fewer than 2 entries; a max_seqlen that is not a non-negative int; a bad
-        ``softmax_scale``, ``window`` or ``softcap``.
+        A shape (q, k, v not 3-d or empty, k and v unlike but for head_dim_v, heads_q not a
+        multiple of heads_kv, ``sinks`` not (heads_q,)); head_dim or head_dim_v outside the
+        rule above; cu_seqlens not 1-d, of unlike shapes or of fewer than 2 entries; a
+        max_seqlen that is not a non-negative int; a bad ``softmax_scale``, ``window`` or
+        ``softcap``.
 
     Examples
     --------
@@ -924,7 +932,7 @@ def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, attributes):
 
 def _attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, attributes):
     total_q, heads_q, _ = q.shape
-    result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+    result_types = (jax.ShapeDtypeStruct((*q.shape[:-1], v.shape[-1]), q.dtype),
                     jax.ShapeDtypeStruct((heads_q, total_q), np.float32))
     out, lse = _forward_call(VARLEN_FORWARD_TARGET, (q, k, v, cu_seqlens_q, cu_seqlens_k), sinks,
                              result_types, attributes)

@@ -48,6 +48,7 @@ _FIELDS = [
     ("total_q", ctypes.c_int32), ("num_splits", ctypes.c_int32),
     ("out_accum", ctypes.c_uint64), ("lse_accum", ctypes.c_uint64),
     ("softcap_scale", ctypes.c_float), ("sinks", ctypes.c_uint64),
+    ("head_dim", ctypes.c_int32), ("head_dim_v", ctypes.c_int32),
 ]
 
 
@@ -71,6 +72,7 @@ _BWD_FIELDS = [
     ("softcap_scale", ctypes.c_float),
     ("cu_seqlens_q", _P), ("cu_seqlens_k", _P), ("row_padding", ctypes.c_int32),
     ("sinks", _P), ("dsink_rows", _P),
+    ("head_dim", ctypes.c_int32), ("head_dim_v", ctypes.c_int32),
 ]
 _COMBINE_FIELDS = [
     ("parts", _P), ("lse_parts", _P), ("out", _P), ("lse", _P), ("sinks", _P),
@@ -154,7 +156,9 @@ def strides(x, dims: int = 3) -> list[int]:
 
 
 def set_strides(p: "FwdParams", q, k, v, out, lse) -> None:
-    """p's element strides of q, k, v, out (batch, seqlen, heads) and lse (batch, heads)."""
+    """p's element strides of q, k, v, out (batch, seqlen, heads) and lse (batch, heads), and
+    the arrays' head dims: q's (head_dim) and v's (head_dim_v)."""
+    p.head_dim, p.head_dim_v = q.shape[-1], v.shape[-1]
     (p.q_stride_b, p.q_stride_s, p.q_stride_h) = strides(q)
     (p.k_stride_b, p.k_stride_s, p.k_stride_h) = strides(k)
     (p.v_stride_b, p.v_stride_s, p.v_stride_h) = strides(v)

@@ -92,7 +92,8 @@ def _softmax(scores, sinks):
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
               return_lse: bool = False, precision: str = "float32", query_chunk: int = 1024,
               window: tuple[int, int] = (-1, -1), softcap: float = 0.0, sinks=None):
-    """softmax(scale * q k^T) v for (batch, seqlen, heads, head_dim) arrays.
+    """softmax(scale * q k^T) v for (batch, seqlen, heads, head_dim) arrays, v's head_dim its
+    own (head_dim_v: the output's).
 
     Returns float32 output (and float32 LSE of shape (batch, heads, seqlen_q), natural log).
     Causal masking aligns to the bottom-right corner when seqlen_q != seqlen_k; a query row that
@@ -102,10 +103,10 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     softcap * tanh(s / softcap); ``sinks`` (float32, one logit per q head) join every row's
     denominator (and the LSE) without adding to the output.
     """
-    batch, seqlen_q, heads_q, head_dim = q.shape
+    batch, seqlen_q, heads_q, _ = q.shape
     scale, low, qf, kf, vf = _operands(q, k, v, softmax_scale, precision)
 
-    out = cupy.empty((batch, heads_q, seqlen_q, head_dim), dtype=cupy.float32)
+    out = cupy.empty((batch, heads_q, seqlen_q, v.shape[3]), dtype=cupy.float32)
     lse = cupy.empty((batch, heads_q, seqlen_q), dtype=cupy.float32)
     for start in range(0, seqlen_q, query_chunk):
         stop = min(start + query_chunk, seqlen_q)
@@ -127,16 +128,17 @@ def attention_backward(dout, q, k, v, *, causal: bool = False,
                        query_chunk: int = 1024, window: tuple[int, int] = (-1, -1),
                        softcap: float = 0.0, sinks=None):
     """The gradients (dq, dk, dv) of attention() with respect to q, k, v given dout, float32,
-    in the inputs' (batch, seqlen, heads, head_dim) layouts; dk and dv summed over the q heads
-    of each k/v head's group. ``causal``, ``window``, ``softcap`` and ``sinks`` as in
-    attention(); with ``sinks`` a fourth value, dsinks: float32 (heads_q,), the gradient of each
-    sink logit summed over the batch and the rows, -sum exp(sink - lse) * sum(dout * out).
+    in the inputs' (batch, seqlen, heads, head_dim) layouts (dout's head_dim v's, as the
+    output's); dk and dv summed over the q heads of each k/v head's group. ``causal``,
+    ``window``, ``softcap`` and ``sinks`` as in attention(); with ``sinks`` a fourth value,
+    dsinks: float32 (heads_q,), the gradient of each sink logit summed over the batch and the
+    rows, -sum exp(sink - lse) * sum(dout * out).
 
     ``precision="input"`` rounds every intermediate (scores, probabilities, output, dP, dS, the
     sinks' probabilities and dS among them) to the input dtype, as the naive implementation in
     that dtype would.
     """
-    batch, seqlen_q, heads_q, head_dim = q.shape
+    batch, seqlen_q, heads_q, _ = q.shape
     heads_kv = k.shape[2]
     scale, low, qf, kf, vf = _operands(q, k, v, softmax_scale, precision)
     dof = _heads_major(dout)
@@ -171,7 +173,7 @@ def attention_backward(dout, q, k, v, *, causal: bool = False,
     dk *= scale
 
     def back(x, heads):
-        x = x.reshape(batch, heads, -1, x.shape[2], head_dim).sum(axis=2) if heads else x
+        x = x.reshape(batch, heads, -1, *x.shape[2:]).sum(axis=2) if heads else x
         return rounded(cupy.ascontiguousarray(x.transpose(0, 2, 1, 3)))
 
     grads = back(dq, None), back(dk, heads_kv), back(dv, heads_kv)

@@ -51,12 +51,13 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
     Parameters
     ----------
     q : CUDA array
-        Queries, (batch, seqlen_q, heads_q, head_dim), float16 or bfloat16; head_dim 64, 128
-        or 256; heads_q a multiple of heads_kv (GQA/MQA).
+        Queries, (batch, seqlen_q, heads_q, head_dim), float16 or bfloat16; head_dim a
+        multiple of 8 from 8 to 256; heads_q a multiple of heads_kv (GQA/MQA).
     k_cache, v_cache : CUDA array
-        The cache, of one shape and q's dtype: contiguous, (batch, seqlen_cache, heads_kv,
-        head_dim), or paged, (num_pages, page_size, heads_kv, head_dim) with ``block_table``,
-        page_size a multiple of 16 from 16 to 256.
+        The cache, in q's dtype: contiguous, (batch, seqlen_cache, heads_kv, head_dim), or
+        paged, (num_pages, page_size, heads_kv, head_dim) with ``block_table``, page_size a
+        multiple of 16 from 16 to 256. v_cache has k_cache's shape but for its last axis,
+        head_dim_v: a multiple of 8 at most head_dim, the output's head_dim.
     cache_seqlens : int or CUDA array
         Each sequence's filled length: one int for every sequence, or an int32 (batch,)
         contiguous array. In [0, capacity], capacity seqlen_cache (contiguous) or max_pages *
@@ -66,7 +67,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
         sequence's pages in order.
     k_new, v_new : CUDA array, optional
         Keys and values to append, given together: (batch, seqlen_new, heads_kv, head_dim) of
-        q's dtype, of one shape; cache_seqlens + seqlen_new must not exceed the capacity.
+        q's dtype, v_new's last axis head_dim_v as v_cache's; cache_seqlens + seqlen_new must
+        not exceed the capacity.
     causal : bool, default True
         Aligns the queries with the last keys: query i of a sequence of L keys (cache_seqlens
         + seqlen_new) sees key j only if j <= i + L - seqlen_q (bottom-right aligned). A row
@@ -87,8 +89,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
     return_lse : bool, default False
         Also return the log-sum-exp.
     out : CUDA array, optional
-        The buffer to write the output into: q's shape and dtype, laid out as q, its memory
-        apart from every input's.
+        The buffer to write the output into: (batch, seqlen_q, heads_q, head_dim_v), q's
+        dtype, laid out as q, its memory apart from every input's.
     check_contents : bool, default True
         Copy ``cache_seqlens`` and ``block_table`` to the host (a synchronization) to check
         that the lengths fit the cache and that the pages each sequence uses exist. Pass False
@@ -101,7 +103,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
     Returns
     -------
     out : array
-        The output like q, (batch, seqlen_q, heads_q, head_dim): ``out`` itself if given.
+        The output, (batch, seqlen_q, heads_q, head_dim_v) in q's dtype: ``out`` itself if
+        given.
     lse : array
         Only with ``return_lse``: float32 (batch, heads_q, seqlen_q), natural log, sinks
         included; -inf for a row that sees no key.
@@ -116,11 +119,11 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
     ValueError
         A shape, stride or alignment above (the cache's head_dim or heads unlike q's, a
         contiguous cache of another batch than q, page_size, ``block_table``'s shape); head_dim
-        not 64, 128 or 256; ``k_new`` without ``v_new``; lengths beyond the cache's capacity
-        (with ``check_contents``, also per sequence, and pages outside [0, num_pages));
-        ``num_splits`` outside [0, 128]; a bad ``softmax_scale``, ``window`` or ``softcap``;
-        arrays on different devices; ``out`` overlapping an input; an unknown ``backend``, or a
-        GPU on which no kernel runs the call.
+        or head_dim_v outside the rule above; ``k_new`` without ``v_new``; lengths beyond the
+        cache's capacity (with ``check_contents``, also per sequence, and pages outside
+        [0, num_pages)); ``num_splits`` outside [0, 128]; a bad ``softmax_scale``, ``window``
+        or ``softcap``; arrays on different devices; ``out`` overlapping an input; an unknown
+        ``backend``, or a GPU on which no kernel runs the call.
 
     Examples
     --------
@@ -148,7 +151,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
         v_new=v_new, causal=causal, window=window, softcap=softcap, sinks=sinks,
         softmax_scale=softmax_scale, num_splits=num_splits, out=out)
     route = dispatch.select(runtime.device_arch(problem.device), problem.format,
-                            problem.head_dim, features=problem.features, backend=backend)
+                            problem.head_dim, head_dim_v=problem.head_dim_v,
+                            features=problem.features, backend=backend)
     seqlen_new = 0 if k_new is None else k_new.shape[1]
     with cupy.cuda.Device(problem.device):
         if check_contents:
@@ -203,10 +207,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     Parameters
     ----------
     q : CUDA array
-        Queries, (total_q, heads_q, head_dim), float16 or bfloat16; head_dim 64, 128 or 256.
-    k, v : CUDA array
-        Keys and values, (total_k, heads_kv, head_dim), of one shape and q's dtype; heads_q a
-        multiple of heads_kv (GQA/MQA).
+        Queries, (total_q, heads_q, head_dim), float16 or bfloat16; head_dim a multiple of 8
+        from 8 to 256.
+    k : CUDA array
+        Keys, (total_k, heads_kv, head_dim), q's dtype; heads_q a multiple of heads_kv
+        (GQA/MQA).
+    v : CUDA array
+        Values, (total_k, heads_kv, head_dim_v), k's shape but for head_dim_v, a multiple of 8
+        at most head_dim; the output has head_dim_v.
     cu_seqlens_q, cu_seqlens_k : CUDA array
         int32, contiguous, batch + 1 >= 2 entries each: the sequences' cumulative lengths,
         from 0, never decreasing, ending at total_q and total_k.
@@ -229,8 +237,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     return_lse : bool, default False
         Also return the log-sum-exp.
     out : CUDA array, optional
-        The buffer to write the output into: q's shape and dtype, laid out as q, its memory
-        apart from every input's.
+        The buffer to write the output into: (total_q, heads_q, head_dim_v), q's dtype, laid
+        out as q, its memory apart from every input's.
     lse : CUDA array, optional
         The buffer to write the log-sum-exp into: float32, C-contiguous, (heads_q, total_q),
         apart from every input's.
@@ -243,7 +251,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     Returns
     -------
     out : array
-        The output like q, (total_q, heads_q, head_dim): ``out`` itself if given.
+        The output, (total_q, heads_q, head_dim_v) in q's dtype: ``out`` itself if given.
     lse : array
         Only with ``return_lse``: float32 (heads_q, total_q), natural log, sinks included;
         -inf for a row that sees no key (``lse`` itself if given). What
@@ -256,11 +264,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
         bfloat16 dtype; the cu_seqlens not int32; ``sinks`` not float32; ``causal`` not a
         bool.
     ValueError
-        A shape, stride or alignment above; head_dim not 64, 128 or 256; cu_seqlens of unlike
-        shapes or fewer than 2 entries; a negative or non-int max_seqlen; with
-        ``check_contents``, cu_seqlens that do not start at 0, decrease, miss the token count
-        or hold a sequence longer than its maximum; a bad ``softmax_scale``, ``window`` or
-        ``softcap``; arrays on different devices; ``out`` overlapping an input; an unknown
+        A shape, stride or alignment above; head_dim or head_dim_v outside the rule above;
+        cu_seqlens of unlike shapes or fewer than 2 entries; a negative or non-int max_seqlen;
+        with ``check_contents``, cu_seqlens that do not start at 0, decrease, miss the token
+        count or hold a sequence longer than its maximum; a bad ``softmax_scale``, ``window``
+        or ``softcap``; arrays on different devices; ``out`` overlapping an input; an unknown
         ``backend``, or a GPU on which no kernel runs the call.
 
     Examples
@@ -286,12 +294,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
         window=window, softcap=softcap, sinks=sinks, softmax_scale=softmax_scale, out=out,
         lse=lse)
     route = dispatch.select(runtime.device_arch(problem.device), problem.format,
-                            problem.head_dim, features=problem.features, backend=backend)
+                            problem.head_dim, head_dim_v=problem.head_dim_v,
+                            features=problem.features, backend=backend)
     with cupy.cuda.Device(problem.device):
         if check_contents:
             check_varlen_contents(problem, cu_seqlens_q, cu_seqlens_k, k.shape[0])
         if out is None:
-            out = cupy.empty(q.shape, dtype=problem.out_dtype)
+            out = cupy.empty((*q.shape[:2], problem.head_dim_v), dtype=problem.out_dtype)
         if lse is None:
             lse = cupy.empty((problem.heads_q, problem.total_q), dtype=cupy.float32)
         route.launcher.serve(problem, q[None], k[None], v[None], out[None], lse[None],
@@ -317,11 +326,12 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     Parameters
     ----------
     dout : CUDA array
-        The gradient of the loss with respect to ``out``: q's shape and dtype.
+        The gradient of the loss with respect to ``out``: out's shape, (total_q, heads_q,
+        head_dim_v), and q's dtype.
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         The forward's arguments.
     out : CUDA array
-        The forward's output, like q.
+        The forward's output, (total_q, heads_q, head_dim_v) in q's dtype.
     lse : CUDA array
         The forward's log-sum-exp: float32 (heads_q, total_q), unit stride along total_q.
     causal, softmax_scale, window, softcap, sinks
@@ -370,7 +380,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap, sinks=sinks,
         deterministic=deterministic, dq=dq, dk=dk, dv=dv, dsinks=dsinks)
     route = dispatch.select(runtime.device_arch(problem.device), problem.format,
-                            problem.head_dim, features=problem.backward_features,
+                            problem.head_dim, head_dim_v=problem.head_dim_v,
+                            features=problem.backward_features,
                             backend=backend)
     with cupy.cuda.Device(problem.device):
         if check_contents:

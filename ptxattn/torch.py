@@ -62,9 +62,10 @@ flash-attention implementation of ``torch.nn.functional.scaled_dot_product_atten
 torch's registry of them (``torch.nn.attention.register_flash_attention_impl``, torch 2.11 and
 newer, the way FlashAttention 4 plugs in): activating "ptxattn" registers Python kernels for
 ``aten::_scaled_dot_product_flash_attention`` and its backward on CUDA over torch's own. They
-run ptxattn's kernels for the calls ptxattn has kernels for (16-bit, head_dim 64, 128 or 256,
-no dropout) and torch's FlashAttention 2 ops, ``aten::_flash_attention_forward`` and
-``_flash_attention_backward``, which stay torch's, for the others, as torch's own kernels do.
+run ptxattn's kernels for the calls ptxattn has kernels for (16-bit, head_dim a multiple of 8
+from 8 to 256, value's head_dim a multiple of 8 at most it, no dropout) and torch's
+FlashAttention 2 ops, ``aten::_flash_attention_forward`` and ``_flash_attention_backward``,
+which stay torch's, for the others, as torch's own kernels do.
 """
 
 import contextlib
@@ -119,6 +120,12 @@ def _check_optional(dtype: torch.dtype, **tensors) -> None:
             _check_tensor(name, x, (dtype,), str(dtype).removeprefix("torch."))
 
 
+def _out_shape(q: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
+    """The output's shape: q's, (batch, seqlen, heads, head_dim) or packed (total_q, heads,
+    head_dim), with v's head_dim_v in place of head_dim."""
+    return (*q.shape[:-1], v.shape[-1])
+
+
 def _lse_shape(q: torch.Tensor) -> tuple[int, int, int]:
     """(batch, heads_q, seqlen_q): the float32 log-sum-exp's shape for q (batch, seqlen, heads,
     dim)."""
@@ -156,15 +163,15 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     kept here because the autograd formula sees only the forward's inputs)."""
     lse = q.new_empty(_lse_shape(q), dtype=torch.float32)
     return api.attention(q.detach(), k.detach(), v.detach(), causal=causal,
-                         softmax_scale=softmax_scale, return_lse=True, out=q.new_empty(q.shape),
-                         lse=lse, backend=backend, window=tuple(window), softcap=softcap,
-                         sinks=_detached(sinks))
+                         softmax_scale=softmax_scale, return_lse=True,
+                         out=q.new_empty(_out_shape(q, v)), lse=lse, backend=backend,
+                         window=tuple(window), softcap=softcap, sinks=_detached(sinks))
 
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, causal, softmax_scale, window, softcap, sinks, deterministic,
                         backend):
-    return q.new_empty(q.shape), q.new_empty(_lse_shape(q), dtype=torch.float32)
+    return q.new_empty(_out_shape(q, v)), q.new_empty(_lse_shape(q), dtype=torch.float32)
 
 
 @torch.library.custom_op("ptxattn::attention_bwd", mutates_args=(), device_types="cuda")
@@ -233,10 +240,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     ----------
     q : torch.Tensor
         Queries, (batch, seqlen_q, heads_q, head_dim), float16 or bfloat16, on a CUDA device;
-        head_dim 64, 128 or 256.
-    k, v : torch.Tensor
-        Keys and values, (batch, seqlen_k, heads_kv, head_dim), q's dtype and device; heads_q a
-        multiple of heads_kv (GQA/MQA).
+        head_dim a multiple of 8 from 8 to 256.
+    k : torch.Tensor
+        Keys, (batch, seqlen_k, heads_kv, head_dim), q's dtype and device; heads_q a multiple
+        of heads_kv (GQA/MQA).
+    v : torch.Tensor
+        Values, (batch, seqlen_k, heads_kv, head_dim_v), k's shape but for head_dim_v, a
+        multiple of 8 at most head_dim (narrower value heads, as in multi-head latent
+        attention).
     causal : bool, default False
         Masks key j from query i unless j <= i + seqlen_k - seqlen_q (bottom-right aligned).
     softmax_scale : float, optional
@@ -259,7 +270,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     Returns
     -------
     out : torch.Tensor
-        (batch, seqlen_q, heads_q, head_dim) in q's dtype.
+        (batch, seqlen_q, heads_q, head_dim_v) in q's dtype.
     lse : torch.Tensor
         Only with ``return_lse``: float32 (batch, heads_q, seqlen_q), natural log, sinks
         included; it carries no gradient.
@@ -319,7 +330,8 @@ def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return serving.attention_varlen(
         q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         max_seqlen_k, causal=causal, softmax_scale=softmax_scale, window=tuple(window),
-        softcap=softcap, sinks=_detached(sinks), return_lse=True, out=q.new_empty(q.shape),
+        softcap=softcap, sinks=_detached(sinks), return_lse=True,
+        out=q.new_empty(_out_shape(q, v)),
         lse=q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32),
         check_contents=check_contents, backend=backend)
 
@@ -328,7 +340,8 @@ def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _attention_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                causal, softmax_scale, window, softcap, sinks, deterministic,
                                check_contents, backend):
-    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return (q.new_empty(_out_shape(q, v)),
+            q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
 
 
 @torch.library.custom_op("ptxattn::attention_varlen_bwd", mutates_args=(), device_types="cuda")
@@ -409,9 +422,12 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ----------
     q : torch.Tensor
         Queries, (total_q, heads_q, head_dim), float16 or bfloat16, on a CUDA device, the
-        sequences packed back to back.
-    k, v : torch.Tensor
-        Keys and values, (total_k, heads_kv, head_dim), q's dtype.
+        sequences packed back to back; head_dim a multiple of 8 from 8 to 256.
+    k : torch.Tensor
+        Keys, (total_k, heads_kv, head_dim), q's dtype.
+    v : torch.Tensor
+        Values, (total_k, heads_kv, head_dim_v), k's shape but for head_dim_v, a multiple of 8
+        at most head_dim.
     cu_seqlens_q, cu_seqlens_k : torch.Tensor
         int32 (batch + 1,) cumulative lengths, from 0, on q's device. The backward reads them
         as the forward saw them: autograd refuses it after they were changed in place.
@@ -441,7 +457,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Returns
     -------
     out : torch.Tensor
-        Like q, (total_q, heads_q, head_dim).
+        (total_q, heads_q, head_dim_v) in q's dtype.
     lse : torch.Tensor
         Only with ``return_lse``: float32 (heads_q, total_q), natural log, sinks included; it
         carries no gradient.
@@ -502,14 +518,14 @@ def attention_with_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         block_table=block_table, k_new=_detached(k_new), v_new=_detached(v_new), causal=causal,
         window=tuple(window), softcap=softcap, sinks=_detached(sinks),
         softmax_scale=softmax_scale, num_splits=num_splits, return_lse=True,
-        out=q.new_empty(q.shape), check_contents=check_contents, backend=backend)
+        out=q.new_empty(_out_shape(q, v_cache)), check_contents=check_contents, backend=backend)
 
 
 @attention_with_kvcache_fwd.register_fake
 def _attention_with_kvcache_fwd_fake(q, k_cache, v_cache, cache_seqlens, uniform_cache_seqlen,
                                      block_table, k_new, v_new, causal, window, softcap, sinks,
                                      softmax_scale, num_splits, check_contents, backend):
-    return q.new_empty(q.shape), q.new_empty(_lse_shape(q), dtype=torch.float32)
+    return q.new_empty(_out_shape(q, v_cache)), q.new_empty(_lse_shape(q), dtype=torch.float32)
 
 
 def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
@@ -534,16 +550,20 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Parameters
     ----------
     q : torch.Tensor
-        Queries, (batch, seqlen_q, heads_q, head_dim), float16 or bfloat16, on a CUDA device.
+        Queries, (batch, seqlen_q, heads_q, head_dim), float16 or bfloat16, on a CUDA device;
+        head_dim a multiple of 8 from 8 to 256.
     k_cache, v_cache : torch.Tensor
         A contiguous cache, (batch, seqlen_cache, heads_kv, head_dim), or a paged one,
-        (num_pages, page_size, heads_kv, head_dim) with ``block_table``; q's dtype.
+        (num_pages, page_size, heads_kv, head_dim) with ``block_table``; q's dtype. v_cache
+        has k_cache's shape but for its last axis, head_dim_v: a multiple of 8 at most
+        head_dim.
     cache_seqlens : int or torch.Tensor
         Each sequence's filled length: one int, or an int32 (batch,) CUDA tensor.
     block_table : torch.Tensor, optional
         For a paged cache: int32 (batch, max_pages), each sequence's pages in order.
     k_new, v_new : torch.Tensor, optional
-        (batch, seqlen_new, heads_kv, head_dim), appended at cache_seqlens before attending.
+        (batch, seqlen_new, heads_kv, head_dim), v_new with head_dim_v, appended at
+        cache_seqlens before attending.
     causal : bool, default True
         Aligns the queries with the last keys (bottom-right).
     window : tuple of (int, int), default (-1, -1)
@@ -566,7 +586,7 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Returns
     -------
     out : torch.Tensor
-        Like q, (batch, seqlen_q, heads_q, head_dim).
+        (batch, seqlen_q, heads_q, head_dim_v) in q's dtype.
     lse : torch.Tensor
         Only with ``return_lse``: float32 (batch, heads_q, seqlen_q), natural log, sinks
         included.
@@ -751,10 +771,11 @@ def _ptxattn_runs(arch: Optional[str], query: torch.Tensor, key: torch.Tensor,
                   scale: Optional[float]) -> bool:
     """Whether ptxattn's kernels run an SDPA flash call on q, k, v (batch, heads, seqlen,
     head_dim), forward and backward, on an ``arch`` GPU (None: one without ptxattn kernels):
-    non-empty float16 or bfloat16 tensors of one dtype and head_dim that a route takes, no
-    dropout, the default scale or a finite positive one. It reads only what the backward op gets
-    too, so a backward asks it with its forward's arguments and gets the forward's answer: the
-    output and log-sum-exp it receives always come from the same implementation."""
+    non-empty float16 or bfloat16 tensors of one dtype, key's head_dim the query's and value's
+    at most that, head dims that a route takes, no dropout, the default scale or a finite
+    positive one. It reads only what the backward op gets too, so a backward asks it with its
+    forward's arguments and gets the forward's answer: the output and log-sum-exp it receives
+    always come from the same implementation."""
     if arch is None or dropout_p != 0.0:
         return False
     if scale is not None and not (math.isfinite(scale) and scale > 0):
@@ -762,16 +783,17 @@ def _ptxattn_runs(arch: Optional[str], query: torch.Tensor, key: torch.Tensor,
     tensors = (query, key, value)
     if any(x.dim() != 4 or x.numel() == 0 or x.dtype != query.dtype for x in tensors):
         return False
-    head_dim = query.shape[-1]
-    if query.dtype not in _SIXTEEN_BIT or any(x.shape[-1] != head_dim for x in tensors):
+    head_dim, head_dim_v = query.shape[-1], value.shape[-1]
+    if query.dtype not in _SIXTEEN_BIT or key.shape[-1] != head_dim:
         return False
     features = {"causal"} if is_causal else set()
     if query.shape[1] != key.shape[1]:
         features.add("gqa")
     input_format = str(query.dtype).removeprefix("torch.")
     try:
-        dispatch.select(arch, input_format, head_dim, features=features)
-        dispatch.select(arch, input_format, head_dim, features=features | {"backward"})
+        for call_features in (features, features | {"backward"}):
+            dispatch.select(arch, input_format, head_dim, features=call_features,
+                            head_dim_v=head_dim_v)
     except ValueError:
         return False
     return True
@@ -795,6 +817,18 @@ def _kernel_rows(x: torch.Tensor) -> torch.Tensor:
     (a broadcast k, a dout of stride 0)."""
     rows = x.detach().transpose(1, 2)
     return rows if _kernel_layout(rows) else rows.contiguous()
+
+
+def _sdpa_output(query: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """A fresh SDPA output, (batch, heads, seqlen_q, value's head_dim): ``empty_like(query)``
+    when the head dims agree (the strides torch's meta kernel gives it, which a compiled graph
+    relies on), otherwise laid out in the order of query's strides."""
+    if value.size(-1) == query.size(-1):
+        return torch.empty_like(query)
+    order = sorted(range(query.dim()), key=query.stride, reverse=True)
+    shape = (*query.shape[:-1], value.size(-1))
+    return query.new_empty([shape[d] for d in order]).permute([order.index(d)
+                                                                for d in range(len(order))])
 
 
 def _kernel_target(output: torch.Tensor) -> torch.Tensor:
@@ -831,8 +865,7 @@ def _sdpa_flash_forward(query, key, value, dropout_p=0.0, is_causal=False,
             *(x.transpose(1, 2) for x in (query, key, value)), None, None, max_q, max_k,
             dropout_p, is_causal, return_debug_mask, scale=scale)
         return out.transpose(1, 2), lse, None, None, max_q, max_k, rng_state, unused, debug_mask
-    # torch's meta kernel gives the output query's strides, which a compiled graph relies on
-    out = torch.empty_like(query)
+    out = _sdpa_output(query, value)
     lse = query.new_empty((query.size(0), query.size(1), max_q), dtype=torch.float32)
     target = _kernel_target(out)
     api.attention(*(_kernel_rows(x) for x in (query, key, value)), causal=is_causal,
@@ -900,9 +933,11 @@ def enable_sdpa() -> None:
     it, which first restores torch's default (FlashAttention 2), so taking over from FA3 or FA4
     if one was active. From then on, every call torch's backend selection gives its flash
     backend runs ptxattn's forward and backward when ptxattn has kernels for it: CUDA float16
-    or bfloat16 q, k, v of head_dim 64, 128 or 256 (after SDPA pads head_dim to a multiple of
-    8), ``dropout_p=0``, causal or not, GQA (``enable_gqa=True``), any positive ``scale``, on a
-    GPU ptxattn runs on. The flash backend's other calls (another head_dim, dropout) run on
+    or bfloat16 q, k, v of any head_dim up to 256 (SDPA pads it to a multiple of 8; ptxattn
+    runs every multiple of 8 from 8 to 256), ``dropout_p=0``, causal or not, GQA
+    (``enable_gqa=True``), any positive ``scale``, on a GPU ptxattn runs on. The flash op
+    called directly with a value head_dim below the query's (a multiple of 8) runs on ptxattn
+    too, its output of value's head_dim. The flash backend's other calls (dropout) run on
     FlashAttention 2 as without ptxattn, and calls the selection gives another backend (an
     ``attn_mask``, float32, head_dim over 256, ``is_causal`` with seqlen_q != seqlen_k, whose
     top-left alignment torch's flash backend refuses) never reach ptxattn. Forward and backward

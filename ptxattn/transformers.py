@@ -94,12 +94,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         The attention layer: ``module.is_causal`` when ``is_causal`` is None.
     query : torch.Tensor
         (batch, heads_q, seqlen_q, head_dim), float16 or bfloat16 (float32 only under
-        ``torch.autocast``, cast to its dtype), on a CUDA device; head_dim one ptxattn runs.
+        ``torch.autocast``, cast to its dtype), on a CUDA device; head_dim a multiple of 8 from
+        8 to 256.
     key : torch.Tensor
         (batch, heads_kv, seqlen_k, head_dim), heads_q a multiple of heads_kv (GQA).
     value : torch.Tensor
-        Like key; a head_dim below the query's (multi-head latent attention) is padded with
-        zeros and cropped from the output, as transformers' flash integration does.
+        Like key but for its head_dim, which may be below the query's (multi-head latent
+        attention): ptxattn runs it as it is, or, when it is no multiple of 8, padded with
+        zeros up to one and cropped from the output.
     attention_mask : torch.Tensor, optional
         A 2D bool or integer (batch, seqlen_k) padding mask, 1 for a token (left or right
         padding), or None.
@@ -131,7 +133,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         float32 inputs outside autocast (or inputs of another dtype); a mask that is not a
         tensor, or a float mask.
     ValueError
-        A 4D (or other non-2D) mask; dropout > 0; a head_dim ptxattn does not run; packed
+        A 4D (or other non-2D) mask; dropout > 0; a head_dim ptxattn does not run (not a
+        multiple of 8, over 256, or a value head_dim over the query's); packed
         ``position_ids`` with keys of another length; then ptxattn.torch's own errors.
 
     Examples
@@ -150,14 +153,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             f"its config sets an attention dropout): ptxattn has none; set the config's "
             f"attention dropout to 0.0, or use model.eval()")
     query, key, value = _sixteen_bit(query, key, value, layer)
-    head_dim, value_head_dim = query.shape[-1], value.shape[-1]
-    head_dims = dispatch.head_dims(str(query.dtype).removeprefix("torch."))
-    if head_dim not in head_dims or value_head_dim > head_dim:
-        raise ValueError(
-            f"{layer} has head_dim {head_dim} (value head_dim {value_head_dim}): ptxattn runs "
-            f"head_dim {', '.join(map(str, head_dims))}, a value head_dim at most the query's")
-    if value_head_dim < head_dim:
-        value = torch.nn.functional.pad(value, (0, head_dim - value_head_dim))
+    value_head_dim = value.shape[-1]
+    value = _checked_value(query, value, layer)
     if is_causal is None:
         is_causal = module.is_causal
     deterministic = kwargs.get("deterministic")
@@ -213,6 +210,27 @@ def _check_mask(attention_mask, layer: str) -> None:
             f"integer mask, 1 (True) for a token, 0 for padding")
 
 
+def _checked_value(query: torch.Tensor, value: torch.Tensor, layer: str) -> torch.Tensor:
+    """value as the kernels take it: as it is when its head_dim is a multiple of 8 (16-bit
+    values in whole 16-byte rows), otherwise padded with zeros up to the next one, which the
+    caller crops from the output. A ValueError naming the layer's head dims and ptxattn's rule
+    unless ptxattn runs them."""
+    input_format = str(query.dtype).removeprefix("torch.")
+    head_dim, value_head_dim = query.shape[-1], value.shape[-1]
+    step = dispatch.ROW_PIECE_BYTES // dispatch.ITEM_BYTES[input_format]
+    padded_dim = -(-value_head_dim // step) * step
+    try:
+        dispatch.check_head_dims(input_format, head_dim, padded_dim)
+    except ValueError:
+        rule = dispatch.head_dim_rule(input_format, max(dispatch.head_dims(input_format)))
+        raise ValueError(
+            f"{layer} has head_dim {head_dim} (value head_dim {value_head_dim}): ptxattn runs "
+            f"head_dim {rule}, a value head_dim at most the query's") from None
+    if padded_dim == value_head_dim:
+        return value
+    return torch.nn.functional.pad(value, (0, padded_dim - value_head_dim))
+
+
 def _sixteen_bit(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  layer: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """query, key and value in one 16-bit dtype: as they are, or, under torch.autocast with a
@@ -260,7 +278,7 @@ def _rows(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 def _attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    padding_mask: torch.Tensor, options: dict) -> torch.Tensor:
     """Attention under a 2D padding mask of the keys: a varlen call over the tokens, its output
-    padded back with zeros into (batch, seqlen_q, heads, dim), as transformers does for flash
+    padded back with zeros into (batch, seqlen_q, heads, v's dim), as transformers does for flash
     attention (_upad_input), except that a non-causal call with a query length unlike the
     keys' is cross-attention, whose mask pads the keys alone: every query row is kept."""
     batch, seqlen_q = q.shape[:2]
@@ -283,10 +301,11 @@ def _attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out = ptxattn_torch.attention_varlen(q_tokens, _rows(k, indices_k), _rows(v, indices_k),
                                          cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                          check_contents=False, **options)
+    shape = (*q.shape[:-1], v.shape[-1])
     if indices_q is None:
-        return out.view(q.shape)
+        return out.view(shape)
     padded = out.new_zeros(batch * seqlen_q, *out.shape[1:])
-    return padded.index_copy(0, indices_q, out).view(q.shape)
+    return padded.index_copy(0, indices_q, out).view(shape)
 
 
 def _attend_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q,
@@ -297,7 +316,7 @@ def _attend_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
         q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
         cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), int(max_seqlen_q),
         int(max_seqlen_k), **options)
-    return out.view(q.shape)
+    return out.view(*q.shape[:-1], v.shape[-1])
 
 
 def _packed_sequence_starts(position_ids: Optional[torch.Tensor],

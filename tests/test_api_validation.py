@@ -89,3 +89,44 @@ def test_bad_arguments_name_the_argument(case, error, match):
         AttentionProblem.from_16bit(q, k, v, out=out, softmax_scale=scale)
 
 
+def test_every_multiple_of_8_up_to_256_is_a_head_dim():
+    for dim in range(8, 257, 8):
+        problem = AttentionProblem.from_16bit(*qkv(dim=dim))
+        assert (problem.head_dim, problem.head_dim_v) == (dim, dim)
+        assert problem.softmax_scale == pytest.approx(dim ** -0.5)
+        assert problem.out_shape == (2, 16, 4, dim)
+
+
+def test_values_narrower_than_the_keys_give_the_output_their_head_dim():
+    q, k, _ = qkv(heads_kv=2, dim=192)
+    v = MetaArray((2, 16, 2, 128), ptr=3 << 20)
+    problem = AttentionProblem.from_16bit(q, k, v)
+    assert (problem.head_dim, problem.head_dim_v) == (192, 128)
+    assert problem.softmax_scale == pytest.approx(192 ** -0.5)
+    assert problem.out_shape == (2, 16, 4, 128)
+    AttentionProblem.from_16bit(q, k, v, out=MetaArray((2, 16, 4, 128), ptr=4 << 20))
+    with pytest.raises(ValueError, match=r"out must have .*\(2, 16, 4, 128\), got "
+                                         r"\(2, 16, 4, 192\)"):
+        AttentionProblem.from_16bit(q, k, v, out=MetaArray(q.shape, ptr=4 << 20))
+
+
+def test_the_backward_of_narrower_values_takes_dout_and_dv_of_their_head_dim():
+    q, k, _ = qkv(heads_kv=2, dim=192)
+    v = MetaArray((2, 16, 2, 128), ptr=3 << 20)
+    arrays = dict(dout=MetaArray((2, 16, 4, 128), ptr=4 << 20),
+                  out=MetaArray((2, 16, 4, 128), ptr=5 << 20),
+                  lse=MetaArray((2, 4, 16), "float32", ptr=6 << 20))
+
+    def backward(**overrides):
+        args = {**arrays, **overrides}
+        return AttentionProblem.from_backward(args.pop("dout"), q, k, v, args.pop("out"),
+                                              args.pop("lse"), **args)
+
+    assert backward(dv=MetaArray(v.shape, ptr=7 << 20)).head_dim_v == 128
+    for name in ("dout", "out"):
+        with pytest.raises(ValueError, match=rf"{name} must have .*\(2, 16, 4, 128\), got "
+                                             rf"\(2, 16, 4, 192\)"):
+            backward(**{name: MetaArray(q.shape, ptr=8 << 20)})
+    with pytest.raises(ValueError, match=r"dv must have the shape of v \(2, 16, 2, 128\), got "
+                                         r"\(2, 16, 2, 192\)"):
+        backward(dv=MetaArray(k.shape, ptr=7 << 20))

@@ -63,7 +63,7 @@ def test_deterministic_must_be_a_bool():
 
 
 def test_gradient_buffers_are_checked_like_outputs():
-    with pytest.raises(ValueError, match=r"dk must have the shape of k and v"):
+    with pytest.raises(ValueError, match=r"dk must have the shape of k \("):
         _problem(dk=MetaArray(SHAPE_Q, ptr=7 << 20))
     with pytest.raises(TypeError, match="dv must have q's dtype"):
         _problem(dv=MetaArray(SHAPE_KV, "float16", ptr=7 << 20))

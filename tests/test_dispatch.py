@@ -5,7 +5,7 @@ import importlib
 import pytest
 
 from ptxattn import archs, dispatch
-from ptxattn.launchers import hopper_forward
+from ptxattn.launchers import hopper_forward, kernel_head_dim
 
 
 # ---------------------------------------------------------------------------------------------
@@ -76,7 +76,8 @@ def test_16_bit_inputs_run_hopper_on_sm90a_and_portable_elsewhere(input_format):
 def test_hopper_asked_for_on_another_gpu_names_the_arch_and_where_it_runs():
     with pytest.raises(ValueError, match=r"bfloat16 attention does not run on this sm_80 GPU; "
                                          r"it runs as backend 'hopper' \(ptxattn.launchers.hopper_forward.forward\) on "
-                                         r"sm_90a with head_dim 64, 128, 256"):
+                                         r"sm_90a with head_dim a multiple of 8 from 8 to 256 "
+                                         r"\(compiled [0-9, ]+\), head_dim_v <= head_dim"):
         dispatch.select("sm_80", "bfloat16", 128, backend="hopper")
 
 
@@ -105,18 +106,72 @@ def test_block_scaled_inputs_run_natively_on_sm120_and_emulated_on_sm90a(input_f
         dispatch.select("sm_100a", input_format, 64)
 
 
-@pytest.mark.parametrize("arch, input_format, head_dim, supported", [
-    ("sm_120a", "mxfp8", 256, r"\[64, 128\]"),
-    ("sm_90a", "nvfp4", 256, r"\[64, 128\]"),
-    ("sm_90a", "bfloat16", 96, r"\[64, 128, 256\]"),
-    ("sm_86", "float16", 32, r"\[64, 128, 256\]"),
-    ("sm_90a", "e4m3", 512, r"\[64, 128, 256\]"),
+SIXTEEN_BIT_RULE = r"a multiple of 8 from 8 to 256 \(compiled [0-9, ]+\), head_dim_v <= head_dim"
+FP8_RULE = r"a multiple of 16 from 16 to 256 \(compiled [0-9, ]+\)"
+
+
+@pytest.mark.parametrize("arch, input_format, head_dim, head_dim_v, supported", [
+    ("sm_120a", "mxfp8", 256, 256, r"64, 128"),
+    ("sm_120a", "mxfp8", 96, 96, r"64, 128"),
+    ("sm_90a", "nvfp4", 256, 256, r"64, 128"),
+    ("sm_90a", "bfloat16", 100, 100, SIXTEEN_BIT_RULE),
+    ("sm_86", "float16", 264, 264, SIXTEEN_BIT_RULE),
+    ("sm_80", "bfloat16", 4, 4, SIXTEEN_BIT_RULE),
+    ("sm_90a", "bfloat16", 64, 72, SIXTEEN_BIT_RULE),
+    ("sm_90a", "e4m3", 512, 512, FP8_RULE),
+    ("sm_90a", "e4m3", 40, 40, FP8_RULE),
+    ("sm_90a", "e4m3", 128, 64, FP8_RULE),
 ])
 def test_unsupported_head_dims_name_the_arch_and_what_runs(arch, input_format, head_dim,
-                                                           supported):
-    with pytest.raises(ValueError, match=rf"head_dim must be one of {supported} for "
-                                         rf"{input_format} inputs on {arch}, got {head_dim}"):
-        dispatch.select(arch, input_format, head_dim)
+                                                           head_dim_v, supported):
+    dims = (f"head_dim {head_dim}" if head_dim_v == head_dim
+            else f"head_dim {head_dim} with head_dim_v {head_dim_v}")
+    with pytest.raises(ValueError, match=rf"{input_format} attention at {dims} does not run on "
+                                         rf"{arch}; it runs as backend .* with head_dim "
+                                         rf"{supported}"):
+        dispatch.select(arch, input_format, head_dim, head_dim_v=head_dim_v)
+
+
+def test_kernel_head_dim_is_the_least_compiled_one_that_holds_the_call():
+    for head_dims, compiled in ((range(8, 65, 8), 64), (range(72, 129, 8), 128),
+                                (range(136, 257, 8), 256)):
+        for head_dim in head_dims:
+            assert kernel_head_dim((64, 128, 256), head_dim) == compiled, head_dim
+    with pytest.raises(ValueError, match=r"head_dim must be at most 256, got 264"):
+        kernel_head_dim((64, 128, 256), 264)
+
+
+# (arch, features, backend) -> the launcher and call of the route taken
+PADDED_ROUTES = [
+    ("sm_90a", set(), None, "hopper_forward", "forward"),
+    ("sm_90a", {"causal", "gqa"}, "portable", "portable_forward", "forward"),
+    ("sm_90a", {"backward", "causal", "gqa"}, None, "hopper_backward", "backward"),
+    ("sm_90a", {"backward", "varlen"}, "portable", "portable_backward", "backward"),
+    ("sm_90a", {"varlen", "causal", "gqa"}, None, "hopper_forward", "serve"),
+    ("sm_90a", {"kvcache", "paged", "decode"}, None, "portable_decode", "serve"),
+    ("sm_80", {"causal"}, None, "portable_forward", "forward"),
+    ("sm_80", {"backward", "gqa"}, None, "portable_backward", "backward"),
+    ("sm_120a", {"kvcache", "decode"}, None, "portable_decode", "serve"),
+]
+
+
+@pytest.mark.parametrize("arch, features, backend, launcher, call", PADDED_ROUTES)
+def test_head_dims_between_the_compiled_ones_and_narrow_values_take_their_routes(
+        arch, features, backend, launcher, call):
+    """Every multiple of 8 up to 256 runs where the compiled head dims do, and so do value
+    heads narrower than the keys'."""
+    for head_dim, head_dim_v in ((8, 8), (40, 40), (72, 72), (136, 136), (200, 200), (192, 128),
+                                 (128, 64), (96, 64), (80, 40), (256, 8)):
+        for input_format in dispatch.SIXTEEN_BIT:
+            route = dispatch.select(arch, input_format, head_dim, head_dim_v=head_dim_v,
+                                    features=features, backend=backend)
+            assert (route.launcher.__name__, route.call) == (
+                f"ptxattn.launchers.{launcher}", call), (head_dim, head_dim_v, input_format)
+
+
+@pytest.mark.parametrize("head_dim", [16, 80, 96, 144, 192, 240])
+def test_fp8_runs_every_multiple_of_16_on_hopper(head_dim):
+    assert _chosen("sm_90a", "e4m3", head_dim) == ("ptxattn.launchers.hopper_forward", "hopper")
 
 
 def test_unknown_backends_formats_and_archs_are_named():
@@ -222,9 +277,10 @@ def test_what_the_other_modules_read_from_the_table():
     for route in dispatch.TABLE for arch in route.archs])
 def test_every_route_has_kernels_built_for_its_archs_and_head_dims(route, arch):
     module = route.launcher
-    assert route.head_dims == module.HEAD_DIMS
+    fp8 = route.formats == ("e4m3",)
+    assert route.head_dims == (module.FP8_HEAD_DIMS if fp8 else module.HEAD_DIMS)
     assert callable(getattr(module, route.call)), route.call
-    if route.formats == ("e4m3",):
+    if fp8:
         assert route.head_dims == importlib.import_module("ptxattn.fp8").HEAD_DIMS
     builds = [spec for spec in module.variants() if arch in spec.archs]
     if route.family == "blockscaled":  # one module, native and emulation builds

@@ -202,8 +202,8 @@ def test_attentions_own_checks_come_first():
     with pytest.raises(TypeError, match="causal must be a bool"):
         dist_attn.ring_attention(q, k, v, group=_StubTransport(), causal=1)
     with pytest.raises(ValueError, match="head_dim"):
-        dist_attn.ring_attention(MetaArray((2, 16, 4, 48)), MetaArray((2, 16, 2, 48)),
-                                 MetaArray((2, 16, 2, 48)), group=_StubTransport())
+        dist_attn.ring_attention(MetaArray((2, 16, 4, 36)), MetaArray((2, 16, 2, 36)),
+                                 MetaArray((2, 16, 2, 36)), group=_StubTransport())
 
 
 def test_arrays_on_another_device_than_the_communicators_are_refused():

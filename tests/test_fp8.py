@@ -108,8 +108,8 @@ def test_bad_descales_are_refused(bad, error, message):
 
 def test_shape_and_output_checks():
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match="head_dim must be one of"):
-        _validate(*_qkv(dim=96))
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 16 from 16 to 256"):
+        _validate(*_qkv(dim=72))
     with pytest.raises(ValueError, match="multiple of k/v's heads"):
         _validate(*_qkv(heads_q=6, heads_kv=4))
     with pytest.raises(TypeError, match="out must have dtype bfloat16 or float16"):

@@ -11,16 +11,18 @@ handlers, with host buffers for CuPy's and stand-ins for ptxattn's entry points 
 calls (each operand and attribute reaches its parameter, vmap's instances are split where sinks
 or cu_seqlens differ); bad arguments (window, softcap, sinks and the varlen ones too) fail at
 trace time; shapes, gradients' shapes (dsinks, varlen), vmap and the lowered custom calls are
-right; the reference below agrees with jax.nn.dot_product_attention where both apply.
+right, with head dims between the compiled ones and v narrower than q and k too (the output of
+v's head_dim); the reference below agrees with jax.nn.dot_product_attention where both apply.
 
 On the GPU, under jax.jit: outputs and gradients (jax.grad of a scalar loss) against FP32 attention:
 ``jax.nn.dot_product_attention`` for plain attention and, with a window, softcap or sinks and for
-varlen, ``_reference_attention`` (the same math in plain jnp, per sequence for varlen), each on
-float32 copies at the highest matmul precision. Tolerance as in tests/test_backward.py: each
-result's max error against FP32 is at most twice the max error of the reference run on the same
-bf16/fp16 inputs (the same math in the input precision: FP32 logits and softmax, P rounded to the
-input dtype, as ptxattn does), plus twice the rounding noise of one value of that result in the
-input dtype (dsinks, float32, included). No GPU test can hang the run (GPU_TEST_TIMEOUT_S below).
+varlen and a narrower v, ``_reference_attention`` (the same math in plain jnp, per sequence for
+varlen), each on float32 copies at the highest matmul precision. Tolerance as in
+tests/test_backward.py: each result's max error against FP32 is at most twice the max error of
+the reference run on the same bf16/fp16 inputs (the same math in the input precision: FP32
+logits and softmax, P rounded to the input dtype, as ptxattn does), plus twice the rounding
+noise of one value of that result in the input dtype (dsinks, float32, included). No GPU test
+can hang the run (GPU_TEST_TIMEOUT_S below).
 """
 
 import ctypes
@@ -386,7 +388,8 @@ def _host_view(buffer, device_id, rank):
 
 class _RecordingPtxattn:
     """Stand-ins for ptxattn's four entry points that record each call's options and write
-    results that name their inputs: out = q, lse = the sinks (0 without), dq = dout, dk = k,
+    results that name their inputs: out = q (its first head_dim_v columns, v's head dim),
+    lse = the sinks (0 without), dq = dout (the same columns of it; 0 in the others), dk = k,
     dv = v, dsinks = 2 * sinks. A backward also checks that it got what its forward wrote."""
 
     def __init__(self):
@@ -399,7 +402,7 @@ class _RecordingPtxattn:
 
     def attention(self, q, k, v, *, sinks, out, lse, **options):
         self._record("attention", q, {**options, "sinks": _copy(sinks)})
-        out[...] = q
+        out[...] = q[..., :out.shape[-1]]
         lse[...] = 0 if sinks is None else sinks[None, :, None]
 
     def attention_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -408,15 +411,17 @@ class _RecordingPtxattn:
             **options, "sinks": _copy(sinks), "cu_seqlens": (cu_seqlens_q.tolist(),
                                                              cu_seqlens_k.tolist()),
             "max_seqlens": (max_seqlen_q, max_seqlen_k)})
-        out[...] = q
+        out[...] = q[..., :out.shape[-1]]
         lse[...] = 0 if sinks is None else sinks[:, None]
 
     def _gradients(self, dout, q, k, v, out, lse, sinks, dq, dk, dv, dsinks, heads_axis):
-        np.testing.assert_array_equal(out, q)
+        head_dim_v = out.shape[-1]
+        np.testing.assert_array_equal(out, q[..., :head_dim_v])
         written = 0 if sinks is None else np.expand_dims(
             sinks, [axis for axis in range(lse.ndim) if axis != heads_axis])
         np.testing.assert_array_equal(lse, np.broadcast_to(written, lse.shape))
-        dq[...], dk[...], dv[...] = dout, k, v
+        dq[...] = 0
+        dq[..., :head_dim_v], dk[...], dv[...] = dout, k, v
         assert (dsinks is None) == (sinks is None), "dsinks is passed exactly with sinks"
         if sinks is not None:
             dsinks[...] = 2 * sinks
@@ -516,6 +521,34 @@ def test_handlers_pass_xla_buffers_and_attributes_to_ptxattn(recording_ptxattn, 
 
 
 @requires_jax
+def test_handlers_give_the_output_and_dv_vs_head_dim(recording_ptxattn, rng):
+    """v narrower than q and k (head_dim_v 32 under 64): the handlers' output buffers are of v's
+    head_dim, fixed length and varlen, dv of v's shape."""
+    import jax.numpy as jnp
+
+    import ptxattn.jax as pj
+
+    q, k, v, dout = (_random(rng, shape) for shape in ((2, 9, 4, 64), (2, 7, 2, 64),
+                                                       (2, 7, 2, 32), (2, 9, 4, 32)))
+    out, (dq, dk, dv) = _vjp_on_cpu(lambda q, k, v: pj.attention(q, k, v), (q, k, v), dout)
+    padded_dout = jnp.pad(dout, ((0, 0), (0, 0), (0, 0), (0, 32)))
+    for got, want in ((out, q[..., :32]), (dq, padded_dout), (dk, k), (dv, v)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+    packed_q, packed_k, packed_v = (_random(rng, shape) for shape in ((71, 4, 64), (91, 2, 64),
+                                                                      (91, 2, 32)))
+
+    def varlen(q, k, v):
+        return pj.attention_varlen(q, k, v, _cu_seqlens(VARLEN_LENGTHS_Q),
+                                   _cu_seqlens(VARLEN_LENGTHS_K), 70, 90, causal=True)
+
+    out, (dq, dk, dv) = _vjp_on_cpu(varlen, (packed_q, packed_k, packed_v), packed_q[..., :32])
+    for got, want in ((out, packed_q[..., :32]), (dk, packed_k), (dv, packed_v)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert dq.shape == packed_q.shape
+
+
+@requires_jax
 def test_handlers_split_vmap_instances_where_sinks_or_cu_seqlens_differ(recording_ptxattn,
                                                                          rng):
     """Under vmap a fixed-length call without sinks is one call over the folded batch; with
@@ -588,8 +621,11 @@ def _spec(shape, dtype="bfloat16"):
     ({"q": ((2, 128, 64), "bfloat16")}, ValueError, "q must have 4 dimensions"),
     ({"q": ((2, 128, 7, 64), "bfloat16")}, ValueError, r"q's heads \(7\) must be a multiple"),
     ({"v": ((2, 99, 2, 64), "bfloat16")}, ValueError, "k and v must have the same shape"),
-    ({"q": ((2, 128, 8, 96), "bfloat16"), "k": ((2, 100, 2, 96), "bfloat16"),
-      "v": ((2, 100, 2, 96), "bfloat16")}, ValueError, "head_dim must be one of"),
+    ({"q": ((2, 128, 8, 264), "bfloat16"), "k": ((2, 100, 2, 264), "bfloat16"),
+      "v": ((2, 100, 2, 264), "bfloat16")}, ValueError,
+     "head_dim must be a multiple of 8 from 8 to 256 for bfloat16 inputs, got 264"),
+    ({"v": ((2, 100, 2, 128), "bfloat16")}, ValueError,
+     r"v's head_dim \(head_dim_v\) must be at most head_dim \(64\)"),
     ({"q": ((2, 0, 8, 64), "bfloat16")}, ValueError, "q must not be empty"),
     ({"causal": 1}, TypeError, "causal must be a bool"),
     ({"softmax_scale": -1.0}, ValueError, "softmax_scale must be a finite positive number"),
@@ -638,6 +674,49 @@ def test_shapes_of_output_gradients_and_vmap(causal):
     batched = jax.eval_shape(jax.vmap(lambda q, k, v: pj.attention(q, k, v, causal=causal)),
                              _spec((3, *q.shape)), _spec((3, *k.shape)), _spec((3, *k.shape)))
     assert batched.shape == (3, *q.shape)
+
+
+@requires_jax
+@pytest.mark.parametrize("head_dims", [(96, 96), (192, 128), (64, 32)],
+                         ids=lambda dims: "-".join(map(str, dims)))
+def test_shapes_with_head_dims_between_the_compiled_ones_and_narrower_values(head_dims):
+    """The output has v's head_dim (head_dim_v), the gradients their inputs' shapes, fixed
+    length, varlen and under vmap; the lowered forward returns the output of v's head_dim."""
+    import jax
+    import jax.numpy as jnp
+
+    import ptxattn.jax as pj
+
+    head_dim, head_dim_v = head_dims
+    q, k, v = (_spec((2, 128, 8, head_dim)), _spec((2, 300, 2, head_dim)),
+               _spec((2, 300, 2, head_dim_v)))
+
+    def loss(q, k, v):
+        return jnp.sum(pj.attention(q, k, v, causal=True).astype(jnp.float32))
+
+    out = jax.eval_shape(lambda q, k, v: pj.attention(q, k, v, causal=True), q, k, v)
+    assert (out.shape, out.dtype) == ((2, 128, 8, head_dim_v), q.dtype)
+    grads = jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
+    assert [g.shape for g in grads] == [x.shape for x in (q, k, v)]
+    batched = jax.eval_shape(jax.vmap(lambda q, k, v: pj.attention(q, k, v)),
+                             *(_spec((3, *x.shape)) for x in (q, k, v)))
+    assert batched.shape == (3, 2, 128, 8, head_dim_v)
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).as_text()
+    assert f"-> (tensor<2x128x8x{head_dim_v}xbf16>, tensor<2x8x128xf32>)" in text
+
+    packed_q, packed_k, packed_v = (_spec((71, 8, head_dim)), _spec((91, 2, head_dim)),
+                                    _spec((91, 2, head_dim_v)))
+
+    def varlen(q, k, v):
+        return pj.attention_varlen(q, k, v, _cu_seqlens(VARLEN_LENGTHS_Q),
+                                   _cu_seqlens(VARLEN_LENGTHS_K), 70, 90, causal=True)
+
+    out = jax.eval_shape(varlen, packed_q, packed_k, packed_v)
+    assert out.shape == (71, 8, head_dim_v)
+    grads = jax.eval_shape(
+        jax.grad(lambda q, k, v: jnp.sum(varlen(q, k, v).astype(jnp.float32)),
+                 argnums=(0, 1, 2)), packed_q, packed_k, packed_v)
+    assert [g.shape for g in grads] == [x.shape for x in (packed_q, packed_k, packed_v)]
 
 
 @requires_jax
@@ -1021,6 +1100,26 @@ def test_values_and_gradients_under_jit(jax_gpu, causal, head_dim, heads_kv, seq
     v = _random(rng, (2, seqlen_k, heads_kv, head_dim))
     dout = _loss_weights(rng, (2, seqlen_q, 8, head_dim))
     _assert_matches_fp32(q, k, v, dout, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dims", [(96, 96), (192, 128), (64, 32)],
+                         ids=lambda dims: "-".join(map(str, dims)))
+def test_values_and_gradients_of_narrower_values_under_jit(jax_gpu, head_dims, rng):
+    """Head dims between the compiled ones and v narrower than q and k, causal GQA 8/2: the
+    output of v's head_dim and every gradient against FP32 through _reference_attention
+    (jax.nn.dot_product_attention takes no narrower v)."""
+    import ptxattn.jax as pj
+
+    head_dim, head_dim_v = head_dims
+    q = _random(rng, (2, 200, 8, head_dim))
+    k = _random(rng, (2, 333, 2, head_dim))
+    v = _random(rng, (2, 333, 2, head_dim_v))
+    dout = _loss_weights(rng, (2, 200, 8, head_dim_v))
+    out, *_ = _assert_close_to_fp32(lambda q, k, v: pj.attention(q, k, v, causal=True),
+                                    lambda q, k, v: _reference_attention(q, k, v, causal=True),
+                                    (q, k, v), dout)
+    assert out.shape == dout.shape
 
 
 @pytest.mark.gpu

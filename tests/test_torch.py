@@ -6,8 +6,11 @@ with it), torch.library.opcheck accepts every op's registration, and torch.compi
 forward and backward with fullgraph=True, with and without a window, a softcap and sinks, fixed
 length and varlen. The KV-cache op: the same forward checks, its schema naming k_cache and
 v_cache as mutated, and a gradient through it raising (it has no backward), eagerly and under
-torch.compile. Every Python function refuses a CPU tensor, a tensor of another dtype or no
-tensor with a TypeError naming the argument, before any op is entered.
+torch.compile. With v narrower than q and k (head_dim_v < head_dim, and head dims between the
+compiled ones), every fake gives the output v's head_dim and the gradients their inputs' shapes,
+opcheck accepts every op and torch.compile traces forward and backward. Every Python function
+refuses a CPU tensor, a tensor of another dtype or no tensor with a TypeError naming the
+argument, before any op is entered.
 
 GPU: values and gradients against torch SDPA and against FP32 attention, bf16, causal or not,
 GQA. Tolerance, the rule of tests/test_attention.py and tests/test_backward.py (whose checks are
@@ -18,7 +21,8 @@ accumulate in FP32 and round far less than the naive computation, each at most a
 error away from FP32, so at most about twice that from each other. With a window, a softcap or
 sinks, fixed length or varlen (per sequence), out, dq, dk, dv and dsinks are held by the same
 rule to torch autograd through the math written in torch ops (_reference_attention): in FP32
-the truth, in the input dtype the naive computation. The serving ops give, bit for bit, what
+the truth, in the input dtype the naive computation; so are they with a narrower v and with
+head dims between the compiled ones. The serving ops give, bit for bit, what
 ptxattn's CuPy entry points give (tests/test_serving.py holds those to FP32), append k_new/v_new
 into the caller's caches, eagerly and under torch.compile (inductor, fullgraph), and pass
 opcheck with the real kernels; the varlen op's gradients under torch.compile are eager's.
@@ -171,14 +175,15 @@ def _bf16(shape, device, rng, requires_grad):
 
 
 def _varlen_args(device, requires_grad=False, rng=None, causal=True, window=(-1, -1),
-                 softcap=0.0, sinks=None, deterministic=False):
+                 softcap=0.0, sinks=None, deterministic=False, head_dims=None):
     """attention_varlen_fwd's arguments on ``device`` (default scale, contents checked, default
-    backend)."""
+    backend); ``head_dims`` (head_dim, head_dim_v), VARLEN's head_dim for both by default."""
     heads_q, heads_kv = VARLEN["heads"]
-    d = VARLEN["head_dim"]
+    d, d_v = head_dims or (VARLEN["head_dim"],) * 2
     total_q, total_k = sum(VARLEN["lengths_q"]), sum(VARLEN["lengths_k"])
     q = _bf16((total_q, heads_q, d), device, rng, requires_grad)
-    k, v = (_bf16((total_k, heads_kv, d), device, rng, requires_grad) for _ in range(2))
+    k = _bf16((total_k, heads_kv, d), device, rng, requires_grad)
+    v = _bf16((total_k, heads_kv, d_v), device, rng, requires_grad)
     cu_q, cu_k = (torch.tensor(np.cumsum([0] + VARLEN[name]), dtype=torch.int32, device=device)
                   for name in ("lengths_q", "lengths_k"))
     return (q, k, v, cu_q, cu_k, max(VARLEN["lengths_q"]), max(VARLEN["lengths_k"]), causal,
@@ -200,19 +205,21 @@ def _varlen_bwd_args(fwd_args, out, lse):
     return (out, q, k, v, out, lse, *options)
 
 
-def _kvcache_args(device, requires_grad=False, rng=None, cache_seqlens=(3, 0, 40)):
+def _kvcache_args(device, requires_grad=False, rng=None, cache_seqlens=(3, 0, 40),
+                  head_dims=None):
     """attention_with_kvcache_fwd's arguments on ``device``: a paged cache whose block_table
     gives each sequence 3 of the 10 pages, in no order, k_new/v_new appended at
-    ``cache_seqlens`` (a tuple: a tensor of lengths; an int: one length for all), causal."""
+    ``cache_seqlens`` (a tuple: a tensor of lengths; an int: one length for all), causal;
+    ``head_dims`` (head_dim, head_dim_v), KVCACHE's head_dim for both by default."""
     batch, seqlen_q = KVCACHE["batch"], KVCACHE["seqlen_q"]
     heads_q, heads_kv = KVCACHE["heads"]
-    d = KVCACHE["head_dim"]
+    d, d_v = head_dims or (KVCACHE["head_dim"],) * 2
     num_pages, page_size = KVCACHE["pages"]
     q = _bf16((batch, seqlen_q, heads_q, d), device, rng, requires_grad)
-    k_cache, v_cache = (_bf16((num_pages, page_size, heads_kv, d), device, rng, False)
-                        for _ in range(2))
-    k_new, v_new = (_bf16((batch, seqlen_q, heads_kv, d), device, rng, requires_grad)
-                    for _ in range(2))
+    k_cache, v_cache = (_bf16((num_pages, page_size, heads_kv, dim), device, rng, False)
+                        for dim in (d, d_v))
+    k_new, v_new = (_bf16((batch, seqlen_q, heads_kv, dim), device, rng, requires_grad)
+                    for dim in (d, d_v))
     table = torch.tensor(KVCACHE["block_table"], dtype=torch.int32, device=device)
     lengths, uniform = ((torch.tensor(cache_seqlens, dtype=torch.int32, device=device), 0)
                         if isinstance(cache_seqlens, tuple) else (None, cache_seqlens))
@@ -331,6 +338,93 @@ def test_compile_traces_the_serving_ops_in_one_graph():
         return packed.float().sum() + decoded.float().sum()
 
     assert step(_varlen_args("meta"), _kvcache_args("meta"), 5).shape == ()
+
+
+# ---------------------------------------------------------------------------------------------
+# Head dims between the compiled ones, and values narrower than the queries and keys: the
+# output has v's head_dim (head_dim_v), the gradients their inputs' shapes
+
+# name -> (head_dim, head_dim_v): multi-head latent attention's 192/128, a narrower v between
+# compiled head dims, and one head_dim between them for all three
+HEAD_DIMS = {"192-128": (192, 128), "96-64": (96, 64), "80": (80, 80)}
+
+
+def _leaves(head_dims, device="meta", requires_grad=True, rng=None):
+    """q (2, 300, 8, head_dim), k (2, 200, 2, head_dim) and v (2, 200, 2, head_dim_v)."""
+    head_dim, head_dim_v = head_dims
+    return [_bf16(shape, device, rng, requires_grad)
+            for shape in ((2, 300, 8, head_dim), (2, 200, 2, head_dim),
+                          (2, 200, 2, head_dim_v))]
+
+
+@pytest.mark.parametrize("head_dims", HEAD_DIMS.values(), ids=HEAD_DIMS)
+def test_fakes_give_the_output_vs_head_dim(head_dims):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    head_dim_v = head_dims[1]
+    with FakeTensorMode():
+        q, k, v = _leaves(head_dims, "cuda", requires_grad=False)
+        out, lse = ptxattn.torch.attention(q, k, v, causal=True, return_lse=True)
+        assert (out.shape, out.dtype) == ((2, 300, 8, head_dim_v), torch.bfloat16)
+        assert out.is_contiguous() and lse.shape == (2, 8, 300)
+        dq, dk, dv, _ = torch.ops.ptxattn.attention_bwd(*_bwd_args(out, q, k, v, out, lse))
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+        args = _varlen_args("cuda", head_dims=head_dims)
+        q, k, v = args[:3]
+        out, lse = torch.ops.ptxattn.attention_varlen_fwd(*args)
+        assert (out.shape, out.dtype) == ((q.shape[0], 8, head_dim_v), torch.bfloat16)
+        assert out.is_contiguous() and lse.shape == (8, q.shape[0])
+        dq, dk, dv, _ = torch.ops.ptxattn.attention_varlen_bwd(*_varlen_bwd_args(args, out, lse))
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+        q, k_cache, v_cache, lengths, _, table, k_new, v_new, *_ = _kvcache_args(
+            "cuda", head_dims=head_dims)
+        out, lse = ptxattn.torch.attention_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=lengths, block_table=table, k_new=k_new,
+            v_new=v_new, return_lse=True)
+        assert (out.shape, out.dtype) == ((3, 2, 8, head_dim_v), torch.bfloat16)
+        assert out.is_contiguous() and lse.shape == (3, 8, 2)
+
+
+@pytest.mark.parametrize("head_dims", HEAD_DIMS.values(), ids=HEAD_DIMS)
+def test_opcheck_with_narrower_values_on_meta_tensors(head_dims):
+    """Every op's registrations, as in test_opcheck_on_meta_tensors, with v of head_dim_v."""
+    q, k, v = _leaves(head_dims)
+    torch.library.opcheck(torch.ops.ptxattn.attention_fwd.default, _fwd_args(q, k, v))
+    q, k, v = (x.detach() for x in (q, k, v))
+    out, lse = torch.ops.ptxattn.attention_fwd(*_fwd_args(q, k, v))
+    torch.library.opcheck(torch.ops.ptxattn.attention_bwd.default,
+                          _bwd_args(out, q, k, v, out, lse))
+    args = _varlen_args("meta", requires_grad=True, head_dims=head_dims)
+    torch.library.opcheck(torch.ops.ptxattn.attention_varlen_fwd.default, args)
+    args = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in args)
+    out, lse = torch.ops.ptxattn.attention_varlen_fwd(*args)
+    torch.library.opcheck(torch.ops.ptxattn.attention_varlen_bwd.default,
+                          _varlen_bwd_args(args, out, lse))
+    torch.library.opcheck(torch.ops.ptxattn.attention_with_kvcache_fwd.default,
+                          _kvcache_args("meta", head_dims=head_dims))
+
+
+@pytest.mark.parametrize("head_dims", HEAD_DIMS.values(), ids=HEAD_DIMS)
+def test_compile_traces_narrower_values_forward_and_backward(head_dims):
+    """fullgraph, aot_eager on meta tensors: a loss over the fixed-length and the varlen op with
+    v of head_dim_v, each gradient of its input's shape."""
+    q, k, v = _leaves(head_dims)
+    varlen_q, varlen_k, varlen_v, cu_q, cu_k, max_q, max_k, *_ = _varlen_args(
+        "meta", requires_grad=True, head_dims=head_dims)
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def loss(q, k, v, varlen_q, varlen_k, varlen_v):
+        out = ptxattn.torch.attention(q, k, v, causal=True)
+        packed = ptxattn.torch.attention_varlen(varlen_q, varlen_k, varlen_v, cu_q, cu_k,
+                                                max_q, max_k, causal=True)
+        return out.float().square().mean() + packed.float().square().mean()
+
+    leaves = (q, k, v, varlen_q, varlen_k, varlen_v)
+    loss(*leaves).backward()
+    for leaf in leaves:
+        assert leaf.grad.shape == leaf.shape
 
 
 # ---------------------------------------------------------------------------------------------
@@ -474,6 +568,24 @@ def test_values_and_gradients_match_sdpa_and_fp32(causal, heads, head_dim, rng):
     assert_gradients_close(tuple(_cupy(g) for g in grads), _cupy(dout), cq, ck, cv,
                            causal=causal)
     _assert_near_sdpa((out, *grads), (sdpa_out, *sdpa_grads), q, k, v, dout, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dims", HEAD_DIMS.values(), ids=HEAD_DIMS)
+def test_narrower_values_and_head_dims_between_the_compiled_ones_match_fp32(head_dims, rng):
+    """Causal GQA 8/2, 300 queries over 200 keys, v of head_dim_v: out (of head_dim_v) and
+    every gradient against FP32 autograd, by the rule of the module docstring."""
+    q, k, v = _leaves(head_dims, "cuda", requires_grad=False, rng=rng)
+    dout = _normal(rng, (*q.shape[:-1], v.shape[-1]))[0]
+
+    def attend(q, k, v, sinks):
+        return ptxattn.torch.attention(q, k, v, causal=True)
+
+    def reference(q, k, v, sinks):
+        return _reference_attention(q, k, v, causal=True)
+
+    out, *_ = _assert_gradients_match_fp32(attend, reference, q, k, v, None, dout)
+    assert out.shape == dout.shape
 
 
 @pytest.mark.gpu

@@ -7,20 +7,24 @@ and activates again what was active before (torch's default, another implementat
 enclosing block's "ptxattn"), also when the block raises, and disable_sdpa takes back "ptxattn"
 only. With torch's own registry, ptxattn's kernels hold the CUDA entries of SDPA's two flash ops
 inside the block and torch's hold them again after it. Which calls ptxattn takes
-(_ptxattn_runs, on meta tensors): 16-bit, head_dim 64/128/256, GQA, no dropout, a finite
-positive scale, a GPU ptxattn runs on.
+(_ptxattn_runs, on meta tensors): 16-bit, head_dim a multiple of 8 up to 256 (80 and 8 too, not
+12 or 264), value's head_dim a multiple of 8 at most the query's (key's the query's), GQA, no
+dropout, a finite positive scale, a GPU ptxattn runs on; the forward's output has value's
+head_dim in query's layout.
 
 GPU: F.scaled_dot_product_attention inside sdpa_enabled() with torch's backends limited to flash
 (torch 2.11 tries cuDNN before flash on sm_90) runs ptxattn's forward and backward, once each
 (counted at ptxattn.api's entry points), and gives, bit for bit, what ptxattn.torch.attention
 gives (both with deterministic gradients), eagerly and under torch.compile; its out, dq, dk and
 dv are held to FP32 by the rule of tests/test_torch.py: max error at most twice that of the same
-math done naively in bf16, plus twice the rounding noise of one bf16 value. Calls ptxattn cannot
-run (an attn_mask, head_dim 80, float32, causal with seqlen_q != seqlen_k, dropout) never reach
-ptxattn and give what torch gives without it (the forward bit for bit, the gradients to the
-dtype's tolerance: torch's backward kernels add in no fixed order). The flash op called directly
-aligns causal bottom-right for seqlen_q != seqlen_k, ptxattn's kernels as torch's own. On exit
-the implementation active before is back: torch's forward gives its bits of before the block.
+math done naively in bf16, plus twice the rounding noise of one bf16 value, head_dim 80 among
+them. Calls ptxattn cannot run (an attn_mask, float32, causal with seqlen_q != seqlen_k,
+dropout) never reach ptxattn and give what torch gives without it (the forward bit for bit, the
+gradients to the dtype's tolerance: torch's backward kernels add in no fixed order). The flash
+op called directly aligns causal bottom-right for seqlen_q != seqlen_k, ptxattn's kernels as
+torch's own, and takes a value head_dim below the query's (192/128) on ptxattn's kernels. On
+exit the implementation active before is back: torch's forward gives its bits of before the
+block.
 """
 
 import contextlib
@@ -194,13 +198,16 @@ def test_ptxattn_kernels_hold_the_flash_ops_inside_the_block_only():
     assert _cuda_kernels() == before
 
 
-def _meta_qkv(dtype=torch.bfloat16, head_dim=128, heads=(8, 8), seqlens=(64, 64)):
-    """q (2, heads_q, seqlen_q, head_dim) and k, v (2, heads_kv, seqlen_k, head_dim), SDPA's
-    layout, on the meta device."""
+def _meta_qkv(dtype=torch.bfloat16, head_dim=128, heads=(8, 8), seqlens=(64, 64),
+              head_dim_k=None, head_dim_v=None):
+    """q (2, heads_q, seqlen_q, head_dim), k (2, heads_kv, seqlen_k, head_dim_k) and v
+    (2, heads_kv, seqlen_k, head_dim_v), SDPA's layout, on the meta device; k's and v's head
+    dims q's unless given."""
     (heads_q, heads_kv), (seqlen_q, seqlen_k) = heads, seqlens
     q = torch.empty((2, heads_q, seqlen_q, head_dim), dtype=dtype, device="meta")
-    k, v = (torch.empty((2, heads_kv, seqlen_k, head_dim), dtype=dtype, device="meta")
-            for _ in range(2))
+    k, v = (torch.empty((2, heads_kv, seqlen_k, head_dim if dim is None else dim), dtype=dtype,
+                        device="meta")
+            for dim in (head_dim_k, head_dim_v))
     return q, k, v
 
 
@@ -213,8 +220,16 @@ ELIGIBILITY = {
     "head_dim-256-float16": ("sm_90a", {"head_dim": 256, "dtype": torch.float16}, 0.0, True,
                              None, True),
     "causal-non-square": ("sm_90a", {"seqlens": (64, 96)}, 0.0, True, None, True),
-    "head_dim-80": ("sm_90a", {"head_dim": 80}, 0.0, False, None, False),
-    "head_dim-32": ("sm_90a", {"head_dim": 32}, 0.0, False, None, False),
+    "head_dim-80": ("sm_90a", {"head_dim": 80}, 0.0, False, None, True),
+    "head_dim-8-sm80": ("sm_80", {"head_dim": 8}, 0.0, True, None, True),
+    "value-narrower": ("sm_90a", {"head_dim": 192, "head_dim_v": 128}, 0.0, True, None, True),
+    "value-narrower-sm80": ("sm_80", {"head_dim": 96, "head_dim_v": 64}, 0.0, False, None,
+                            True),
+    "head_dim-12": ("sm_90a", {"head_dim": 12}, 0.0, False, None, False),
+    "head_dim-264": ("sm_90a", {"head_dim": 264}, 0.0, False, None, False),
+    "value-wider": ("sm_90a", {"head_dim_v": 256}, 0.0, False, None, False),
+    "value-head_dim-100": ("sm_90a", {"head_dim_v": 100}, 0.0, False, None, False),
+    "key-unlike-query": ("sm_90a", {"head_dim_k": 64}, 0.0, False, None, False),
     "float32": ("sm_90a", {"dtype": torch.float32}, 0.0, False, None, False),
     "dropout": ("sm_90a", {}, 0.1, False, None, False),
     "negative-scale": ("sm_90a", {}, 0.0, False, -0.5, False),
@@ -236,6 +251,21 @@ def test_ptxattn_runs_no_mix_of_dtypes():
     assert not ptxattn.torch._ptxattn_runs("sm_90a", q, k.half(), v, 0.0, False, None)
 
 
+@pytest.mark.parametrize("head_dim_v", [128, 64])
+def test_sdpa_output_has_values_head_dim_in_the_querys_layout(head_dim_v):
+    """SDPA's (batch, heads, seqlen, head_dim) views of (batch, seqlen, heads, head_dim)
+    tensors: the forward's output is query's layout with value's head_dim (torch's meta
+    kernel's strides when the head dims agree)."""
+    query = torch.empty((2, 64, 8, 128), dtype=torch.bfloat16, device="meta").transpose(1, 2)
+    value = torch.empty((2, 64, 2, head_dim_v), dtype=torch.bfloat16,
+                        device="meta").transpose(1, 2)
+    out = ptxattn.torch._sdpa_output(query, value)
+    assert (out.shape, out.dtype) == ((2, 8, 64, head_dim_v), torch.bfloat16)
+    assert out.transpose(1, 2).is_contiguous()
+    if head_dim_v == 128:
+        assert out.stride() == query.stride()
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 
@@ -247,7 +277,8 @@ def _flash_only():
 
 def _torchs_backends():
     """Flash, memory-efficient and math attention, which torch tries in that order: cuDNN,
-    which torch 2.11 tries first on sm_90, would take head_dim 80 from the flash backend."""
+    which torch 2.11 tries first on sm_90, would take calls before the flash backend is
+    offered them."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                         SDPBackend.MATH])
@@ -324,7 +355,7 @@ def _assert_same_bits(results, expected):
 @needs_registry
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
 def test_sdpa_runs_ptxattn_forward_and_backward(causal, heads, head_dim, ptxattn_calls, rng):
     heads_q, heads_kv = heads
     q, k, v, dout = _normal(rng, (2, 555, heads_q, head_dim), (2, 555, heads_kv, head_dim),
@@ -353,11 +384,9 @@ def test_sdpa_runs_ptxattn_in_float16(ptxattn_calls, rng):
 
 
 # Calls ptxattn cannot run: options of _torchs_call. Torch's selection gives an attn_mask, float32
-# and causal attention with seqlen_q != seqlen_k (top-left aligned in SDPA) to another backend;
-# head_dim 80 goes to the flash backend, whose kernel hands it to FlashAttention 2.
+# and causal attention with seqlen_q != seqlen_k (top-left aligned in SDPA) to another backend.
 TORCHS_CALLS = {
     "attn_mask": {"mask": True},
-    "head_dim-80": {"head_dim": 80},
     "float32": {"dtype": torch.float32},
     "causal-300x500": {"seqlens": (300, 500), "causal": True},
 }
@@ -420,6 +449,28 @@ def test_flash_op_called_directly_aligns_causal_bottom_right(ptxattn_calls, rng)
     _assert_same_bits(results, _autograd_step(_ptxattn(True), q, k, v, None, dout))
     _check_against_fp32(results, q, k, v, dout, causal=True)
     _check_against_fp32(torchs, q, k, v, dout, causal=True)
+
+
+@pytest.mark.gpu
+@needs_registry
+def test_flash_op_called_directly_takes_narrower_value_heads(ptxattn_calls, rng):
+    """q and k of head_dim 192, v of 128 (multi-head latent attention), which SDPA's selection
+    never gives the flash backend: the op called directly runs ptxattn's kernels, its output of
+    v's head_dim, dv of v's shape."""
+    q, k, v, dout = _normal(rng, (2, 300, 8, 192), (2, 300, 2, 192), (2, 300, 2, 128),
+                            (2, 300, 8, 128))
+
+    def flash_op(q, k, v, sinks):
+        out = torch.ops.aten._scaled_dot_product_flash_attention(
+            *(x.transpose(1, 2) for x in (q, k, v)), 0.0, True)[0]
+        return out.transpose(1, 2)
+
+    with ptxattn.torch.sdpa_enabled(), _deterministic():
+        results = _autograd_step(flash_op, q, k, v, None, dout)
+    assert ptxattn_calls == {"forward": 1, "backward": 1}
+    assert results[0].shape == dout.shape and results[3].shape == v.shape
+    _assert_same_bits(results, _autograd_step(_ptxattn(True), q, k, v, None, dout))
+    _check_against_fp32(results, q, k, v, dout, causal=True)
 
 
 @pytest.mark.gpu

@@ -3,29 +3,31 @@
 CPU only: the registration (from_config and set_attn_implementation take "ptxattn", with the
 flash-attention mask function registered under it), the window transformers' sliding_window
 becomes (it leaves visible the keys transformers' own sliding-window masks leave), the padding
-mask's indices and cu_seqlens, where packed sequences start, and the errors that name the
-model's feature (a 4D or float mask, attention dropout in training, Phi-3's head_dim 96, packed
-position_ids against a cache, float32 outside autocast). The public names follow
-tests/test_public_api.py's docstring rules.
+mask's indices and cu_seqlens, where packed sequences start, a value head_dim below the
+query's reaching the kernels as it is (zero-padded to a multiple of 8 if it is none, the output
+cropped), and the errors that name the model's feature (a 4D or float mask, attention dropout
+in training, a head_dim of 100, a value head_dim over the query's, packed position_ids against
+a cache, float32 outside autocast). The public names follow tests/test_public_api.py's
+docstring rules.
 
-Models, tiny and random (1-2 layers, hidden 256, built from configs: no downloads), their
-attention sharpened (query and key projections scaled up, gpt-oss's sinks drawn large) so that a
-wrong mask, window, softcap or sink shows: Llama (GQA, head_dim 128), Mistral (sliding window),
-Qwen3 (q/k norms), Gemma 2 (softcap and window, head_dim 256), gpt-oss (sinks and window,
-head_dim 64), DeepSeek-V3 (multi-head latent attention: value head_dim 32 under 64), a BERT
-encoder with right padding, a BERT decoder cross-attending to padded encoder states, Whisper
-(encoder, causal decoder, cross-attention). Each test runs twice: on the GPU with ptxattn's
-kernels in bfloat16, and on the CPU in float16 with the two ptxattn.torch functions replaced by
-their math in torch (_reference_attention), which tests everything ptxattn.transformers does
-around the kernels. Logits of batches with and without padding and the gradients of a loss with
-respect to every parameter; greedy generate() with the dynamic and a static cache, its logits
-step by step against the same tokens teacher-forced; a prefill in two chunks; packed sequences
-(position_ids restarting, or the cu_seq_lens_q/k and max_length_q/k keywords) against each
-sequence run alone; a float32 model under autocast. One rule holds them: against the model in
-float32 on "eager" attention, ptxattn's max error is at most twice that of the model in 16 bits
-on the baseline attention ("sdpa"; "eager" for Gemma 2, whose softcap sdpa drops, and gpt-oss,
-which has no sdpa), plus twice the rounding noise of one 16-bit value; four times for a tensor
-of fewer than 64 values (gpt-oss's sinks' gradient), whose max error estimates either's poorly.
+Models, tiny and random (1-2 layers, hidden 256, built from configs: no downloads), their attention
+sharpened (query and key projections scaled up, gpt-oss's sinks drawn large) so that a wrong mask,
+window, softcap or sink shows: Llama (GQA, head_dim 128), Mistral (sliding window), Qwen3 (q/k
+norms), Gemma 2 (softcap and window, head_dim 256), gpt-oss (sinks and window, head_dim 64), Phi-3
+(head_dim 96, between the compiled ones), DeepSeek-V3 (multi-head latent attention: value head_dim
+32 under 64), a BERT encoder with right padding, a BERT decoder cross-attending to padded encoder
+states, Whisper (encoder, causal decoder, cross-attention). Each test runs twice: on the GPU with
+ptxattn's kernels in bfloat16, and on the CPU in float16 with the two ptxattn.torch functions
+replaced by their math in torch (_reference_attention), which tests everything ptxattn.transformers
+does around the kernels. Logits of batches with and without padding and the gradients of a loss with
+respect to every parameter; greedy generate() with the dynamic and a static cache, its logits step
+by step against the same tokens teacher-forced; a prefill in two chunks; packed sequences
+(position_ids restarting, or the cu_seq_lens_q/k and max_length_q/k keywords) against each sequence
+run alone; a float32 model under autocast. One rule holds them: against the model in float32 on
+"eager" attention, ptxattn's max error is at most twice that of the model in 16 bits on the baseline
+attention ("sdpa"; "eager" for Gemma 2, whose softcap sdpa drops, and gpt-oss, which has no sdpa),
+plus twice the rounding noise of one 16-bit value; four times for a tensor of fewer than 64 values
+(gpt-oss's sinks' gradient), whose max error estimates either's poorly.
 """
 
 import dataclasses
@@ -93,6 +95,10 @@ CASES = {
                                                       num_experts_per_tok=2,
                                                       sliding_window=32),
                     "GptOssForCausalLM", baseline="eager"),
+    # head_dim 96 (hidden 192 over 2 heads, as Phi-3's 3072 over 32): between compiled ones.
+    "phi3": Case(lambda: transformers.Phi3Config(**{**_SMALL, "hidden_size": 192},
+                                                 num_attention_heads=2, num_key_value_heads=2),
+                 "Phi3ForCausalLM"),
     # Multi-head latent attention: query and key head_dim 64 (32 + 32 rotary), value 32.
     "deepseek_v3": Case(lambda: transformers.DeepseekV3Config(
         **_SMALL, moe_intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
@@ -113,7 +119,7 @@ CASES = {
         decoder_start_token_id=1, suppress_tokens=None, begin_suppress_tokens=None),
         "WhisperForConditionalGeneration", kind="whisper"),
 }
-DECODERS = ["llama", "mistral", "qwen3", "gemma2", "gpt_oss", "deepseek_v3"]
+DECODERS = ["llama", "mistral", "qwen3", "gemma2", "gpt_oss", "phi3", "deepseek_v3"]
 
 
 def _sharpen(model, generator) -> None:
@@ -534,13 +540,14 @@ def _tiny(name: str, dtype=torch.float16, **config):
         cfg, attn_implementation="ptxattn", dtype=dtype)
 
 
-def test_phi3_head_dim_96_is_a_clear_error():
-    """Phi-3's head_dim is 96 (hidden 3072 over 32 heads), which ptxattn does not run yet."""
-    config = transformers.Phi3Config(**{**_SMALL, "hidden_size": 192}, num_attention_heads=2,
+def test_a_head_dim_ptxattn_does_not_run_is_a_clear_error():
+    """head_dim 100 (hidden 200 over 2 heads): no multiple of 8, which ptxattn's kernels need."""
+    config = transformers.Phi3Config(**{**_SMALL, "hidden_size": 200}, num_attention_heads=2,
                                      num_key_value_heads=2)
     model = transformers.Phi3ForCausalLM._from_config(config, attn_implementation="ptxattn",
                                                       dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"Phi3Attention has head_dim 96.*64, 128, 256"):
+    with pytest.raises(ValueError, match=r"Phi3Attention has head_dim 100 .*ptxattn runs "
+                                         r"head_dim a multiple of 8 from 8 to 256"):
         model(torch.ones(1, 8, dtype=torch.long))
 
 
@@ -574,6 +581,38 @@ def test_packed_position_ids_against_a_longer_cache_is_a_clear_error():
     with pytest.raises(ValueError, match=r"4 queries but 6 keys"):
         ptxattn.transformers.attention_forward(_CausalLayer(), query, key, key, None,
                                                position_ids=torch.tensor([[0, 1, 0, 1]]))
+
+
+def test_a_value_head_dim_over_the_querys_is_a_clear_error():
+    query = torch.empty(1, 2, 8, 64, dtype=torch.float16)
+    value = torch.empty(1, 2, 8, 128, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"_CausalLayer has head_dim 64 \(value head_dim "
+                                         r"128\).*at most the query's"):
+        ptxattn.transformers.attention_forward(_CausalLayer(), query, query, value, None)
+
+
+@pytest.mark.parametrize("value_head_dim", [32, 36])
+def test_a_narrower_value_runs_as_it_is_or_padded_to_a_multiple_of_8(value_head_dim,
+                                                                      monkeypatch):
+    """The kernels get v as it is when its head_dim is a multiple of 8, else zero-padded up to
+    one; the output has v's own head_dim, the padding cropped."""
+    given = []
+
+    def recorded(q, k, v, **options):
+        given.append(v.shape[-1])
+        return _reference_attention(q, k, v, **options)
+
+    monkeypatch.setattr(ptxattn.torch, "attention", recorded)
+    g = torch.Generator().manual_seed(4)
+    query, key = (torch.randn(2, 4, 16, 64, generator=g).half() for _ in range(2))
+    value = torch.randn(2, 4, 16, value_head_dim, generator=g).half()
+    out, weights = ptxattn.transformers.attention_forward(_CausalLayer(), query, key, value,
+                                                          None)
+    assert given == [-(-value_head_dim // 8) * 8] and weights is None
+    assert out.shape == (2, 16, 4, value_head_dim)
+    expected = _reference_attention(*(x.transpose(1, 2) for x in (query, key, value)),
+                                    causal=True)
+    torch.testing.assert_close(out, expected)
 
 
 def test_float32_outside_autocast_is_a_clear_error():

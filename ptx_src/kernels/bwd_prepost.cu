@@ -1,14 +1,15 @@
 // The two short kernels around every backward main kernel (bwd_mma_sync.cu, bwd_sm90.cu), one
 // thread per 16-byte chunk of a (batch, head, row) row of head_dim values, rows taken (batch,
 // head, row) major to minor so that the dense workspace is written in order:
-//   bwd_preprocess:  dpsum[row] = sum(dO * O) over head_dim in FP32 (the D of dS = P (dP - D)),
+//   bwd_preprocess:  dpsum[row] = sum(dO * O) over head_dim_v in FP32 (the D of dS = P (dP - D)),
 //                    lse_log2[row] = LSE log2(e) (+inf for a row that saw no key), both 0 / +inf
 //                    on the padding rows after the sequence's (to seqlen_q_rounded, or packed to
 //                    its rows rounded up to row_padding), the row's FP32 dQ accumulator zeroed,
 //                    and with sinks the row's dL/dsink, -exp(sink - LSE) D (the sink's
 //                    probability times -D: the sink adds nothing to O, only to the denominator);
 //   bwd_postprocess: dq = softmax_scale * dq_accum, rounded to the input dtype, into dq's
-//                    strides.
+//                    strides, its head_dim columns.
+// kHeadDim is the compiled head dim (the workspace's row), at least the arrays' head dims.
 // Rows are those of each sequence (BwdSeq, block_info.cuh: packed sequences at their offsets),
 // and the workspace's are its padded rows.
 // A row's kHeadDim / 8 threads are adjacent lanes of one warp; the dot product is reduced with
@@ -81,7 +82,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess(const __grid_constant__ Bw
     const RowChunk c = RowChunk::of_thread<kChunks>(p, walked, true);
     const int batch = c.seq.batch_coord;
     float sum = 0.0f;
-    if (c.valid) {
+    if (c.valid && 8 * c.chunk < p.head_dim_v) {
         const uint4 o = *reinterpret_cast<const uint4*>(
             static_cast<const uint16_t*>(p.out) + batch * p.out_stride_b +
             c.array_row() * p.out_stride_s + c.head * p.out_stride_h + 8 * c.chunk);
@@ -89,6 +90,8 @@ __global__ void __launch_bounds__(256) bwd_preprocess(const __grid_constant__ Bw
             static_cast<const uint16_t*>(p.dout) + batch * p.dout_stride_b +
             c.array_row() * p.dout_stride_s + c.head * p.dout_stride_h + 8 * c.chunk);
         sum = dot8<kBf16>(o, d);
+    }
+    if (c.valid) {
         float4* acc =
             reinterpret_cast<float4*>(p.dq_accum + c.workspace_row(p) * kHeadDim + 8 * c.chunk);
         acc[0] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -120,7 +123,7 @@ template <int kHeadDim, bool kBf16>
 __global__ void __launch_bounds__(256) bwd_postprocess(const __grid_constant__ BwdParams p) {
     constexpr int kChunks = kHeadDim / 8;
     const RowChunk c = RowChunk::of_thread<kChunks>(p, p.seqlen_q, false);
-    if (!c.valid) return;
+    if (!c.valid || 8 * c.chunk >= p.head_dim) return;
     const float4* acc =
         reinterpret_cast<const float4*>(p.dq_accum + c.workspace_row(p) * kHeadDim + 8 * c.chunk);
     const float4 lo = acc[0];

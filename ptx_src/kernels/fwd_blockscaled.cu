@@ -160,7 +160,8 @@ attn_fwd_blockscaled(const __grid_constant__ FwdParams p) {
     for (int h = 0; h < 2; ++h) {
         const int row = sc.first_row + 8 * h;
         if (row >= p.seqlen_q) continue;
-        store_accumulator_row<true>(out_row(p, c.batch, c.head, row), o, h, inv_sum[0][h], lane);
+        store_accumulator_row<true>(out_row(p, c.batch, c.head, row), o, h, inv_sum[0][h], lane,
+                                    HeadDim);
         if (t == 0) write_lse(p, c.batch, c.head, row, row_lse[0][h]);
     }
 }

@@ -85,7 +85,7 @@ attn_fwd_decode(const __grid_constant__ FwdParams p) {
         }
         cp_async_commit();
     };
-    Loader::load_q(q_tile, tile_rows, [&](int r) {
+    Loader::load_q(q_tile, tile_rows, p.head_dim, [&](int r) {
         const int row = first_row + r;
         return q_seq + packed.token(row) * p.q_stride_s + packed.head(row) * p.q_stride_h;
     }, tid);
@@ -141,13 +141,15 @@ attn_fwd_decode(const __grid_constant__ FwdParams p) {
     float* row_lse = reinterpret_cast<float*>(smem);
     const float* merged = merge_warps<Cfg>(o, softmax, smem + Cfg::kQTileBytes, row_lse, warp, lane);
 
-    // Rows out: 8 columns a thread at a time.
+    // Rows out: 8 columns a thread at a time, head_dim_v of them (partial rows too: combine.cu
+    // reads no more).
     const bool partial = p.num_splits > 1;
     const int global_token0 = (p.cu_seqlens_q != nullptr ? 0 : batch * p.seqlen_q) + lens.offset_q;
     constexpr int kChunks = kHeadDim / 8;
     for (int i = tid; i < tile_rows * kChunks; i += Cfg::kThreads) {
         const int r = i / kChunks;
         const int col = 8 * (i % kChunks);
+        if (col >= p.head_dim_v) continue;
         const int row = first_row + r;
         const int token = packed.token(row);
         const int head = packed.head(row);

@@ -52,13 +52,13 @@ attn_fwd_mma_sync(const __grid_constant__ FwdParams p) {
     const uint32_t q_tile = smem_addr(smem);
     const uint32_t ring = q_tile + Cfg::kQTileBytes;
     Mainloop::template load_tile<Cfg::kBlockM, true>(q_tile, q_head + first_row * p.q_stride_s,
-                                                     p.q_stride_s, p.seqlen_q - first_row, tid);
+                                                     p.q_stride_s, p.seqlen_q - first_row,
+                                                     p.head_dim, tid);
 #pragma unroll
     for (int iter = 0; iter < kStages - 1; ++iter) {
         if (iter < n_blocks) {
-            Mainloop::template load_kv<true>(ring + iter * Cfg::kStageBytes, k_head, v_head,
-                                             p.k_stride_s, p.v_stride_s,
-                                             (n_blocks - 1 - iter) * kBlockN, p.seqlen_k, tid);
+            Mainloop::template load_kv<true>(ring + iter * Cfg::kStageBytes, p, k_head, v_head,
+                                             (n_blocks - 1 - iter) * kBlockN, tid);
         }
         cp_async_commit();
     }
@@ -78,9 +78,9 @@ attn_fwd_mma_sync(const __grid_constant__ FwdParams p) {
         __syncthreads();  // the block's data has landed and every warp is done with iter - 1
         const int next = iter + kStages - 1;
         if (next < n_blocks) {
-            Mainloop::template load_kv<false>(ring + (next % kStages) * Cfg::kStageBytes, k_head,
-                                              v_head, p.k_stride_s, p.v_stride_s,
-                                              (n_blocks - 1 - next) * kBlockN, p.seqlen_k, tid);
+            Mainloop::template load_kv<false>(ring + (next % kStages) * Cfg::kStageBytes, p,
+                                              k_head, v_head, (n_blocks - 1 - next) * kBlockN,
+                                              tid);
         }
         cp_async_commit();
 
@@ -121,7 +121,7 @@ attn_fwd_mma_sync(const __grid_constant__ FwdParams p) {
     uint16_t* out_head = out_row(p, c.batch, c.head, 0);
     store_staged_rows<Cfg::kWarpRows, Cfg::kChunksPerRow>(smem, tile_offset, out_head,
                                                            p.out_stride_s, first_row, warp_row,
-                                                           p.seqlen_q, lane);
+                                                           p.seqlen_q, p.head_dim_v / 8, lane);
 }
 
 }  // namespace ptxattn

@@ -104,7 +104,7 @@ attn_fwd_sm90(const __grid_constant__ FwdParams p) {
         for (int h = 0; h < 2; ++h) {
             factor[h] = Cfg::kFp8 ? inv_sum[0][h] * consumer.v_descale : inv_sum[0][h];
         }
-        const auto& o = reinterpret_cast<const float(&)[Cfg::kHeadDim / 8][4]>(consumer.o);
+        const auto& o = reinterpret_cast<const float(&)[Cfg::kHeadDimV / 8][4]>(consumer.o);
         const SeqLens lens = consumer.lens(p);
         // Split-KV (serving builds): this split's partial state, float32, for combine.cu.
         const bool partial = Cfg::kServing && splits > 1;
@@ -140,13 +140,14 @@ attn_fwd_sm90(const __grid_constant__ FwdParams p) {
                                       lens.offset_q + row;
                 if (lane % 4 == 0) partial_lse(p, c.split, batch_row, c.head) = row_lse[0][h];
                 store_accumulator_row_f32(
-                    partial_out_row(p, c.split, batch_row, c.head, Cfg::kHeadDim), o, h,
-                    factor[h], lane);
+                    partial_out_row(p, c.split, batch_row, c.head, Cfg::kHeadDimV), o, h,
+                    factor[h], lane, p.head_dim_v);
                 continue;
             }
             if (!staged) {
                 store_accumulator_row<Cfg::kBf16>(
-                    out_row(p, out_batch, c.head, lens.offset_q + row), o, h, factor[h], lane);
+                    out_row(p, out_batch, c.head, lens.offset_q + row), o, h, factor[h], lane,
+                    p.head_dim_v);
             }
             if (lane % 4 == 0) {
                 write_lse(p, out_batch, c.head, lens.offset_q + row, row_lse[0][h]);

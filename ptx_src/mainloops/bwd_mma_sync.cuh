@@ -167,11 +167,13 @@ struct BwdMmaSyncMainloop {
         }
     };
 
+    // Rows of q or dout, k or v: `head_dim` columns of them (BwdParams), zeros past them.
     template <int kRows>
     static __device__ __forceinline__ void load_rows(uint32_t tile, const uint16_t* rows,
-                                                     int64_t seq_stride, int valid_rows, int tid) {
+                                                     int64_t seq_stride, int valid_rows,
+                                                     int head_dim, int tid) {
         SlabbedTile<Cfg::kRowBytes, kRows>::template load<Cfg::kThreads, true>(
-            tile, rows, seq_stride, valid_rows, tid);
+            tile, rows, seq_stride, valid_rows, head_dim / 8, tid);
     }
 
     // The step's row values into `dst`: kBlockM floats of lse_log2, then of dpsum, from the
@@ -358,10 +360,10 @@ struct BwdMmaSyncMainloop {
             const auto row_chunks = [](int row, int chunk) { return KVTile::offset(row, chunk); };
             store_staged_rows<kWarpKeys, KVTile::kChunksPerRow>(
                 smem, row_chunks, dk_head, p.dk_stride_s, first_key, warp * kWarpKeys, seqlen_k,
-                lane);
+                p.head_dim / 8, lane);
             store_staged_rows<kWarpKeys, KVTile::kChunksPerRow>(
                 smem + Cfg::kKVTileBytes, row_chunks, dv_head, p.dv_stride_s, first_key,
-                warp * kWarpKeys, seqlen_k, lane);
+                warp * kWarpKeys, seqlen_k, p.head_dim_v / 8, lane);
         } else {
 #pragma unroll
             for (int m = 0; m < Cfg::kDkvRows / 16; ++m) {
@@ -372,11 +374,15 @@ struct BwdMmaSyncMainloop {
 #pragma unroll
                     for (int j = 0; j < Cfg::kDkvCols / 8; ++j) {
                         const int col = dkv_d0 + 8 * j + 2 * (lane & 3);
-                        *reinterpret_cast<uint32_t*>(dk_head + key * p.dk_stride_s + col) =
-                            pack_f32x2<Cfg::kBf16>(dk[m][j][2 * h] * p.softmax_scale,
-                                                   dk[m][j][2 * h + 1] * p.softmax_scale);
-                        *reinterpret_cast<uint32_t*>(dv_head + key * p.dv_stride_s + col) =
-                            pack_f32x2<Cfg::kBf16>(dv[m][j][2 * h], dv[m][j][2 * h + 1]);
+                        if (dkv_d0 + 8 * j < p.head_dim) {
+                            *reinterpret_cast<uint32_t*>(dk_head + key * p.dk_stride_s + col) =
+                                pack_f32x2<Cfg::kBf16>(dk[m][j][2 * h] * p.softmax_scale,
+                                                       dk[m][j][2 * h + 1] * p.softmax_scale);
+                        }
+                        if (dkv_d0 + 8 * j < p.head_dim_v) {
+                            *reinterpret_cast<uint32_t*>(dv_head + key * p.dv_stride_s + col) =
+                                pack_f32x2<Cfg::kBf16>(dv[m][j][2 * h], dv[m][j][2 * h + 1]);
+                        }
                     }
                 }
             }
@@ -444,12 +450,12 @@ struct BwdMmaSyncMainloop {
             k_tile,
             static_cast<const uint16_t*>(p.k) + seq.batch_coord * p.k_stride_b +
                 kv_head * p.k_stride_h + (seq.lens.offset_k + first_key) * p.k_stride_s,
-            p.k_stride_s, seq.lens.seqlen_k - first_key, tid);
+            p.k_stride_s, seq.lens.seqlen_k - first_key, p.head_dim, tid);
         Mainloop::template load_rows<kBlockN>(
             v_tile,
             static_cast<const uint16_t*>(p.v) + seq.batch_coord * p.v_stride_b +
                 kv_head * p.v_stride_h + (seq.lens.offset_k + first_key) * p.v_stride_s,
-            p.v_stride_s, seq.lens.seqlen_k - first_key, tid);
+            p.v_stride_s, seq.lens.seqlen_k - first_key, p.head_dim_v, tid);
 
         // Q and dO of the step at `cursor` into ring stage `stage`; the cursor moves to the next.
         // (The walk as a cursor, without head()'s and m_block()'s divisions at every step, leaves
@@ -487,12 +493,12 @@ struct BwdMmaSyncMainloop {
                 q_dst,
                 static_cast<const uint16_t*>(p.q) + seq.batch_coord * p.q_stride_b +
                     head * p.q_stride_h + (seq.lens.offset_q + row0) * p.q_stride_s,
-                p.q_stride_s, seq.lens.seqlen_q - row0, tid);
+                p.q_stride_s, seq.lens.seqlen_q - row0, p.head_dim, tid);
             Mainloop::template load_rows<kBlockM>(
                 q_dst + Cfg::kQTileBytes,
                 static_cast<const uint16_t*>(p.dout) + seq.batch_coord * p.dout_stride_b +
                     head * p.dout_stride_h + (seq.lens.offset_q + row0) * p.dout_stride_s,
-                p.dout_stride_s, seq.lens.seqlen_q - row0, tid);
+                p.dout_stride_s, seq.lens.seqlen_q - row0, p.head_dim_v, tid);
             Mainloop::load_row_values(values_dst, p.lse_log2, p.dpsum,
                                       seq.workspace_row(p, head, row0), tid);
             walk_steps.next(cursor);

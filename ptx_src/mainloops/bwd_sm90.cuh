@@ -816,9 +816,9 @@ struct BwdSm90Mainloop {
                 uint16_t* dv_row = static_cast<uint16_t*>(p.dv) + seq.batch_coord * p.dv_stride_b +
                                    row * p.dv_stride_s + kv_head * p.dv_stride_h + col0;
                 store_accumulator_row<kBf16>(dk_row, reinterpret_cast<const Rows&>(dk), h,
-                                             p.softmax_scale, lane);
+                                             p.softmax_scale, lane, p.head_dim - col0);
                 store_accumulator_row<kBf16>(dv_row, reinterpret_cast<const Rows&>(dv), h, 1.0f,
-                                             lane);
+                                             lane, p.head_dim_v - col0);
             }
         }
 

@@ -72,13 +72,15 @@ struct DecodeMainloop {
     using Tile = SwizzledTile<Cfg::kRowBytes>;
 
     // The packed Q tile: row r (< rows) from q_row(r), a pointer to its first element; rows past
-    // `rows` zero-filled.
+    // `rows` and columns past `head_dim` zero-filled.
     template <class QRow>
-    static __device__ __forceinline__ void load_q(uint32_t tile, int rows, QRow q_row, int tid) {
+    static __device__ __forceinline__ void load_q(uint32_t tile, int rows, int head_dim,
+                                                  QRow q_row, int tid) {
         const int chunk = tid % kChunksPerRow;
+        const bool column = chunk < head_dim / 8;
 #pragma unroll
         for (int row = tid / kChunksPerRow; row < Cfg::kRows; row += kRowsPerPass) {
-            const bool valid = row < rows;
+            const bool valid = column && row < rows;
             const uint16_t* src = valid ? q_row(row) + chunk * 8 : nullptr;
             cp_async_16(tile + Tile::offset(row, chunk), src, valid);
         }
@@ -86,13 +88,15 @@ struct DecodeMainloop {
 
     // One ring stage: the K and V rows of keys key0 .. key0 + kBlockN of the sequence (located
     // by `kv` from the stage's staged pages; k_head and v_head point at the kv head's column of
-    // slot 0, row 0), zero-filled from `keys` on.
+    // slot 0, row 0), zero-filled from `keys` on and past p.head_dim (K) and p.head_dim_v (V).
     static __device__ __forceinline__ void load_kv(uint32_t stage, const FwdParams& p,
                                                    const KvRows& kv, const int* staged,
                                                    const uint16_t* k_head,
                                                    const uint16_t* v_head, int key0, int keys,
                                                    int tid) {
         const int chunk = tid % kChunksPerRow;
+        const bool k_column = chunk < p.head_dim / 8;
+        const bool v_column = chunk < p.head_dim_v / 8;
         KvRows::StageRows rows = kv.stage_rows(key0, tid / kChunksPerRow, staged);
 #pragma unroll
         for (int pass = 0; pass < Cfg::kBlockN / kRowsPerPass; ++pass) {
@@ -105,8 +109,9 @@ struct DecodeMainloop {
                 k_src += at.x * p.k_stride_b + at.y * p.k_stride_s + chunk * 8;
                 v_src += at.x * p.v_stride_b + at.y * p.v_stride_s + chunk * 8;
             }
-            cp_async_16(stage + Tile::offset(row, chunk), k_src, valid);
-            cp_async_16(stage + Cfg::kKVTileBytes + Tile::offset(row, chunk), v_src, valid);
+            cp_async_16(stage + Tile::offset(row, chunk), k_src, valid && k_column);
+            cp_async_16(stage + Cfg::kKVTileBytes + Tile::offset(row, chunk), v_src,
+                        valid && v_column);
             rows.advance(kRowsPerPass);
         }
     }

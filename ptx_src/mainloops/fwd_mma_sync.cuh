@@ -14,6 +14,7 @@
 #include "ptx/common.cuh"
 #include "ptx/cp_async.cuh"
 #include "ptx/mma_sync.cuh"
+#include "roles/params.cuh"
 #include "roles/smem_tile.cuh"
 
 namespace ptxattn {
@@ -84,21 +85,25 @@ struct MmaSyncMainloop {
     // first K/V block visited can be partial, so only they check rows.
     template <int kRows, bool kCheckRows>
     static __device__ __forceinline__ void load_tile(uint32_t tile, const uint16_t* rows,
-                                                     int64_t seq_stride, int valid_rows, int tid) {
-        Tile::template load<kRows, kThreads, kCheckRows>(tile, rows, seq_stride, valid_rows, tid);
+                                                     int64_t seq_stride, int valid_rows,
+                                                     int head_dim, int tid) {
+        Tile::template load<kRows, kThreads, kCheckRows>(tile, rows, seq_stride, valid_rows,
+                                                         head_dim / 8, tid);
     }
 
-    // The K and V tiles of one ring stage, keys first_key.. of the K/V head.
+    // The K and V tiles of one ring stage, keys first_key.. of the K/V head: k's head_dim and
+    // v's head_dim_v columns (FwdParams), zeros past them.
     template <bool kCheckRows>
-    static __device__ __forceinline__ void load_kv(uint32_t stage, const uint16_t* k_head,
-                                                   const uint16_t* v_head, int64_t k_seq_stride,
-                                                   int64_t v_seq_stride, int first_key,
-                                                   int seq_len_k, int tid) {
-        load_tile<Cfg::kBlockN, kCheckRows>(stage, k_head + first_key * k_seq_stride,
-                                            k_seq_stride, seq_len_k - first_key, tid);
+    static __device__ __forceinline__ void load_kv(uint32_t stage, const FwdParams& p,
+                                                   const uint16_t* k_head,
+                                                   const uint16_t* v_head, int first_key,
+                                                   int tid) {
+        load_tile<Cfg::kBlockN, kCheckRows>(stage, k_head + first_key * p.k_stride_s,
+                                            p.k_stride_s, p.seqlen_k - first_key, p.head_dim,
+                                            tid);
         load_tile<Cfg::kBlockN, kCheckRows>(stage + Cfg::kKVTileBytes,
-                                            v_head + first_key * v_seq_stride, v_seq_stride,
-                                            seq_len_k - first_key, tid);
+                                            v_head + first_key * p.v_stride_s, p.v_stride_s,
+                                            p.seqlen_k - first_key, p.head_dim_v, tid);
     }
 
     // Q's A fragments, and V's B fragments read with .trans (16 keys, head-dim tiles of 8).

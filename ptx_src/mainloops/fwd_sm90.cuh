@@ -46,7 +46,8 @@
 namespace ptxattn {
 
 // The compile-time shape of a Hopper forward kernel and everything derived from it.
-//   kHeadDim 64/128/256; kBlockN keys per K/V tile (multiple of 16, FP8 of 32); kStages ring
+//   kHeadDim 64/128/192/256 (q and k), kHeadDimV (v and out: kHeadDim, or narrower in
+//   16-bit builds, e.g. 192/128); kBlockN keys per K/V tile (multiple of 16, FP8 of 32); kStages ring
 //   depth; kFp8 e4m3 inputs; kBf16 the 16-bit type (of the inputs, or of FP8's output);
 //   kCausal; kConsumers consumer warpgroups (2 or 3); kOutRoundCols the output's columns a
 //   consumer stages in shared memory at a time for TMA stores (kStagedOut; 0: stored from
@@ -64,11 +65,12 @@ namespace ptxattn {
 // and a warpgroup whose 64 rows run past a packed sequence's end stores from registers, since a
 // TMA store would overwrite the next sequence's rows. It takes the logit softcap as a run-time
 // field too (Consumer::finish_qk). Fixed-length builds compile none of it.
-template <int HeadDim, int BlockN, int Stages, bool Fp8, bool Bf16, bool Causal, int Consumers,
-          int OutRoundCols, bool StaleMaxFirst, bool QInRegisters, bool Serving,
+template <int HeadDim, int HeadDimV, int BlockN, int Stages, bool Fp8, bool Bf16, bool Causal,
+          int Consumers, int OutRoundCols, bool StaleMaxFirst, bool QInRegisters, bool Serving,
           int ProducerRegs, bool IntraOverlap, int SmemBytes>
 struct Sm90Config {
     static constexpr int kHeadDim = HeadDim;
+    static constexpr int kHeadDimV = HeadDimV;
     static constexpr int kBlockN = BlockN;
     static constexpr int kStages = Stages;
     static constexpr bool kFp8 = Fp8;
@@ -99,7 +101,9 @@ struct Sm90Config {
     static constexpr uint32_t kQSlabBytes = kBlockM * kSlabRowBytes;
     static constexpr uint32_t kQBytes = kQSlabBytes * kSlabs;
     static constexpr uint32_t kKVSlabBytes = kBlockN * kSlabRowBytes;
-    static constexpr uint32_t kKVBytes = kKVSlabBytes * kSlabs;
+    static constexpr uint32_t kKVBytes = kKVSlabBytes * kSlabs;  // a K tile
+    static constexpr int kVSlabs = kHeadDimV * kElemBytes / kSlabRowBytes;
+    static constexpr uint32_t kVBytes = kKVSlabBytes * kVSlabs;  // a V tile
     // FP8 Vt: head_dim rows of keys, in regions of one swizzle span of keys.
     static constexpr uint32_t kVtRowBytes = kBlockN < 128 ? kBlockN : 128;
     static constexpr uint32_t kVtRegionBytes = kHeadDim * kVtRowBytes;
@@ -118,7 +122,8 @@ struct Sm90Config {
     // below 32 the transposer spills). The consumers share what the producer gives up.
     static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
     static constexpr int kQRegs = kQInRegisters ? kHeadDim / 8 : 0;
-    static constexpr int kFragmentRegs = kScoreAccs * kBlockN / 2 + kHeadDim / 2 + kPRegs + kQRegs;
+    static constexpr int kFragmentRegs =
+        kScoreAccs * kBlockN / 2 + kHeadDimV / 2 + kPRegs + kQRegs;
     static constexpr int kProducerRegs =
         ProducerRegs > 0 ? ProducerRegs : !kFp8 ? 24 : kFragmentRegs >= 200 ? 40 : 56;
     static constexpr int kConsumerRegs =
@@ -126,7 +131,9 @@ struct Sm90Config {
 
     static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
     static_assert(!kQInRegisters || kFp8, "Q in registers: FP8 builds only (its A fragment layout)");
-    static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head_dim must be 64, 128 or 256");
+    static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "head_dim: whole swizzle spans, <= 256");
+    static_assert(kHeadDimV % 64 == 0 && kHeadDimV <= kHeadDim && (!kFp8 || kHeadDimV == kHeadDim),
+                  "head_dim_v: whole swizzle spans, at most head_dim; FP8: head_dim");
     static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "kBlockN: a multiple of 16, <= 256");
     static_assert(kKVSlabBytes % kSwizzleAtomBytes == 0, "tiles must stay 1024-byte aligned");
     static_assert(!kFp8 || (kBlockN % 32 == 0 && (kBlockN >= 128 || kBlockN == 64)),
@@ -171,6 +178,7 @@ struct Sm90Barriers {
 template <class Cfg>
 struct Sm90Mainloop {
     static constexpr int kHeadDim = Cfg::kHeadDim;
+    static constexpr int kHeadDimV = Cfg::kHeadDimV;
     static constexpr int kBlockN = Cfg::kBlockN;
     static constexpr int kBlockM = Cfg::kBlockM;
     static constexpr int kStages = Cfg::kStages;
@@ -187,6 +195,8 @@ struct Sm90Mainloop {
     static constexpr uint32_t kQBytes = Cfg::kQBytes;
     static constexpr uint32_t kKVSlabBytes = Cfg::kKVSlabBytes;
     static constexpr uint32_t kKVBytes = Cfg::kKVBytes;
+    static constexpr int kVSlabs = Cfg::kVSlabs;
+    static constexpr uint32_t kVBytes = Cfg::kVBytes;
     static constexpr uint32_t kVtRowBytes = Cfg::kVtRowBytes;
     static constexpr uint32_t kVtRegionBytes = Cfg::kVtRegionBytes;
     static constexpr uint32_t kVtBytes = Cfg::kVtBytes;
@@ -203,9 +213,9 @@ struct Sm90Mainloop {
     // base (the swizzle atom), which may cost up to 1024 bytes of the allocation.
     static constexpr uint32_t kKOffset = kQBytes;
     static constexpr uint32_t kVOffset = kKOffset + kStages * kKVBytes;
-    static constexpr uint32_t kVtOffset = kVOffset + kStages * kKVBytes;
+    static constexpr uint32_t kVtOffset = kVOffset + kStages * kVBytes;
     using Output =
-        StagedTmaStore<kHeadDim, kBf16, Cfg::kStagedOut ? Cfg::kOutRoundCols : kHeadDim>;
+        StagedTmaStore<kHeadDimV, kBf16, Cfg::kStagedOut ? Cfg::kOutRoundCols : kHeadDimV>;
     static constexpr uint32_t kOutBytes = Output::kBytes;
     static constexpr uint32_t kOutOffset = kVtOffset + kStages * kVtBytes;
     static constexpr uint32_t kBarrierOffset =
@@ -275,12 +285,14 @@ struct Sm90Mainloop {
 
     // ---- Producer ---------------------------------------------------------------------------
 
+    // A K tile (kTileSlabs = kSlabs) or a V tile (kVSlabs).
+    template <int kTileSlabs>
     static __device__ __forceinline__ void load_kv_tile(uint8_t* tile, const TensorMap* map,
                                                         MBarrier& full, int kv_head, int row,
                                                         int batch) {
-        full.arrive_expect_tx(kKVBytes);
+        full.arrive_expect_tx(kKVSlabBytes * kTileSlabs);
 #pragma unroll
-        for (int j = 0; j < kSlabs; ++j) {
+        for (int j = 0; j < kTileSlabs; ++j) {
             tma_load_4d(tile + j * kKVSlabBytes, map, full, kSlabCols * j, kv_head, row, batch);
         }
     }
@@ -327,23 +339,23 @@ struct Sm90Mainloop {
             }
             ++q_loads;
             bars.k.producer_acquire(k_ring);
-            load_kv_tile(smem + kKOffset + k_ring.stage() * kKVBytes, &p.k_map,
-                         bars.k.full_barrier(k_ring), kv_head,
-                         lens.offset_k + (n_end - 1) * kBlockN, kv_b);
+            load_kv_tile<kSlabs>(smem + kKOffset + k_ring.stage() * kKVBytes, &p.k_map,
+                                 bars.k.full_barrier(k_ring), kv_head,
+                                 lens.offset_k + (n_end - 1) * kBlockN, kv_b);
             ++k_ring.count;
 #pragma unroll 1
             for (int n_block = n_end - 1; n_block >= n_begin; --n_block) {
                 if (n_block > n_begin) {
                     bars.k.producer_acquire(k_ring);
-                    load_kv_tile(smem + kKOffset + k_ring.stage() * kKVBytes, &p.k_map,
-                                 bars.k.full_barrier(k_ring), kv_head,
-                                 lens.offset_k + (n_block - 1) * kBlockN, kv_b);
+                    load_kv_tile<kSlabs>(smem + kKOffset + k_ring.stage() * kKVBytes,
+                                         &p.k_map, bars.k.full_barrier(k_ring), kv_head,
+                                         lens.offset_k + (n_block - 1) * kBlockN, kv_b);
                     ++k_ring.count;
                 }
                 bars.v.producer_acquire(v_ring);
-                load_kv_tile(smem + kVOffset + v_ring.stage() * kKVBytes, &p.v_map,
-                             bars.v.full_barrier(v_ring), kv_head,
-                             lens.offset_k + n_block * kBlockN, kv_b);
+                load_kv_tile<kVSlabs>(smem + kVOffset + v_ring.stage() * kVBytes, &p.v_map,
+                                      bars.v.full_barrier(v_ring), kv_head,
+                                      lens.offset_k + n_block * kBlockN, kv_b);
                 ++v_ring.count;
             }
         }
@@ -372,7 +384,7 @@ struct Sm90Mainloop {
             if (threadIdx.x % 32 == 0) v_end = atomicAdd(&bars.v_end, 0);
             if (__shfl_sync(0xffffffffu, v_end, 0) == ring.count) return;
             vt.producer_acquire(ring);
-            transpose(smem_addr(smem + kVOffset + ring.stage() * kKVBytes),
+            transpose(smem_addr(smem + kVOffset + ring.stage() * kVBytes),
                       smem_addr(smem + kVtOffset + ring.stage() * kVtBytes));
             fence_proxy_async();
             bars.v.consumer_release(ring);
@@ -437,7 +449,7 @@ struct Sm90Mainloop {
     // Everything one consumer warpgroup needs to run its 64 rows through the key blocks.
     struct Consumer {
         using ScoreTiles = float[1][kBlockN / 8][4];
-        using OutTiles = float[1][kHeadDim / 8][4];
+        using OutTiles = float[1][kHeadDimV / 8][4];
 
         uint8_t* smem;
         Barriers& bars;
@@ -454,7 +466,7 @@ struct Sm90Mainloop {
         int64_t k_descale_step = 0;
         float v_descale = 1.0f;
 
-        float o[kHeadDim / 2];
+        float o[kHeadDimV / 2];
         uint32_t q[kQInRegisters ? kQRegs : 1];  // kQInRegisters: this tile's Q as A fragments
         uint32_t p[kPRegs];  // P of the block whose P V is pending, as A fragments
         // FP8 keeps the exact running max. With a stale one (softmax.cuh lets a row's max grow by
@@ -502,7 +514,7 @@ struct Sm90Mainloop {
                                   kv_head * p.v_descale_stride_h);
             }
 #pragma unroll
-            for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.0f;
+            for (int i = 0; i < kHeadDimV / 2; ++i) o[i] = 0.0f;
             softmax.init();
         }
 
@@ -580,8 +592,8 @@ struct Sm90Mainloop {
         }
 
         __device__ __forceinline__ void issue_pv(int stage) {
-            mma_pv<kHeadDim>(o, p, smem_addr(smem + (kFp8 ? kVtOffset + stage * kVtBytes
-                                                          : kVOffset + stage * kKVBytes)));
+            mma_pv<kHeadDimV>(o, p, smem_addr(smem + (kFp8 ? kVtOffset + stage * kVtBytes
+                                                           : kVOffset + stage * kVBytes)));
         }
 
         // The ring P V reads: Vt (FP8) or V.
@@ -722,11 +734,11 @@ struct Sm90Mainloop {
         // both consumer warpgroups may write the same zeros, and each makes its own writes
         // visible to its wgmmas (fence.proxy.async, then the warpgroup's barrier).
         __device__ __forceinline__ void zero_v_rows(int stage, int valid) const {
-            uint8_t* tile = smem + kVOffset + stage * kKVBytes;
+            uint8_t* tile = smem + kVOffset + stage * kVBytes;
             constexpr int kChunksPerRow = kSlabRowBytes / 16;
             const int chunks = (kBlockN - valid) * kChunksPerRow;
 #pragma unroll 1
-            for (int i = threadIdx.x % 128; i < chunks * kSlabs; i += 128) {
+            for (int i = threadIdx.x % 128; i < chunks * kVSlabs; i += 128) {
                 const int slab = i / chunks;
                 const int in_slab = i % chunks;
                 *reinterpret_cast<uint4*>(tile + slab * kKVSlabBytes +

@@ -43,26 +43,31 @@ __device__ __forceinline__ float& partial_lse(const FwdParams& p, int split, int
     return p.lse_accum[(static_cast<int64_t>(split) * p.heads_q + head) * p.total_q + row];
 }
 
-// Row h of accumulator o, times `factor`, as float32 into `dst` (a partial output row).
+// Row h of accumulator o, times `factor`, as float32 into `dst` (a partial output row), its
+// first `cols` columns (a multiple of 8: the row's head_dim_v).
 template <int kTiles>
 __device__ __forceinline__ void store_accumulator_row_f32(float* dst, const float (&o)[kTiles][4],
-                                                          int h, float factor, int lane) {
+                                                          int h, float factor, int lane,
+                                                          int cols) {
     const int t = lane % 4;
 #pragma unroll
     for (int i = 0; i < kTiles; ++i) {
+        if (8 * i >= cols) break;
         *reinterpret_cast<float2*>(dst + 8 * i + 2 * t) =
             make_float2(o[i][2 * h] * factor, o[i][2 * h + 1] * factor);
     }
 }
 
 // Direct path: row h (0: r, 1: r + 8) of accumulator o, times `factor`, into `dst` (that row of
-// out), 4 bytes per 8-column tile.
+// out), 4 bytes per 8-column tile, its first `cols` columns (a multiple of 8: the array's head
+// dim from dst on, where it is narrower than the kernel's).
 template <bool kBf16, int kTiles>
 __device__ __forceinline__ void store_accumulator_row(uint16_t* dst, const float (&o)[kTiles][4],
-                                                      int h, float factor, int lane) {
+                                                      int h, float factor, int lane, int cols) {
     const int t = lane % 4;
 #pragma unroll
     for (int i = 0; i < kTiles; ++i) {
+        if (8 * i >= cols) break;
         *reinterpret_cast<uint32_t*>(dst + 8 * i + 2 * t) =
             pack_f32x2<kBf16>(o[i][2 * h] * factor, o[i][2 * h + 1] * factor);
     }
@@ -90,12 +95,12 @@ __device__ __forceinline__ void stage_accumulator_rows(uint8_t* smem, TileOffset
 
 // Second half, after a __syncwarp: the warp's kWarpRows staged rows of kChunks 16-byte chunks to
 // rows first_row + warp_row.. of `out_head` (row stride `seq_stride` elements), rows at or past
-// seqlen_q skipped.
+// seqlen_q skipped, and chunks at or past `valid_chunks` (the array's head dim / 8).
 template <int kWarpRows, int kChunks, class TileOffset>
 __device__ __forceinline__ void store_staged_rows(const uint8_t* smem, TileOffset tile_offset,
                                                   uint16_t* out_head, int64_t seq_stride,
                                                   int first_row, int warp_row, int seqlen_q,
-                                                  int lane) {
+                                                  int valid_chunks, int lane) {
     constexpr int kLanesPerRow = kChunks < 32 ? kChunks : 32;
     constexpr int kRowsPerPass = 32 / kLanesPerRow;
     static_assert(kWarpRows % kRowsPerPass == 0, "the passes cover the warp's rows exactly");
@@ -105,6 +110,7 @@ __device__ __forceinline__ void store_staged_rows(const uint8_t* smem, TileOffse
         if (first_row + row < seqlen_q) {
 #pragma unroll
             for (int chunk = lane % kLanesPerRow; chunk < kChunks; chunk += kLanesPerRow) {
+                if (chunk >= valid_chunks) break;
                 *reinterpret_cast<uint4*>(out_head + (first_row + row) * seq_stride + chunk * 8) =
                     *reinterpret_cast<const uint4*>(smem + tile_offset(row, chunk));
             }

@@ -97,6 +97,11 @@ struct alignas(64) FwdParams {
     // Attention sinks: one float32 logit per q head (natural log) that joins each row's softmax
     // denominator; null = none.
     const float* sinks;
+    // The columns of q and k (head_dim) and of v and out (head_dim_v), at most the kernel's
+    // compiled head dim: loads fill the columns past them with zeros and stores leave them
+    // alone, so a call runs on the next compiled head dim up without padding its arrays.
+    int head_dim;
+    int head_dim_v;
 };
 
 // The arguments of combine.cu's merge of partial attention states: parts (num_parts, batch,
@@ -196,6 +201,10 @@ struct alignas(64) BwdParams {
     // zeroed), which the launcher sums per head.
     const float* sinks;
     float* dsink_rows;
+    // The columns of q, k, dq, dk (head_dim) and of v, out, dout, dv (head_dim_v), as in
+    // FwdParams; the workspace's dq_accum rows have the compiled head dim's.
+    int head_dim;
+    int head_dim_v;
 };
 
 }  // namespace ptxattn

@@ -53,10 +53,12 @@ __device__ __forceinline__ float2 ld_shared_f32x2(uint32_t addr) {
 // cp.async of rows [0, kRows) of a Tile (its kChunksPerRow 16-byte chunks a row, each at
 // Tile::offset) from consecutive sequence positions, `rows` pointing at the first. Each of
 // kThreads threads moves one chunk of every (kThreads / chunks)-th row. With kCheckRows, rows at
-// or past `valid_rows` are zero-filled and their source never read.
+// or past `valid_rows` are zero-filled and their source never read. Chunks at or past
+// `valid_chunks` (the array's head_dim / 8, where it is narrower than the tile) are zero-filled
+// in every row: the padding to the compiled head dim, which the source does not have.
 template <class Tile, int kRows, int kThreads, bool kCheckRows>
 __device__ __forceinline__ void copy_rows(uint32_t tile, const uint16_t* rows, int64_t seq_stride,
-                                          int valid_rows, int tid) {
+                                          int valid_rows, int valid_chunks, int tid) {
     constexpr int kChunksPerRow = Tile::kChunksPerRow;
     constexpr int kRowsPerPass = kThreads / kChunksPerRow;
     static_assert(kThreads % kChunksPerRow == 0 && kRows % kRowsPerPass == 0,
@@ -69,12 +71,16 @@ __device__ __forceinline__ void copy_rows(uint32_t tile, const uint16_t* rows, i
     // a 32-bit per-thread offset is cheap to recompute per tile, where 64-bit per-thread
     // pointers would stay live through the main loop and cost registers
     const int thread_offset = first * static_cast<int>(seq_stride) + chunk * 8;
+    const bool column = chunk < valid_chunks;
 #pragma unroll
     for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
         const int row = first + pass * kRowsPerPass;
-        const bool valid = !kCheckRows || row < valid_rows;
+        const bool row_valid = !kCheckRows || row < valid_rows;
         const uint16_t* src = rows + pass * kRowsPerPass * seq_stride + thread_offset;
-        cp_async_16(tile + Tile::offset(row, chunk), valid ? src : rows, valid);
+        // A padding chunk copies no bytes from its address (a source size of 0), so only rows
+        // past the end need a substitute one (selecting it per chunk too took 14 registers more
+        // in the portable forward, and spills).
+        cp_async_16(tile + Tile::offset(row, chunk), row_valid ? src : rows, row_valid && column);
     }
 }
 
@@ -95,9 +101,10 @@ struct SwizzledTile {
     // cp.async of tile rows [0, kRows) from consecutive sequence positions (copy_rows, above).
     template <int kRows, int kThreads, bool kCheckRows>
     static __device__ __forceinline__ void load(uint32_t tile, const uint16_t* rows,
-                                                int64_t seq_stride, int valid_rows, int tid) {
+                                                int64_t seq_stride, int valid_rows,
+                                                int valid_chunks, int tid) {
         copy_rows<SwizzledTile, kRows, kThreads, kCheckRows>(tile, rows, seq_stride, valid_rows,
-                                                             tid);
+                                                             valid_chunks, tid);
     }
 
     // A lane's ldmatrix address of tile rows row.., chunks chunk.. (row % 8 == 0, chunk even).
@@ -144,9 +151,10 @@ struct SlabbedTile {
 
     template <int kThreads, bool kCheckRows>
     static __device__ __forceinline__ void load(uint32_t tile, const uint16_t* rows,
-                                                int64_t seq_stride, int valid_rows, int tid) {
+                                                int64_t seq_stride, int valid_rows,
+                                                int valid_chunks, int tid) {
         copy_rows<SlabbedTile, kRows, kThreads, kCheckRows>(tile, rows, seq_stride, valid_rows,
-                                                            tid);
+                                                            valid_chunks, tid);
     }
 
     // A lane's ldmatrix address of rows row.., chunks chunk.. (row % 8 == 0, chunk even).

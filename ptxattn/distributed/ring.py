@@ -152,7 +152,7 @@ def _forward(q, k, v, steps: tuple, softmax_scale):
     from ..launchers import split_kv
 
     batch, seqlen, heads, _ = q.shape
-    parts = cupy.zeros((2, *q.shape), dtype=cupy.float32)
+    parts = cupy.zeros((2, batch, seqlen, heads, v.shape[-1]), dtype=cupy.float32)
     lse_parts = cupy.full((2, batch, heads, seqlen), -cupy.inf, dtype=cupy.float32)
     merged_lse = cupy.empty((batch, heads, seqlen), dtype=cupy.float32)
     for step, (held, arriving) in zip(steps, _relay((k, v), len(steps))):
@@ -277,10 +277,11 @@ def ring_attention(q, k, v, *, group, causal: bool = False, softmax_scale: float
     ----------
     q : CUDA array
         This rank's query shard, (batch, seqlen_q, heads_q, head_dim), float16 or bfloat16, as
-        ``ptxattn.attention`` takes arrays (head_dim 64, 128 or 256); every rank's of the same
-        shape.
+        ``ptxattn.attention`` takes arrays (head_dim a multiple of 8 from 8 to 256); every
+        rank's of the same shape.
     k, v : CUDA array
-        This rank's key and value shards, (batch, seqlen_k, heads_kv, head_dim); heads_q a
+        This rank's key and value shards, (batch, seqlen_k, heads_kv, head_dim) (v's last axis
+        head_dim_v, at most head_dim, as ``ptxattn.attention`` takes it); heads_q a
         multiple of heads_kv (GQA).
     group : torch.distributed.ProcessGroup, cupy.cuda.nccl.NcclCommunicator or Transport
         The ring's ranks: a process group on the NCCL backend, a CuPy NCCL communicator (bound

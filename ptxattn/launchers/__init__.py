@@ -26,6 +26,17 @@ from typing import Protocol
 from .. import runtime
 
 
+def kernel_head_dim(head_dims, head_dim: int) -> int:
+    """The compiled head dim that runs a call of ``head_dim`` columns: the least of
+    ``head_dims`` that holds them. The kernels read the call's own columns (FwdParams.head_dim,
+    head_dim_v) and fill the rest of a tile with zeros, so nothing is padded in memory and
+    nothing past the arrays' columns is read or written."""
+    fitting = [d for d in head_dims if d >= head_dim]
+    if not fitting:
+        raise ValueError(f"head_dim must be at most {max(head_dims)}, got {head_dim}")
+    return min(fitting)
+
+
 class Launcher(Protocol):
     """What a launcher module provides. Every launcher lists its kernel variants; each provides
     the calls that the dispatch table's routes make of it (``Route.call``), with these

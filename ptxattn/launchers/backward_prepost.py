@@ -91,30 +91,32 @@ class Workspace:
     dq_semaphore: object | None
     dsink_rows: object | None  # with sinks: zeroed, each row's -exp(sink - LSE) D
     rows: int                  # rows per (batch, head), or per head when packed
+    head_dim: int              # dq_accum's columns: the main kernel's compiled head dim
 
     @staticmethod
-    def sizes(problem, block_m: int, deterministic: bool,
+    def sizes(problem, block_m: int, deterministic: bool, head_dim: int,
               turns_per_tile: int = 1) -> tuple[int, int, int]:
         """Elements of the accumulator, of dpsum (and of lse_log2, and of dsink_rows with
-        sinks) and semaphores, for a main kernel of block_m query rows a tile that takes
-        turns_per_tile turns at each tile's dQ (deterministic sums): all 4 bytes each."""
+        sinks) and semaphores, for a main kernel of block_m query rows and compiled head_dim a
+        tile that takes turns_per_tile turns at each tile's dQ (deterministic sums): all 4
+        bytes each."""
         sets, rows = workspace_rows(problem, block_m)
         semaphores = (problem.batch * problem.heads_q * math.ceil(problem.seqlen_q / block_m)
                       * turns_per_tile if deterministic else 0)
-        return sets * rows * problem.head_dim, sets * rows, semaphores
+        return sets * rows * head_dim, sets * rows, semaphores
 
     @classmethod
-    def allocate(cls, problem, block_m: int, deterministic: bool,
+    def allocate(cls, problem, block_m: int, deterministic: bool, head_dim: int,
                  turns_per_tile: int = 1) -> "Workspace":
         import cupy
-        accum, padded_rows, semaphores = cls.sizes(problem, block_m, deterministic,
+        accum, padded_rows, semaphores = cls.sizes(problem, block_m, deterministic, head_dim,
                                                    turns_per_tile)
         return cls(cupy.empty(accum, dtype=cupy.float32),
                    cupy.empty(padded_rows, dtype=cupy.float32),
                    cupy.empty(padded_rows, dtype=cupy.float32),
                    cupy.zeros(semaphores, dtype=cupy.int32) if deterministic else None,
                    cupy.zeros(padded_rows, dtype=cupy.float32) if problem.sinks else None,
-                   workspace_rows(problem, block_m)[1])
+                   workspace_rows(problem, block_m)[1], head_dim)
 
     def dsinks(self, problem, out=None):
         """dL/dsinks, float32 (heads_q,): the rows' shares summed per head, in a fixed order
@@ -157,34 +159,36 @@ def make_params(problem, dout, q, k, v, out, lse, dq, dk, dv, workspace: Workspa
                     ("dk", dk), ("dv", dv)):
         for dim, stride in zip("bsh", params.strides(x)):
             setattr(p, f"{name}_stride_{dim}", stride)
+    p.head_dim, p.head_dim_v = q.shape[-1], v.shape[-1]
     p.lse_stride_b, p.lse_stride_h = params.strides(lse, 2)
     return p
 
 
-def _row_grid(problem, rows_per_head: int) -> tuple[int]:
-    chunks = problem.batch * problem.heads_q * rows_per_head * (problem.head_dim // 8)
+def _row_grid(problem, rows_per_head: int, head_dim: int) -> tuple[int]:
+    chunks = problem.batch * problem.heads_q * rows_per_head * (head_dim // 8)
     return (math.ceil(chunks / _THREADS),)
 
 
-def preprocess(problem, p: params.BwdParams) -> runtime.PreparedLaunch:
-    kernel = runtime.load(_spec("preprocess", problem.format, problem.head_dim))
+def preprocess(problem, p: params.BwdParams, ws: Workspace) -> runtime.PreparedLaunch:
+    kernel = runtime.load(_spec("preprocess", problem.format, ws.head_dim))
     # every workspace row; packed, each sequence's rows padded to whole tiles (bwd_prepost.cu)
     walked = (p.seqlen_q_rounded if "varlen" not in problem.layouts
               else -(-problem.seqlen_q // p.row_padding) * p.row_padding)
-    return runtime.PreparedLaunch(kernel, grid=_row_grid(problem, walked),
+    return runtime.PreparedLaunch(kernel, grid=_row_grid(problem, walked, ws.head_dim),
                                   block=(_THREADS,), args=[p])
 
 
-def postprocess(problem, p: params.BwdParams) -> runtime.PreparedLaunch:
-    kernel = runtime.load(_spec("postprocess", problem.format, problem.head_dim))
-    return runtime.PreparedLaunch(kernel, grid=_row_grid(problem, problem.seqlen_q),
+def postprocess(problem, p: params.BwdParams, ws: Workspace) -> runtime.PreparedLaunch:
+    kernel = runtime.load(_spec("postprocess", problem.format, ws.head_dim))
+    return runtime.PreparedLaunch(kernel, grid=_row_grid(problem, problem.seqlen_q, ws.head_dim),
                                   block=(_THREADS,), args=[p])
 
 
-def run(problem, p: params.BwdParams, main: runtime.PreparedLaunch | None) -> None:
+def run(problem, p: params.BwdParams, main: runtime.PreparedLaunch | None,
+        ws: Workspace) -> None:
     """The preprocess, the family's main kernel (None when no block has a key: every packed
-    sequence empty of keys) and the postprocess, in order on the current stream. A launch of no
-    rows (packed sequences of no queries) is left out."""
-    for launch in (preprocess(problem, p), main, postprocess(problem, p)):
+    sequence empty of keys) and the postprocess, in order on the current stream, over the
+    workspace ``ws``. A launch of no rows (packed sequences of no queries) is left out."""
+    for launch in (preprocess(problem, p, ws), main, postprocess(problem, p, ws)):
         if launch is not None and min(launch.grid) > 0:
             launch()

@@ -15,7 +15,7 @@ import dataclasses
 import math
 
 from .. import archs, runtime
-from . import backward_prepost
+from . import backward_prepost, kernel_head_dim
 
 SOURCE = "kernels/bwd_sm90.cu"
 ARCHS = archs.running("hopper")
@@ -118,11 +118,12 @@ def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: boo
     """The gradients of the forward into dq, dk, dv; returns the workspace (for its size and
     the sinks' gradient). Arrays are 4-d, packed sequences as views of batch extent 1 with their
     cu_seqlens; the window, softcap and sinks are the problem's."""
-    v_info = variant(problem.format, problem.head_dim, problem.causal, deterministic,
+    head_dim = kernel_head_dim(HEAD_DIMS, problem.head_dim)
+    v_info = variant(problem.format, head_dim, problem.causal, deterministic,
                      backward_prepost.takes_options(problem))
     kernel = runtime.load(v_info.spec())
     block_m = v_info.block_m
-    ws = backward_prepost.Workspace.allocate(problem, block_m, deterministic,
+    ws = backward_prepost.Workspace.allocate(problem, block_m, deterministic, head_dim,
                                              turns_per_tile=v_info.turns_per_tile)
     p = backward_prepost.make_params(problem, dout, q, k, v, out, lse, dq, dk, dv, ws, block_m,
                                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -139,10 +140,10 @@ def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: boo
     # (batch, head), or of each head (packed sequences), whose padding takes the rows past a
     # sequence's end.
     sets, rows = backward_prepost.workspace_rows(problem, block_m)
-    p.dq_accum_map = runtime.tensor_map(ws.dq_accum.reshape(sets, rows, problem.head_dim),
+    p.dq_accum_map = runtime.tensor_map(ws.dq_accum.reshape(sets, rows, head_dim),
                                         (1, v_info.dq_rows, 32), swizzle=128)
     grid = (math.ceil(problem.seqlen_k / v_info.block_n), problem.heads_kv, problem.batch)
     main = (runtime.PreparedLaunch(kernel, grid=grid, block=(THREADS,), args=[p])
             if grid[0] > 0 else None)
-    backward_prepost.run(problem, p, main)
+    backward_prepost.run(problem, p, main, ws)
     return ws

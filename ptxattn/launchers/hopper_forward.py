@@ -29,10 +29,19 @@ import math
 from typing import Callable
 
 from .. import params, runtime
-from . import split_kv, tune_table
+from . import kernel_head_dim, split_kv, tune_table
 
 ARCHS = ("sm_90a",)
-HEAD_DIMS = (64, 128, 256)
+# Compiled head dims (a call of another head_dim runs on the next one up: kernel_head_dim).
+# FP8 rows of 192 would end half-way through a 128-byte swizzle span of e4m3, so FP8 runs 192 on
+# 256.
+HEAD_DIMS = (64, 128, 192, 256)
+FP8_HEAD_DIMS = (64, 128, 256)
+# Builds whose v and output are narrower than q and k (16-bit): head_dim -> head_dim_v. A call
+# whose head_dim runs on 192 and whose head_dim_v is at most 128 runs on the 192/128 build (the
+# DeepSeek-V3 prefill shape), which holds O in 64 registers instead of 96 and reads V tiles of
+# 128 columns; any other head_dim_v runs on its head_dim's build, V's columns zero-filled.
+NARROW_V = {192: 128}
 DTYPES = {"bfloat16": 1, "float16": 0}  # 16-bit inputs, and FP8's output types
 FP8 = "float8_e4m3fn"
 
@@ -94,8 +103,20 @@ SCHEDULES = {
     (64, True): Schedule(128, 2, persistent=True, l2_sections=True, consumers=3),
     (128, False): Schedule(128, 2, persistent=True, l2_sections=False, stale_max_first=True),
     (128, True): Schedule(128, 2, persistent=True, l2_sections=False),
+    # head_dim 192: O takes 96 registers, so S and P fit 112 keys (180 in fragments);
+    # (128 + 4 * 112) rows of 384 bytes is 216 KB, no room to stage the output.
+    (192, False): Schedule(112, 2, persistent=True, l2_sections=False),
+    (192, True): Schedule(112, 2, persistent=True, l2_sections=False),
     (256, False): Schedule(64, 2, persistent=True, l2_sections=False),
     (256, True): Schedule(64, 2, persistent=True, l2_sections=False),
+}
+
+# The NARROW_V builds', per (head_dim, head_dim_v, causal). 192/128: O in 64 registers leaves S
+# and P 128 keys, as at head_dim 128; Q, two stages of K (384-byte rows) and V (256-byte rows)
+# take 208 KB, leaving room to stage the output 64 columns at a time.
+SCHEDULES_NARROW_V = {
+    (192, 128, False): Schedule(128, 2, persistent=True, l2_sections=False),
+    (192, 128, True): Schedule(128, 2, persistent=True, l2_sections=False),
 }
 
 # FP8: block_n is 64 or a multiple of 32 from 128 (V is transposed into regions of 128 keys).
@@ -125,32 +146,43 @@ FP8_KEY_BLOCK_SCALED_TILES = {64: (128, 4), 128: (128, 2), 256: (64, 3)}
 L2_SECTION_BYTES = 32 << 20
 
 
+def kernel_head_dims(head_dim: int, head_dim_v: int, fp8: bool = False) -> tuple[int, int]:
+    """(head_dim, head_dim_v) of the build that runs a call of these head dims: the next
+    compiled head_dim up, and its NARROW_V width where the call's values fit it."""
+    dim = kernel_head_dim(FP8_HEAD_DIMS if fp8 else HEAD_DIMS, head_dim)
+    narrow = None if fp8 else NARROW_V.get(dim)
+    return (dim, narrow) if narrow is not None and head_dim_v <= narrow else (dim, dim)
+
+
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory one block may have on sm_90
 
 
 def _smem_bytes(head_dim: int, block_n: int, stages: int, fp8: bool = False,
-                out_round_cols: int = 0, consumers: int = 2) -> int:
+                out_round_cols: int = 0, consumers: int = 2,
+                head_dim_v: int | None = None) -> int:
     block_m = ROWS_PER_CONSUMER * consumers
+    head_dim_v = head_dim_v or head_dim
     out = block_m * out_round_cols * 2  # every consumer's 16-bit output staging
     if fp8:  # Q, K, V, and V transposed in regions of up to 128 keys; two more barriers a stage
         vt_bytes = -(-block_n // 128) * head_dim * min(block_n, 128)
         tiles = (block_m + 2 * stages * block_n) * head_dim + stages * vt_bytes
         barriers = 8 * (2 + 6 * stages) + 128  # + the Vt ring's; mailbox and v_end as below
     else:
-        tiles = (block_m + 2 * stages * block_n) * head_dim * 2
+        tiles = ((block_m + stages * block_n) * head_dim + stages * block_n * head_dim_v) * 2
         barriers = 8 * (2 + 4 * stages) + 128  # + the tile mailbox (two TileWork slots) and v_end
     return tiles + out + barriers + 1024  # + alignment of the base to the 1024-byte swizzle atom
 
 
-def schedule_smem_bytes(head_dim: int, schedule: Schedule, fp8: bool) -> int:
+def schedule_smem_bytes(head_dim: int, schedule: Schedule, fp8: bool,
+                        head_dim_v: int | None = None) -> int:
     """The least shared memory a schedule's kernel needs (the output not staged): above
     SMEM_LIMIT it cannot run."""
     return _smem_bytes(head_dim, schedule.block_n, schedule.stages, fp8,
-                       consumers=schedule.consumers)
+                       consumers=schedule.consumers, head_dim_v=head_dim_v)
 
 
 def registers(head_dim: int, block_n: int, consumers: int, fp8: bool, q_in_registers: bool,
-              producer_regs: int) -> tuple[int, int, int]:
+              producer_regs: int, head_dim_v: int | None = None) -> tuple[int, int, int]:
     """(registers a consumer thread holds in S, O, P and Q fragments, registers a producer
     thread keeps, registers a consumer thread gets): Sm90Config's kFragmentRegs, kProducerRegs
     and kConsumerRegs, which register_check_source holds this arithmetic to."""
@@ -158,7 +190,8 @@ def registers(head_dim: int, block_n: int, consumers: int, fp8: bool, q_in_regis
     score_accumulators = max(1, row_bytes // 128) if fp8 else 1
     p_regs = block_n // 8 if fp8 else block_n // 4
     q_regs = head_dim // 8 if q_in_registers else 0
-    fragments = score_accumulators * block_n // 2 + head_dim // 2 + p_regs + q_regs
+    o_regs = (head_dim_v or head_dim) // 2
+    fragments = score_accumulators * block_n // 2 + o_regs + p_regs + q_regs
     launch = 65536 // (128 * (1 + consumers)) // 8 * 8
     producer = producer_regs or (24 if not fp8 else 40 if fragments >= 200 else 56)
     consumer = ((1 + consumers) * launch - producer) // consumers // 8 * 8
@@ -176,6 +209,7 @@ class Sm90Config:
     """The template arguments of one ``attn_fwd_sm90<Sm90Config<...>>`` instantiation, in its
     order (ptx_src/mainloops/fwd_sm90.cuh documents each)."""
     head_dim: int
+    head_dim_v: int
     block_n: int
     stages: int
     fp8: bool
@@ -204,14 +238,18 @@ def variant(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | No
             stale_max_first: bool | None = None, q_in_registers: bool | None = None,
             serving: bool = False, seqlen_k: int | None = None,
             schedule: Schedule | None = None, producer_regs: int | None = None,
-            intra_overlap: bool | None = None) -> Sm90Config:
+            intra_overlap: bool | None = None, head_dim_v: int | None = None) -> Sm90Config:
     """The kernel variant for inputs of ``dtype`` (bfloat16, float16 or float8_e4m3fn; FP8
     writes ``out_dtype``, 16-bit inputs their own type); ``serving``: the build that takes
     per-sequence lengths and the window (:func:`serve`). Its schedule is ``schedule``, or the
     tuned one for calls with ``seqlen_k`` keys (_schedule); the other arguments replace fields
-    of it."""
+    of it. ``head_dim_v``: a NARROW_V build's v width (default head_dim)."""
     fp8 = dtype == FP8
-    schedule = schedule or _schedule(dtype, head_dim, causal, seqlen_k, serving)
+    head_dim_v = head_dim_v or head_dim
+    if head_dim_v != head_dim and (fp8 or NARROW_V.get(head_dim) != head_dim_v):
+        raise ValueError(f"no {dtype} build of head_dim {head_dim} with head_dim_v {head_dim_v} "
+                         f"(16-bit NARROW_V: {NARROW_V})")
+    schedule = schedule or _schedule(dtype, head_dim, causal, seqlen_k, serving, head_dim_v)
     block_n, stages = tiles or (schedule.block_n, schedule.stages)
     consumers = consumers or schedule.consumers
     if stale_max_first is None:
@@ -232,11 +270,13 @@ def variant(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | No
     # The output goes through shared memory and TMA stores, all its columns at once where there
     # is room for them, else half of them at a time (head_dim 256 with two stages of 64 keys),
     # else from registers.
-    out_round_cols = next((cols for cols in (head_dim, head_dim // 2)
+    out_round_cols = next((cols for cols in (head_dim_v, head_dim_v // 2)
                            if cols % 64 == 0 and _smem_bytes(head_dim, block_n, stages, fp8, cols,
-                                                             consumers) <= SMEM_LIMIT), 0)
-    smem = _smem_bytes(head_dim, block_n, stages, fp8, out_round_cols, consumers)
-    return Sm90Config(head_dim, block_n, stages, fp8, bool(DTYPES[out]), causal, consumers,
+                                                             consumers, head_dim_v) <= SMEM_LIMIT),
+                          0)
+    smem = _smem_bytes(head_dim, block_n, stages, fp8, out_round_cols, consumers, head_dim_v)
+    return Sm90Config(head_dim, head_dim_v, block_n, stages, fp8, bool(DTYPES[out]), causal,
+                      consumers,
                       out_round_cols, stale_max_first, q_in_registers, serving, producer_regs,
                       intra_overlap, smem)
 
@@ -244,6 +284,7 @@ def variant(dtype: str, head_dim: int, causal: bool, tiles: tuple[int, int] | No
 def spec_of(v: Sm90Config, out_dtype: str) -> runtime.KernelSpec:
     return runtime.KernelSpec(
         name=(f"fwd_sm90_{'e4m3_' + out_dtype if v.fp8 else out_dtype}_d{v.head_dim}"
+              f"{f'_v{v.head_dim_v}' if v.head_dim_v != v.head_dim else ''}"
               f"_n{v.block_n}_s{v.stages}{'_c3' if v.consumers == 3 else ''}"
               f"{'_smf' if v.stale_max_first else ''}{'_qr' if v.q_in_registers else ''}"
               f"{f'_p{v.producer_regs}' if v.producer_regs else ''}"
@@ -271,12 +312,15 @@ def shipped_configs() -> list[tuple[Sm90Config, str]]:
                for dtype in DTYPES for head_dim in HEAD_DIMS for causal in (False, True)
                for schedule in _shipped_schedules(dtype, head_dim, causal)]
     configs += [(variant(FP8, head_dim, causal, tiles, out_dtype=out, schedule=schedule), out)
-                for out in DTYPES for head_dim in HEAD_DIMS for causal in (False, True)
+                for out in DTYPES for head_dim in FP8_HEAD_DIMS for causal in (False, True)
                 for schedule in _shipped_schedules(FP8, head_dim, causal)
                 for tiles in dict.fromkeys([None,
                                             _fp8_key_block_scaled_tiles(schedule, head_dim)])]
     configs += [(variant(dtype, head_dim, causal, serving=True), dtype) for dtype in DTYPES
                 for head_dim in HEAD_DIMS for causal in (False, True)]
+    configs += [(variant(dtype, head_dim, causal, serving=serving, head_dim_v=head_dim_v), dtype)
+                for dtype in DTYPES for head_dim, head_dim_v in NARROW_V.items()
+                for causal in (False, True) for serving in (False, True)]
     return list(dict.fromkeys(configs))
 
 
@@ -292,7 +336,7 @@ def register_check_source(configs) -> str:
         cfg = f"ptxattn::Sm90Config<{runtime.template_arguments(config)}>"
         fragments, producer, consumer = registers(
             config.head_dim, config.block_n, config.consumers, config.fp8,
-            config.q_in_registers, config.producer_regs)
+            config.q_in_registers, config.producer_regs, config.head_dim_v)
         for field, value in (("kFragmentRegs", fragments), ("kProducerRegs", producer),
                              ("kConsumerRegs", consumer)):
             lines.append(f"static_assert({cfg}::{field} == {value}, \"{cfg}::{field} is not "
@@ -307,9 +351,12 @@ def tune_key(dtype: str) -> tuple[str, str]:
 
 
 def _schedule(dtype: str, head_dim: int, causal: bool, seqlen_k: int | None,
-              serving: bool) -> Schedule:
+              serving: bool, head_dim_v: int | None = None) -> Schedule:
     """The schedule of a call: the serving build's own; otherwise the first tuning table's for
-    the bucket of ``seqlen_k`` (tune_table.lookup), or the built-in one."""
+    the bucket of ``seqlen_k`` (tune_table.lookup), or the built-in one. NARROW_V builds have
+    the built-in one, serving or not."""
+    if head_dim_v and head_dim_v != head_dim:
+        return SCHEDULES_NARROW_V[head_dim, head_dim_v, causal]
     if serving:
         return SCHEDULES_SERVING[head_dim, causal]
     tuned = tune_table.lookup(ARCHS[0], *tune_key(dtype), head_dim, causal, seqlen_k)
@@ -419,13 +466,14 @@ def _prepare(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
              q_in_registers: bool | None = None, producer_regs: int | None = None,
              intra_overlap: bool | None = None,
              seqs: Sequences | None = None) -> runtime.PreparedLaunch:
-    batch, seqlen_q, heads_q, head_dim = q.shape
+    batch, seqlen_q, heads_q, _ = q.shape
+    fp8 = descales is not None
+    head_dim, head_dim_v = kernel_head_dims(q.shape[3], v.shape[3], fp8)
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     if seqs is not None:
         batch, seqlen_q, seqlen_k = seqs.batch, seqs.seqlen_q, seqs.seqlen_k
-    fp8 = descales is not None
     schedule = _schedule(FP8 if fp8 else str(q.dtype), head_dim, causal, seqlen_k,
-                         seqs is not None)
+                         seqs is not None, head_dim_v)
     if fp8 and descales[1].stride_block:
         if tiles is None:
             tiles = _fp8_key_block_scaled_tiles(schedule, head_dim)
@@ -436,7 +484,7 @@ def _prepare(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
                      out_dtype=str(out.dtype), consumers=consumers,
                      stale_max_first=stale_max_first, q_in_registers=q_in_registers,
                      serving=seqs is not None, schedule=schedule, producer_regs=producer_regs,
-                     intra_overlap=intra_overlap)
+                     intra_overlap=intra_overlap, head_dim_v=head_dim_v)
     kernel = runtime.load(spec_of(v_info, str(out.dtype)))
     box_cols = min(head_dim, 128) if fp8 else BOX_COLS
     swizzle = box_cols * q.itemsize
@@ -542,8 +590,9 @@ _serving_launches = runtime.LaunchCache()
 
 def _prepare_serving(q, k, v, out, lse, seqs: Sequences, *, causal: bool, softmax_scale: float,
                      num_splits: int, **overrides) -> Callable[[], None]:
-    head_dim, heads_q = q.shape[3], q.shape[2]
-    v_info = variant(str(q.dtype), head_dim, causal, serving=True)
+    head_dim, head_dim_v = kernel_head_dims(q.shape[3], v.shape[3])
+    heads_q = q.shape[2]
+    v_info = variant(str(q.dtype), head_dim, causal, serving=True, head_dim_v=head_dim_v)
     tiles = seqs.batch * heads_q * math.ceil(seqs.seqlen_q / v_info.block_m)
     keys = seqs.seqlen_k
     if seqs.window[0] >= 0:  # a tile's rows see at most its height plus the window's width
@@ -556,7 +605,7 @@ def _prepare_serving(q, k, v, out, lse, seqs: Sequences, *, causal: bool, softma
         return _prepare(q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
                         seqs=seqs, **overrides)
     seqs = dataclasses.replace(seqs, num_splits=splits, accum=split_kv.split_accumulators(
-        splits, seqs.total_q, heads_q, head_dim))
+        splits, seqs.total_q, heads_q, head_dim_v))
     attend = _prepare(q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, seqs=seqs,
                       **overrides)
     merge = split_kv.prepare_combine_splits(seqs.accum, out, lse, seqs.sinks, seqs.batch,

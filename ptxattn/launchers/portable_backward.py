@@ -11,7 +11,7 @@ import dataclasses
 import math
 
 from .. import archs, runtime
-from . import backward_prepost
+from . import backward_prepost, kernel_head_dim
 from .portable_forward import ARCHS, DTYPES, check_seq_strides
 
 SOURCE = "kernels/bwd_mma_sync.cu"
@@ -130,8 +130,13 @@ BWD_TILES: dict[tuple[int, bool], list[tuple[tuple[str, ...], BwdTile]]] = {
 DEFERRED_TURNS = {(128, False), (128, True), (64, False)}
 
 
+HEAD_DIMS = tuple(sorted({head_dim for head_dim, _ in BWD_TILES}))
+
+
 def tile_for(head_dim: int, causal: bool, arch: str) -> BwdTile:
-    for tile_archs, tile in BWD_TILES[(head_dim, causal)]:
+    """The tile of a call of ``head_dim`` columns (run on the compiled head dim that holds
+    them)."""
+    for tile_archs, tile in BWD_TILES[(kernel_head_dim(HEAD_DIMS, head_dim), causal)]:
         if arch in tile_archs:
             return tile
     raise ValueError(f"the portable backward does not run head_dim {head_dim} on {arch} (its "
@@ -180,13 +185,14 @@ def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: boo
     the sinks' gradient). Arrays are 4-d, packed sequences as views of batch extent 1 with their
     cu_seqlens; the window, softcap and sinks are the problem's."""
     arch = runtime.device_arch()
-    tile = tile or tile_for(problem.head_dim, problem.causal, arch)
+    head_dim = kernel_head_dim(HEAD_DIMS, problem.head_dim)
+    tile = tile or tile_for(head_dim, problem.causal, arch)
     check_seq_strides(q=q, k=k, v=v, dout=dout)
     sets, rows = backward_prepost.workspace_rows(problem, tile.block_m)
     if sets * rows >= 2 ** 31:  # the kernel's row indices are 32-bit within a (batch, head)
         raise ValueError(f"batch * heads * seqlen_q must be below 2**31 for the portable "
                          f"backward, got {sets * rows} (rows padded to whole tiles)")
-    ws = backward_prepost.Workspace.allocate(problem, tile.block_m, deterministic)
+    ws = backward_prepost.Workspace.allocate(problem, tile.block_m, deterministic, head_dim)
     p = backward_prepost.make_params(problem, dout, q, k, v, out, lse, dq, dk, dv, ws,
                                      tile.block_m, cu_seqlens_q=cu_seqlens_q,
                                      cu_seqlens_k=cu_seqlens_k, sinks=sinks)
@@ -196,12 +202,11 @@ def backward(problem, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic: boo
         box = (1, tile.block_m, 1, 64)
         p.q_map = runtime.tensor_map(q, box, swizzle=128)
         p.dout_map = runtime.tensor_map(dout, box, swizzle=128)
-    kernel = runtime.load(spec(problem.format, problem.head_dim, problem.causal, tile, (arch,),
-                               deterministic and _deferred_turns(problem.head_dim,
-                                                                 problem.causal, tile),
+    kernel = runtime.load(spec(problem.format, head_dim, problem.causal, tile, (arch,),
+                               deterministic and _deferred_turns(head_dim, problem.causal, tile),
                                backward_prepost.takes_options(problem)))
     grid = (math.ceil(problem.seqlen_k / tile.block_n), problem.heads_kv, problem.batch)
     main = (runtime.PreparedLaunch(kernel, grid=grid, block=(32 * tile.warps,), args=[p])
             if grid[0] > 0 else None)
-    backward_prepost.run(problem, p, main)
+    backward_prepost.run(problem, p, main, ws)
     return ws

@@ -16,6 +16,7 @@ import math
 from typing import Callable
 
 from .. import archs, params, runtime
+from . import kernel_head_dim
 from .split_kv import (SplitLaunch, choose_splits, prepare_combine_splits, split_accumulators,
                        splits_one_wave)
 
@@ -80,8 +81,13 @@ TILES: dict[int, list[tuple[tuple[str, ...], DecodeTile]]] = {
 }
 
 
+HEAD_DIMS = tuple(sorted(TILES))
+
+
 def tile_for(head_dim: int, arch: str) -> DecodeTile:
-    for tile_archs, tile in TILES[head_dim]:
+    """The tile of a call of ``head_dim`` columns (run on the compiled head dim that holds
+    them)."""
+    for tile_archs, tile in TILES[kernel_head_dim(HEAD_DIMS, head_dim)]:
         if arch in tile_archs:
             return tile
     raise runtime.PtxattnError(f"no decode tile for head_dim {head_dim} on {arch}")
@@ -137,8 +143,9 @@ _launches = runtime.LaunchCache()
 def _prepare(problem, q, k, v, out, lse, *, seqused_k, block_table, cu_seqlens_q, cu_seqlens_k,
              sinks, tile: DecodeTile | None) -> Callable[[], None]:
     arch = runtime.device_arch()
-    tile = tile or tile_for(problem.head_dim, arch)
-    kernel = runtime.load(spec(problem.format, problem.head_dim, tile, (arch,)))
+    head_dim = kernel_head_dim(HEAD_DIMS, problem.head_dim)
+    tile = tile or tile_for(head_dim, arch)
+    kernel = runtime.load(spec(problem.format, head_dim, tile, (arch,)))
     m_blocks = math.ceil(problem.seqlen_q * problem.gqa_ratio / tile.rows)
     if m_blocks == 0:
         return lambda: None  # no query rows (varlen with max_seqlen_q 0)
@@ -177,7 +184,7 @@ def _prepare(problem, q, k, v, out, lse, *, seqused_k, block_table, cu_seqlens_q
         p.page_size = k.shape[1]
     accum = None
     if splits > 1:
-        accum = split_accumulators(splits, problem.total_q, problem.heads_q, problem.head_dim)
+        accum = split_accumulators(splits, problem.total_q, problem.heads_q, head_dim)
         p.out_accum, p.lse_accum = accum
     grid = (m_blocks * splits, problem.heads_kv, problem.batch)
     attend = runtime.PreparedLaunch(kernel, grid=grid, block=(32 * tile.warps,), args=[p])

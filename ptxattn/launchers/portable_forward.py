@@ -13,6 +13,7 @@ import dataclasses
 import math
 
 from .. import archs, params, runtime
+from . import kernel_head_dim
 
 # The kernel needs only sm_80 features, so it runs on every architecture ptxattn knows.
 ARCHS = archs.running("portable")
@@ -73,8 +74,13 @@ TILES: dict[tuple[int, bool], list[tuple[tuple[str, ...], Tile]]] = {
 }
 
 
+HEAD_DIMS = tuple(sorted({head_dim for head_dim, _ in TILES}))
+
+
 def tile_for(head_dim: int, causal: bool, arch: str) -> Tile:
-    for tile_archs, tile in TILES[(head_dim, causal)]:
+    """The tile of a call of ``head_dim`` columns (run on the compiled head dim that holds
+    them)."""
+    for tile_archs, tile in TILES[(kernel_head_dim(HEAD_DIMS, head_dim), causal)]:
         if arch in tile_archs:
             return tile
     raise runtime.PtxattnError(f"no portable tile for head_dim {head_dim} on {arch}")
@@ -128,6 +134,7 @@ def _prepare(q, k, v, out, lse, *, causal: bool, softmax_scale: float,
              tile: Tile) -> runtime.PreparedLaunch:
     check_seq_strides(q=q, k=k, v=v)
     batch, seqlen_q, heads_q, head_dim = q.shape
+    head_dim = kernel_head_dim(HEAD_DIMS, head_dim)
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     arch = runtime.device_arch()
     kernel = runtime.load(spec(str(q.dtype), head_dim, causal, tile, (arch,)))

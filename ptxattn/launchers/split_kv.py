@@ -121,7 +121,8 @@ def prepare_combine_splits(accum, out, lse, sinks, batch: int, seqlen_q: int,
     else:
         parts = parts.reshape(splits, batch, seqlen_q, heads_q, head_dim)
         lse_parts = lse_parts.reshape(splits, heads_q, batch, seqlen_q).transpose(0, 2, 1, 3)
-    return prepare_combine(parts, lse_parts, out, lse, sinks)
+    # the partials' rows have the kernel's compiled head dim; out's columns are those merged
+    return prepare_combine(parts[..., :out.shape[-1]], lse_parts, out, lse, sinks)
 
 
 def combine(parts, lse_parts, out, lse, sinks=None) -> None:

@@ -28,11 +28,11 @@ import numpy as np
 from .. import dispatch
 from ..quant.blockscaled import padded_seqlen
 from .checks import (ALIGN_BYTES, FP8_OUT_DTYPES, check_16bit, check_causal, check_descale,
-                     check_device, check_e4m3, check_head_dim, check_int32, check_lse,
-                     check_num_splits, check_output, check_positive_strides, check_qkv_shapes,
-                     check_rows, check_sinks, check_softcap, check_tensor_scale,
-                     check_uint8_layout, check_window, dtype_of, integer_hint, is_c_contiguous,
-                     rows_overlap, softmax_scale_or_default)
+                     check_device, check_e4m3, check_head_dim, check_int32, check_last_axis,
+                     check_lse, check_num_splits, check_output, check_positive_strides,
+                     check_qkv_shapes, check_rows, check_sinks, check_softcap,
+                     check_tensor_scale, check_uint8_layout, check_window, dtype_of,
+                     integer_hint, is_c_contiguous, rows_overlap, softmax_scale_or_default)
 
 # A serving call with fewer query rows than this per sequence (max_seqlen_q for varlen) is a
 # decode step: its K and V reads, once per kv head in the decode kernel, cost more than its GEMMs.
@@ -124,6 +124,12 @@ class AttentionProblem:
     num_splits: int = 0
     total_q: int = 0
     layouts: frozenset[str] = frozenset()
+    # v's and the output's head dim, 0: head_dim (at most head_dim; dispatch's rule).
+    head_dim_v: int = 0
+
+    def __post_init__(self):
+        if not self.head_dim_v:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
 
     @property
     def gqa_ratio(self) -> int:
@@ -158,7 +164,7 @@ class AttentionProblem:
 
     @property
     def out_shape(self) -> tuple[int, int, int, int]:
-        return (self.batch, self.seqlen_q, self.heads_q, self.head_dim)
+        return (self.batch, self.seqlen_q, self.heads_q, self.head_dim_v)
 
     @property
     def lse_shape(self) -> tuple[int, int, int]:
@@ -180,25 +186,28 @@ class AttentionProblem:
         log-sum-exp; the window, softcap and sinks as the serving entry points take them."""
         check_causal(causal)
         for name, x in (("q", q), ("k", k), ("v", v)):
-            check_16bit(name, x)
+            check_last_axis(name, x, check_16bit(name, x))
             check_rows(name, x)
         if not (q.dtype == k.dtype == v.dtype):
             raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
         dims = check_qkv_shapes(q, k, v)
         fmt = np.dtype(q.dtype).name
-        check_head_dim(fmt, dims[-1])
+        head_dim_v = v.shape[3]
+        check_head_dim(fmt, dims[-1], head_dim_v=head_dim_v)
         inputs = {"q": q, "k": k, "v": v}
         device = q.device.id
         if out is not None:
             if check_16bit("out", out) != fmt:
                 raise TypeError(f"out must have q's dtype {fmt}, got {out.dtype}")
             check_rows("out", out)
-            check_output("out", out, q.shape, device, inputs)
+            check_output("out", out, (*q.shape[:3], head_dim_v), device, inputs,
+                         "q's shape with v's head_dim_v")
         window = check_window(window)
         problem = cls(fmt, *dims, causal,
                       softmax_scale_or_default(softmax_scale, dims[-1]), fmt, device,
                       window=window, softcap=check_softcap(softcap),
-                      sinks=check_sinks(sinks, dims[3], device), total_q=dims[0] * dims[1])
+                      sinks=check_sinks(sinks, dims[3], device), total_q=dims[0] * dims[1],
+                      head_dim_v=head_dim_v)
         if lse is not None:
             check_lse(lse, problem.lse_shape, device, {**inputs, "out": out})
         return problem
@@ -249,9 +258,10 @@ class AttentionProblem:
         check_causal(causal)
         for name, x in (("q", q), ("k", k), ("v", v)):
             check_e4m3(name, x)
+            check_last_axis(name, x, "e4m3")
             check_rows(name, x)
         batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim = check_qkv_shapes(q, k, v)
-        check_head_dim("e4m3", head_dim)
+        check_head_dim("e4m3", head_dim, head_dim_v=v.shape[3])
         device = q.device.id
         descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
         check_descale("q_descale", q_descale, batch, heads_q, seqlen_q, True, device)
@@ -357,23 +367,24 @@ class AttentionProblem:
         reads the values). ``seqlen_k`` is the cache's capacity per sequence."""
         check_causal(causal)
         for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-            check_16bit(name, x)
+            check_last_axis(name, x, check_16bit(name, x))
             check_rows(name, x)
         if not (q.dtype == k_cache.dtype == v_cache.dtype):
             raise TypeError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, "
                             f"{k_cache.dtype}, {v_cache.dtype}")
         fmt = np.dtype(q.dtype).name
         batch, seqlen_q, heads_q, head_dim = q.shape
-        if k_cache.shape != v_cache.shape:
-            raise ValueError(f"k_cache and v_cache must have the same shape, got "
-                             f"{k_cache.shape} and {v_cache.shape}")
+        if k_cache.shape[:-1] != v_cache.shape[:-1]:
+            raise ValueError(f"k_cache and v_cache must have the same shape but for the last "
+                             f"axis (v's head_dim_v), got {k_cache.shape} and {v_cache.shape}")
         slots, slot_rows, heads_kv, cache_dim = k_cache.shape
+        head_dim_v = v_cache.shape[3]
         if cache_dim != head_dim:
             raise ValueError(f"k_cache must have head_dim {head_dim} like q, got {cache_dim}")
         if heads_q % heads_kv:
             raise ValueError(f"q's heads ({heads_q}) must be a multiple of the cache's heads "
                              f"({heads_kv})")
-        check_head_dim(fmt, head_dim)
+        check_head_dim(fmt, head_dim, head_dim_v=head_dim_v)
         device = q.device.id
         for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
             check_device(name, x, device)
@@ -410,17 +421,18 @@ class AttentionProblem:
             raise ValueError("k_new and v_new must be given together")
         inputs = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
         if k_new is not None:
-            for name, x in (("k_new", k_new), ("v_new", v_new)):
+            for name, x, dim in (("k_new", k_new, head_dim), ("v_new", v_new, head_dim_v)):
                 if check_16bit(name, x) != fmt:
                     raise TypeError(f"{name} must have q's dtype {fmt}, got {x.dtype}")
                 check_rows(name, x)
                 check_device(name, x, device)
-                if x.shape[0] != batch or x.shape[2:] != (heads_kv, head_dim):
+                if x.shape[0] != batch or x.shape[2:] != (heads_kv, dim):
+                    axis = "head_dim" if name == "k_new" else "head_dim_v"
                     raise ValueError(f"{name} must have shape (batch, seqlen_new, heads_kv, "
-                                     f"head_dim) = ({batch}, *, {heads_kv}, {head_dim}), got "
+                                     f"{axis}) = ({batch}, *, {heads_kv}, {dim}), got "
                                      f"{tuple(x.shape)}")
-            if k_new.shape != v_new.shape:
-                raise ValueError(f"k_new and v_new must have the same shape, got "
+            if k_new.shape[1] != v_new.shape[1]:
+                raise ValueError(f"k_new and v_new must have the same seqlen_new, got "
                                  f"{k_new.shape} and {v_new.shape}")
             seqlen_new = k_new.shape[1]
             if (isinstance(cache_seqlens, numbers.Integral)
@@ -434,16 +446,17 @@ class AttentionProblem:
             if check_16bit("out", out) != fmt:
                 raise TypeError(f"out must have q's dtype {fmt}, got {out.dtype}")
             check_rows("out", out)
-            check_output("out", out, q.shape, device,
+            check_output("out", out, (*q.shape[:3], head_dim_v), device,
                          {**inputs, "k_new": k_new, "v_new": v_new, "block_table": block_table,
-                          "cache_seqlens": cache_seqlens, "sinks": sinks})
+                          "cache_seqlens": cache_seqlens, "sinks": sinks},
+                         "q's shape with v_cache's head_dim_v")
         window = check_window(window)
         return cls(fmt, batch, seqlen_q, capacity, heads_q, heads_kv, head_dim, causal,
                    softmax_scale_or_default(softmax_scale, head_dim), fmt, device,
                    window=window, softcap=check_softcap(softcap),
                    sinks=check_sinks(sinks, heads_q, device),
                    num_splits=check_num_splits(num_splits), total_q=batch * seqlen_q,
-                   layouts=frozenset(layouts))
+                   layouts=frozenset(layouts), head_dim_v=head_dim_v)
 
     @classmethod
     @_memoized
@@ -456,17 +469,19 @@ class AttentionProblem:
         maxima."""
         check_causal(causal)
         for name, x in (("q", q), ("k", k), ("v", v)):
-            check_16bit(name, x)
+            fmt = check_16bit(name, x)
             if x.ndim != 3:
                 raise ValueError(f"{name} must have 3 dimensions (total_tokens, heads, "
                                  f"head_dim), got shape {tuple(x.shape)}")
+            check_last_axis(name, x, fmt)
             check_rows(name, x[None])
         if not (q.dtype == k.dtype == v.dtype):
             raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
         _, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim = check_qkv_shapes(q[None], k[None],
                                                                              v[None])
         fmt = np.dtype(q.dtype).name
-        check_head_dim(fmt, head_dim)
+        head_dim_v = v.shape[2]
+        check_head_dim(fmt, head_dim, head_dim_v=head_dim_v)
         device = q.device.id
         for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
             check_int32(name, x, 1, device)
@@ -480,13 +495,15 @@ class AttentionProblem:
         if out is not None:
             if check_16bit("out", out) != fmt:
                 raise TypeError(f"out must have q's dtype {fmt}, got {out.dtype}")
+            out_shape = (*q.shape[:2], head_dim_v)
             if out.ndim != 3:
-                raise ValueError(f"out must have q's shape {tuple(q.shape)}, got "
-                                 f"{tuple(out.shape)}")
+                raise ValueError(f"out must have q's shape with v's head_dim_v {out_shape}, "
+                                 f"got {tuple(out.shape)}")
             check_rows("out", out[None])
-            check_output("out", out, q.shape, device,
+            check_output("out", out, out_shape, device,
                          {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q,
-                          "cu_seqlens_k": cu_seqlens_k, "sinks": sinks})
+                          "cu_seqlens_k": cu_seqlens_k, "sinks": sinks},
+                         "q's shape with v's head_dim_v")
         if lse is not None:
             check_lse(lse, (heads_q, q.shape[0]), device,
                       {"q": q, "k": k, "v": v, "out": out, "cu_seqlens_q": cu_seqlens_q,
@@ -495,7 +512,7 @@ class AttentionProblem:
                    heads_kv, head_dim, causal, softmax_scale_or_default(softmax_scale, head_dim),
                    fmt, device, window=check_window(window), softcap=check_softcap(softcap),
                    sinks=check_sinks(sinks, heads_q, device), total_q=q.shape[0],
-                   layouts=frozenset({"varlen"}))
+                   layouts=frozenset({"varlen"}), head_dim_v=head_dim_v)
 
 
 def _check_backward_operands(problem: AttentionProblem, dout, q, k, v, out, lse, sinks,
@@ -512,12 +529,13 @@ def _check_backward_operands(problem: AttentionProblem, dout, q, k, v, out, lse,
     def rows_view(x):  # packed (3-d) arrays are checked as 4-d views of batch extent 1
         return x if rank == 4 else x[None]
 
+    out_shape = (*q.shape[:-1], v.shape[-1])
     for name, x in (("out", out), ("dout", dout)):
         if check_16bit(name, x) != fmt:
             raise TypeError(f"{name} must have q's dtype {fmt}, got {x.dtype}")
-        if tuple(x.shape) != tuple(q.shape):
-            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}, got "
-                             f"{tuple(x.shape)}")
+        if tuple(x.shape) != out_shape:
+            raise ValueError(f"{name} must have q's shape with v's head_dim_v {out_shape}, "
+                             f"got {tuple(x.shape)}")
         check_rows(name, rows_view(x))
         check_device(name, x, problem.device)
     lse_shape = (problem.lse_shape if rank == 4 else (problem.heads_q, problem.total_q))
@@ -557,7 +575,7 @@ def _check_backward_operands(problem: AttentionProblem, dout, q, k, v, out, lse,
                                  f"{tuple(x.shape)}")
             check_rows(name, rows_view(x))
             check_output(name, x, like.shape, problem.device, inputs,
-                         f"the shape of {'q' if like is q else 'k and v'}")
+                         f"the shape of {'q' if like is q else name[1:]}")
         # Gradients may interleave (slices of one packed dqkv buffer) but not share a byte.
         for other_name, other in written.items():
             if rows_overlap(rows_view(x) if x.ndim == rank else x,

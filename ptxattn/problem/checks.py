@@ -154,31 +154,45 @@ def check_device(name: str, x, device: int) -> None:
 
 def check_qkv_shapes(q, k, v) -> tuple[int, int, int, int, int, int]:
     """What every (batch, seqlen, heads, head_dim) attention needs of q, k, v: one device, k and
-    v alike, batch and head_dim matching q's, q's heads a multiple of k's. Returns (batch,
-    seqlen_q, seqlen_k, heads_q, heads_kv, head_dim)."""
+    v alike but for v's head dim (head_dim_v, which check_head_dim checks), batch and head_dim
+    matching q's, q's heads a multiple of k's. Returns (batch, seqlen_q, seqlen_k, heads_q,
+    heads_kv, head_dim)."""
     devices = {x.device.id for x in (q, k, v)}
     if len(devices) != 1:
         raise ValueError(f"q, k and v must be on one device, got devices {sorted(devices)}")
     batch, seqlen_q, heads_q, head_dim = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must have the same shape but for the last axis (v's "
+                         f"head_dim_v), got {k.shape} and {v.shape}")
     _, seqlen_k, heads_kv, _ = k.shape
     if k.shape[0] != batch:
         raise ValueError(f"k must have batch {batch} like q, got {k.shape[0]}")
     if k.shape[3] != head_dim:
-        raise ValueError(f"k and v must have head_dim {head_dim} like q, got {k.shape[3]}")
+        raise ValueError(f"k must have head_dim {head_dim} like q, got {k.shape[3]}")
     if heads_q % heads_kv:
         raise ValueError(f"q's heads ({heads_q}) must be a multiple of k/v's heads ({heads_kv})")
     return batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim
 
 
-def check_head_dim(input_format: str, head_dim: int, detail: str = "") -> None:
-    """Refuses a head_dim that no GPU runs for this format (which GPU runs it is dispatch's
-    question, once the device is known)."""
-    dims = dispatch.head_dims(input_format)
-    if head_dim not in dims:
-        raise ValueError(f"head_dim must be one of {dims} for {input_format} inputs, got "
-                         f"{head_dim}{detail}")
+def check_head_dim(input_format: str, head_dim: int, detail: str = "",
+                   head_dim_v: int | None = None) -> None:
+    """Refuses a head_dim (and v's head_dim_v, if given) that no GPU runs for this format
+    (which GPU runs it is dispatch's question, once the device is known)."""
+    try:
+        dispatch.check_head_dims(input_format, head_dim, head_dim_v)
+    except ValueError as error:
+        raise ValueError(f"{error}{detail}") from None
+
+
+def check_last_axis(name: str, x, input_format: str) -> None:
+    """The head-dim rule on an operand's last axis (q's and k's head_dim, v's head_dim_v),
+    before its strides are: a contiguous array whose head dim breaks the rule has strides that
+    break theirs, and the head dim is the reason to name."""
+    if getattr(x, "ndim", 0):
+        try:
+            dispatch.check_head_dims(input_format, x.shape[-1])
+        except ValueError as error:
+            raise ValueError(f"{name}: {error}") from None
 
 
 def check_output(name: str, x, shape: tuple, device: int, inputs: dict,

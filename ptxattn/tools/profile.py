@@ -5,6 +5,7 @@
     python -m ptxattn profile --backward [--quick] [--json FILE] [--plot FILE.png]
     python -m ptxattn profile --backward-features [--quick] [--json FILE]
     python -m ptxattn profile --serving [--repeats N]
+    python -m ptxattn profile --head-dims [--quick] [--json FILE]
 
 (in a checkout also ``python scripts/profile.py [options]``). It needs a GPU: without one it
 says why (no driver, or CuPy sees no GPU) and exits 2; ``python -m ptxattn doctor`` says more.
@@ -37,6 +38,13 @@ softcap of 50 and sinks, each against the call without, causal, at seqlens 4096 
 x seqlen = 16k). Each row prints TFLOP/s = 2.5 x the forward's FLOPs over the (query, key) pairs
 the call computes (visible_pairs; fixed-length rows without a window as above), the
 milliseconds, and each call's time over the plain call's.
+
+--head-dims times the forward and the backward at head dims beyond 64, 128 and 256 (80, 96,
+192, and 192 with 128-wide values; --quick at seqlen 4096, otherwise 2048 and 8192 with more
+dims), batch x seqlen = 16k and heads x head_dim about 2048, beside FlashAttention-3's forward
+and torch SDPA's cuDNN and FlashAttention-2, forward and backward, where each takes the dims.
+FLOPs count the call's own head dims (2 B H Sq Sk (head_dim + head_dim_v), halved for causal;
+2.5 times that backward), so a head dim run padded to a compiled one shows its cost.
 
 --energy adds, for the forward rows, each compared runner's energy per call (ptxattn-hopper,
 ptxattn-fp8-head and their peers): after the timing, each runs alone for --energy-window seconds
@@ -479,7 +487,8 @@ def backward_main(args) -> int:
         p = problem_module.AttentionProblem.from_backward(dout, q, k, v, out, lse, causal=causal)
         # the Hopper kernel's workspace (its row values padded to whole query tiles)
         block_m = hopper_backward.variant(p.format, p.head_dim, causal).block_m
-        accum, padded_rows, _ = backward_prepost.Workspace.sizes(p, block_m, deterministic=False)
+        accum, padded_rows, _ = backward_prepost.Workspace.sizes(p, block_m, deterministic=False,
+                                                                 head_dim=p.head_dim)
         workspace = (accum + 2 * padded_rows) * 4
         results.append(dict(cfg, workspace_mib=workspace / 2 ** 20,
                             backward={n: 2.5 * fwd_flops / ms / 1e9 for n, ms in bwd_ms.items()},
@@ -683,6 +692,104 @@ def backward_features_main(args) -> int:
     return 0
 
 
+# (head_dim, head_dim_v) rows of --head-dims: the dims models use beyond 64/128/256, and 128
+# beside them.
+HEAD_DIM_ROWS = [(80, 80), (96, 96), (128, 128), (192, 192), (192, 128)]
+HEAD_DIM_ROWS_FULL = HEAD_DIM_ROWS + [(40, 40), (64, 64), (160, 160), (256, 256), (128, 64)]
+
+
+def head_dim_configs(quick: bool) -> list[dict]:
+    """--head-dims rows: batch * seqlen = 16384, heads * head_dim about 2048."""
+    seqlens = (4096,) if quick else (2048, 8192)
+    return [dict(batch=16384 // seqlen, seqlen=seqlen, heads=round(2048 / head_dim),
+                 head_dim=head_dim, head_dim_v=head_dim_v, causal=causal)
+            for head_dim, head_dim_v in (HEAD_DIM_ROWS if quick else HEAD_DIM_ROWS_FULL)
+            for seqlen in seqlens for causal in (False, True)]
+
+
+def head_dims_main(args) -> int:
+    """Forward and backward TFLOP/s at each head dim of head_dim_configs, peers interleaved:
+    FlashAttention-3's forward (the fa3-fwd wheel, which compiles 64, 96, 128, 192 and 256 and
+    192 with 128-wide values) and torch SDPA's cuDNN and FlashAttention-2, forward and backward.
+    FLOPs count the call's own head dims: 2 B H Sq Sk (head_dim + head_dim_v), halved for
+    causal, 2.5 times that for the backward."""
+    import cupy
+    import ptxattn
+    from ptxattn.runtime import device_arch
+
+    arch = device_arch()
+    repeats = args.repeats or (5 if args.quick else 10)
+    props = device_props()
+    print(f"# {device_line(props, arch)}, dtype {args.dtype}, head dims, median of {repeats} "
+          f"runs")
+    try:
+        import torch
+    except ImportError:
+        torch = None
+        print(f"{PROG}: torch is not importable, so no SDPA peers in this run", file=sys.stderr)
+    fa3 = fa3_runners().get("fa3", (None, None, None))[2]
+    results = []
+    rows = head_dim_configs(args.quick)
+    for index, cfg in enumerate(rows, 1):
+        batch, seqlen, heads, causal = cfg["batch"], cfg["seqlen"], cfg["heads"], cfg["causal"]
+        d, dv = cfg["head_dim"], cfg["head_dim_v"]
+        print(f"\r[{index}/{len(rows)}] {d}/{dv} seqlen {seqlen} causal={causal}", end="",
+              file=sys.stderr, flush=True)
+        rng = cupy.random.default_rng(index)
+
+        def normal(dim):
+            return rng.standard_normal((batch, seqlen, heads, dim),
+                                       dtype=cupy.float32).astype(args.dtype)
+        q, k, v, dout = normal(d), normal(d), normal(dv), normal(dv)
+        out, lse = ptxattn.attention(q, k, v, causal=causal, return_lse=True)
+        forward = {"ptxattn": lambda: ptxattn.attention(q, k, v, causal=causal)}
+        backward = {"ptxattn": lambda: ptxattn.attention_backward(dout, q, k, v, out, lse,
+                                                                   causal=causal)}
+        if torch is not None:
+            tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+            for name, (_, _, run) in torch_runners().items():
+                try:
+                    run(tq, tk, tv, causal)
+                except RuntimeError as err:
+                    print(f"\n{name} {d}/{dv}: {str(err).splitlines()[0]}", file=sys.stderr)
+                    continue
+                forward[name] = functools.partial(run, tq, tk, tv, causal)
+            backward.update({name: calls[0] for name, calls in
+                             torch_backward_runners(torch, q, k, v, dout, causal).items()})
+            if fa3 is not None:
+                try:
+                    fa3(tq, tk, tv, causal)
+                    forward["fa3"] = functools.partial(fa3, tq, tk, tv, causal)
+                except RuntimeError as err:
+                    print(f"\nfa3 {d}/{dv}: {str(err).splitlines()[0]}", file=sys.stderr)
+        fwd_flops = 2.0 * batch * heads * seqlen * seqlen * (d + dv) / (2 if causal else 1)
+        results.append(dict(cfg, **{
+            kind: {n: scale * fwd_flops / ms / 1e9 for n, ms in
+                   time_ms_interleaved(calls, warmup=2, repeats=repeats).items()}
+            for kind, calls, scale in (("forward", forward, 1.0),
+                                       ("backward", backward, 2.5))}))
+    print("\r" + " " * 80 + "\r", end="", file=sys.stderr)
+    for kind in ("forward", "backward"):
+        names = list(dict.fromkeys(n for r in results for n in r[kind]))
+        widths = [max(len(n), 7) for n in names]
+        print(f"{kind} TFLOP/s")
+        print(f"{'batch':>5} {'seqlen':>6} {'heads':>5} {'dim':>7} {'causal':>6} "
+              + " ".join(f"{n:>{w}}" for n, w in zip(names, widths)) + "  ptxattn/best peer")
+        for row in results:
+            cells = " ".join(f"{row[kind][n]:{w}.1f}" if n in row[kind] else f"{'-':>{w}}"
+                             for n, w in zip(names, widths))
+            peers = [t for n, t in row[kind].items() if n != "ptxattn"]
+            ratio = f"{row[kind]['ptxattn'] / max(peers):17.3f}" if peers else f"{'-':>17}"
+            dims = f"{row['head_dim']}/{row['head_dim_v']}"
+            print(f"{row['batch']:5d} {row['seqlen']:6d} {row['heads']:5d} {dims:>7} "
+                  f"{str(row['causal']):>6} {cells}  {ratio}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": props["name"].decode(), "arch": arch, "nvrtc": nvrtc_text(),
+                       "dtype": args.dtype, "unit": "TFLOP/s", "results": results}, f, indent=1)
+    return 0
+
+
 def serving_main(args) -> int:
     """Decode in GB/s of K/V read beside the copy bandwidth, paged against contiguous caches,
     varlen against fixed-length prefill, chunked prefill and a sliding window, in TFLOP/s."""
@@ -879,6 +986,9 @@ def main(argv=None) -> int:
                              "beside the plain call each stands for")
     parser.add_argument("--serving", action="store_true",
                         help="decode (GB/s), paged, varlen, chunked and sliding-window prefill")
+    parser.add_argument("--head-dims", action="store_true",
+                        help="forward and backward at head dims beyond 64/128/256 (80, 96, 192, "
+                             "192 with 128-wide values, ...) beside FlashAttention-3 and cuDNN")
     parser.add_argument("--shapes", help="with --backward: head_dim x seqlen pairs to run, "
                                          "e.g. 128x16384,64x2048 (default: the standard sweep)")
     parser.add_argument("--csv", help="write the results to this CSV file")
@@ -902,7 +1012,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     modes = [mode for mode, chosen in (("--backward", args.backward),
                                        ("--backward-features", args.backward_features),
-                                       ("--serving", args.serving)) if chosen]
+                                       ("--serving", args.serving),
+                                       ("--head-dims", args.head_dims)) if chosen]
     if len(modes) > 1:
         parser.error(f"{' and '.join(modes)} are runs of their own: one at a time")
     if args.energy and modes:
@@ -938,6 +1049,8 @@ def main(argv=None) -> int:
         return backward_features_main(args)
     if args.serving:
         return serving_main(args)
+    if args.head_dims:
+        return head_dims_main(args)
 
     from ptxattn import reference
     from ptxattn.runtime import device_arch

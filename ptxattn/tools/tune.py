@@ -570,7 +570,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output", help="the table to write (default: the user's, "
                                          "<compile cache>/tuned/<arch>.json)")
     parser.add_argument("--head-dims", type=_csv(int), default=hopper.HEAD_DIMS,
-                        help="comma-separated (default: 64,128,256)")
+                        help="comma-separated (default: "
+                             f"{','.join(map(str, hopper.HEAD_DIMS))}; FP8 keys those of "
+                             f"{','.join(map(str, hopper.FP8_HEAD_DIMS))})")
     parser.add_argument("--causal", action=argparse.BooleanOptionalAction,
                         help="causal keys only (--causal) or non-causal only (--no-causal); "
                              "default both")
@@ -606,7 +608,7 @@ def targets_of(args: argparse.Namespace) -> list[Target]:
     dtypes = {None: args.dtypes + (hopper.FP8,), True: (hopper.FP8,), False: args.dtypes}[args.fp8]
     causals = (False, True) if args.causal is None else (args.causal,)
     return [Target(dtype, head_dim, causal) for dtype in dtypes for head_dim in args.head_dims
-            for causal in causals]
+            if dtype != hopper.FP8 or head_dim in hopper.FP8_HEAD_DIMS for causal in causals]
 
 
 @kernels.quiet_on_broken_pipe
