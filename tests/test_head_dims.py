@@ -389,6 +389,34 @@ def test_fp8_matches_fp32_on_dequantized_inputs(head_dim, causal, seqlens, granu
     assert_fp8_close(q8, k8, v8, descales, out, lse, causal=causal)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [16, 80, 96, 192])
+@pytest.mark.parametrize("granularity", ["tensor", "block"])
+def test_fp8_quantizer_at_head_dims_between_the_compiled_ones(head_dim, granularity, rng):
+    """fp8.quantize of a view of a NaN-padded buffer (the kernel of the next compiled head
+    dim up reads none of the NaN columns): the host encoding byte for byte, and its bytes and
+    descales run fp8.attention."""
+    import cupy
+
+    from ptxattn import fp8, runtime
+    from test_fp8 import _host_quantize
+
+    shape = (2, 300, 2, head_dim)
+    buffer = cupy.full((*shape[:3], head_dim + 32), cupy.nan, dtype="bfloat16")
+    x = buffer[..., :head_dim]
+    x[...] = normal(shape, "bfloat16", rng, scale=3.0)
+    x8, descale = fp8.quantize(x, granularity)
+    assert x8.shape == shape and x8.bytes.flags.c_contiguous
+    expected_bytes, expected_descale = _host_quantize(cupy.asnumpy(x.astype(cupy.float32)),
+                                                      granularity)
+    np.testing.assert_array_equal(descale.get(), expected_descale)
+    np.testing.assert_array_equal(x8.bytes.get(), expected_bytes)
+    if runtime.device_arch() in fp8.ARCHS:
+        out = fp8.attention(x8, x8, x8, q_descale=descale, k_descale=descale,
+                            v_descale=descale if granularity == "tensor" else 1.0, causal=True)
+        assert out.shape == shape and bool(cupy.isfinite(out).all())
+
+
 # ---------------------------------------------------------------------------------------------
 # The reference itself
 
@@ -526,6 +554,16 @@ def test_fp8_head_dims_off_the_rule_are_refused(head_dim, padded):
     with pytest.raises(ValueError, match=rf"head_dim must be a multiple of 16 from 16 to 256 "
                                          rf"for e4m3 inputs, got {head_dim}$"):
         _fp8_problem(head_dim, head_dim, padded)
+
+
+def test_fp8_rotation_needs_a_compiled_head_dim():
+    """A Hadamard rotation spans the quantizer's compiled rows: at 96 it is refused before any
+    launch (the rotation itself is made for powers of two only, so this asks with 32)."""
+    from ptxattn import fp8
+    from ptxattn.quant.fp8 import _rotation_signs
+
+    with pytest.raises(ValueError, match=r"a rotation needs head_dim one of \(64, 128, 256\)"):
+        _rotation_signs(fp8.hadamard_rotation(32, seed=0), 32)
 
 
 def test_fp8_values_must_have_the_keys_head_dim():

@@ -1,22 +1,25 @@
 // Quantizers bf16/fp16 -> FP8 e4m3 for the FP8 attention path (ptxattn/quant/fp8.py drives them).
 //
-// Input x (B, S, H, D) of 16-bit floats with element strides (unit stride in D). One warp owns
-// one row x[b, s, h, :]; lane l holds the kPerLane = D / 32 consecutive values l * kPerLane ..,
-// read and written as one vector. Two passes, two entry points:
+// Input x (B, S, H, head_dim) of 16-bit floats with element strides (unit stride in head_dim),
+// head_dim a multiple of 16 at most the compiled D. One warp owns one row x[b, s, h, :]; lane l
+// holds the kPerLane = D / 32 consecutive values l * kPerLane .., read and written as one
+// vector; a lane whose values lie past head_dim (a multiple of kPerLane) holds zeros and stores
+// nothing. Two passes, two entry points:
 //   fp8_amax       max |x| of every (batch, head, block of kScaleBlockRows rows of s), as the
 //                  bits of a non-negative float (so atomicMax on unsigned orders them). The
 //                  launcher derives per-head and per-tensor maxima from these and turns a
 //                  maximum into a descale amax / 448.
 //   fp8_quantize   e4m3(x / descale[b, h, s / kScaleBlockRows]), the descale read through
 //                  element strides, 0 along the dimensions a coarser scale does not vary in;
-//                  output (B, S, H, D) contiguous bytes.
-// Both optionally rotate each row first (signs != nullptr): x <- H_D (signs * x) / sqrt(D),
+//                  output (B, S, H, head_dim) contiguous bytes.
+// Both optionally rotate each row first (signs != nullptr; head_dim = D): x <- H_D (signs * x) /
+// sqrt(D),
 // H_D the Sylvester Hadamard matrix, H[i][j] = (-1)^popcount(i & j). Applied with the same signs
 // to Q and K it leaves Q K^T unchanged (the rotation is orthogonal) while spreading an outlier
 // over the whole row. The transform is a butterfly per index bit: bits of i below log2(kPerLane)
 // pair values inside a lane, the five above pair lanes (shfl.xor).
 //
-// Compile-time parameters (-D): HEAD_DIM (64, 128, 256), IS_BF16 (1: bfloat16, 0: float16).
+// Compile-time parameters (-D): HEAD_DIM (64, 128, 256: D), IS_BF16 (1: bfloat16, 0: float16).
 #include "ptx/common.cuh"
 #include "ptx/e4m3.cuh"
 
@@ -59,13 +62,15 @@ __device__ __forceinline__ Row decode_row(int64_t r, int seqlen, int heads) {
     return Row{static_cast<int>(bs / seqlen), static_cast<int>(bs % seqlen), head};
 }
 
-// This lane's values of the row, as floats, rotated when `signs` is given.
+// This lane's values of the row, as floats (zeros past head_dim), rotated when `signs` is
+// given.
 __device__ __forceinline__ void load_row(float (&v)[kPerLane], const uint16_t* x, Row row,
                                          int64_t stride_b, int64_t stride_s, int64_t stride_h,
-                                         const float* signs, int lane) {
+                                         const float* signs, int head_dim, int lane) {
     const uint16_t* src = x + row.batch * stride_b + row.seq * stride_s + row.head * stride_h +
                           lane * kPerLane;
-    const Words<kPerLane / 2> words = *reinterpret_cast<const Words<kPerLane / 2>*>(src);
+    Words<kPerLane / 2> words = {};
+    if (lane * kPerLane < head_dim) words = *reinterpret_cast<const Words<kPerLane / 2>*>(src);
 #pragma unroll
     for (int i = 0; i < kPerLane / 2; ++i) {
         v[2 * i] = half_to_float(static_cast<uint16_t>(words.w[i] & 0xffff));
@@ -125,13 +130,13 @@ using namespace ptxattn::quantize_fp8;
 extern "C" __global__ void __launch_bounds__(256)
 fp8_amax(const uint16_t* __restrict__ x, int64_t stride_b, int64_t stride_s, int64_t stride_h,
          int seqlen, int heads, int64_t rows, const float* __restrict__ signs,
-         uint32_t* __restrict__ amax) {
+         uint32_t* __restrict__ amax, int head_dim) {
     const int64_t r = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
     const int lane = threadIdx.x % 32;
     if (r >= rows) return;
     const Row row = decode_row(r, seqlen, heads);
     float v[kPerLane];
-    load_row(v, x, row, stride_b, stride_s, stride_h, signs, lane);
+    load_row(v, x, row, stride_b, stride_s, stride_h, signs, head_dim, lane);
     float m = 0.0f;
 #pragma unroll
     for (int e = 0; e < kPerLane; ++e) m = fmaxf(m, fabsf(v[e]));
@@ -145,20 +150,21 @@ fp8_amax(const uint16_t* __restrict__ x, int64_t stride_b, int64_t stride_s, int
     }
 }
 
-// out: (B, S, H, D) e4m3 bytes, contiguous. descale strides are in elements.
+// out: (B, S, H, head_dim) e4m3 bytes, contiguous. descale strides are in elements.
 extern "C" __global__ void __launch_bounds__(256)
 fp8_quantize(const uint16_t* __restrict__ x, int64_t stride_b, int64_t stride_s,
              int64_t stride_h, int seqlen, int heads, int64_t rows,
              const float* __restrict__ signs, const float* __restrict__ descale,
              int64_t descale_stride_b, int64_t descale_stride_h, int64_t descale_stride_block,
-             uint8_t* __restrict__ out) {
+             uint8_t* __restrict__ out, int head_dim) {
     const int64_t r = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
     const int lane = threadIdx.x % 32;
     if (r >= rows) return;
     const Row row = decode_row(r, seqlen, heads);
     float v[kPerLane];
-    load_row(v, x, row, stride_b, stride_s, stride_h, signs, lane);
+    load_row(v, x, row, stride_b, stride_s, stride_h, signs, head_dim, lane);
+    if (lane * kPerLane >= head_dim) return;
     const float d = descale[row.batch * descale_stride_b + row.head * descale_stride_h +
                             (row.seq / kScaleBlockRows) * descale_stride_block];
-    store_e4m3<kPerLane>(out + r * kHeadDim + lane * kPerLane, v, d);
+    store_e4m3<kPerLane>(out + r * head_dim + lane * kPerLane, v, d);
 }

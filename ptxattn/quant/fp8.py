@@ -12,7 +12,9 @@ import numpy as np
 
 from .. import runtime
 from ..interop import CUDA_ARRAY, framework_arrays
+from ..launchers import kernel_head_dim
 from ..problem import E4M3, SCALE_BLOCK_ROWS, check_e4m3, check_rows, descale_shapes
+from ..problem.checks import check_last_axis
 from .hadamard import HadamardRotation, hadamard_rotation
 
 E4M3_MAX = 448.0
@@ -20,7 +22,8 @@ E4M3_MAX = 448.0
 GRANULARITIES = ("tensor", "head", "block")
 """The descale granularities: one per tensor, per (batch, head), per 128 rows of one head."""
 HEAD_DIMS = (64, 128, 256)
-"""The head dims the FP8 kernel and the quantizers take."""
+"""The head dims the FP8 kernels and the quantizers are compiled for: any multiple of 16 up to
+256 runs on the least that holds it, a Hadamard rotation on these alone."""
 INPUT_DTYPES = {"bfloat16": 1, "float16": 0}
 
 _QUANTIZER_ARCHS = ("sm_89", "sm_90a", "sm_120a")
@@ -188,9 +191,8 @@ def _check_quantizer_input(x) -> None:
         raise TypeError(f"x must be {CUDA_ARRAY}, got {type(x).__module__}.{type(x).__name__}")
     if np.dtype(x.dtype).name not in INPUT_DTYPES:
         raise TypeError(f"x must have dtype bfloat16 or float16, got {x.dtype}")
+    check_last_axis("x", x, "e4m3")
     check_rows("x", x)
-    if x.shape[3] not in HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {x.shape[3]}")
     if x.size >= 2 ** 31 * x.shape[3]:
         raise ValueError(f"x has too many rows ({x.size // x.shape[3]}) for the quantizer")
 
@@ -206,6 +208,9 @@ def _rotation_signs(rotation: HadamardRotation | None, head_dim: int):
                         f"{type(rotation).__name__}")
     if rotation.head_dim != head_dim:
         raise ValueError(f"rotation is for head_dim {rotation.head_dim}, x has {head_dim}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"a rotation needs head_dim one of {HEAD_DIMS} (the rows the "
+                         f"quantizer's butterfly spans), x has {head_dim}")
     return cupy.asarray(rotation.signs, dtype=cupy.float32)
 
 
@@ -222,15 +227,15 @@ def quantize(x, granularity: str = "tensor", rotation: HadamardRotation | None =
     Parameters
     ----------
     x : CUDA array
-        bfloat16 or float16, (batch, seqlen, heads, head_dim), non-empty, head_dim 64, 128 or
-        256, unit stride in head_dim, a 16-byte aligned base and batch/seqlen/heads strides
-        that are positive multiples of 16 bytes.
+        bfloat16 or float16, (batch, seqlen, heads, head_dim), non-empty, head_dim a multiple
+        of 16 up to 256, unit stride in head_dim, a 16-byte aligned base and batch/seqlen/heads
+        strides that are positive multiples of 16 bytes.
     granularity : {'tensor', 'head', 'block'}, default 'tensor'
         One descale per tensor (shape ()), per (batch, head) (shape (batch, heads)), or per 128
         rows of one head (shape (batch, heads, ceil(seqlen / 128))).
     rotation : HadamardRotation, optional
-        A rotation of x's head_dim (``hadamard_rotation``); the same one for q and k keeps
-        q k^T.
+        A rotation of x's head_dim (``hadamard_rotation``), which must be 64, 128 or 256; the
+        same one for q and k keeps q k^T.
 
     Returns
     -------
@@ -244,8 +249,9 @@ def quantize(x, granularity: str = "tensor", rotation: HadamardRotation | None =
     TypeError
         x not a CUDA array, or not bfloat16 or float16; ``rotation`` not a HadamardRotation.
     ValueError
-        An unknown ``granularity``; x not 4-d, empty, or not laid out as above; head_dim not
-        64, 128 or 256; a rotation of another head_dim; 2**31 rows or more.
+        An unknown ``granularity``; x not 4-d, empty, or not laid out as above; head_dim not a
+        multiple of 16 up to 256; a rotation of another head_dim, or at a head_dim other than
+        64, 128 or 256; 2**31 rows or more.
 
     Examples
     --------
@@ -265,6 +271,7 @@ def quantize(x, granularity: str = "tensor", rotation: HadamardRotation | None =
     batch, seqlen, heads, head_dim = x.shape
     dtype = np.dtype(x.dtype).name
     signs_arg = _rotation_signs(rotation, head_dim)
+    kernel_dim = kernel_head_dim(HEAD_DIMS, head_dim)
     strides = [np.int64(s // x.itemsize) for s in x.strides[:3]]
     rows = batch * seqlen * heads
     grid = (-(-rows // _WARPS_PER_BLOCK), 1, 1)
@@ -272,9 +279,9 @@ def quantize(x, granularity: str = "tensor", rotation: HadamardRotation | None =
     blocks = -(-seqlen // SCALE_BLOCK_ROWS)
     with cupy.cuda.Device(x.device.id):
         amax_bits = cupy.zeros((batch, heads, blocks), dtype=cupy.uint32)
-        runtime.launch(runtime.load(quantizer_spec("fp8_amax", dtype, head_dim)), grid, block,
-                       [x, *strides, np.int32(seqlen), np.int32(heads), np.int64(rows), signs_arg,
-                        amax_bits])
+        runtime.launch(runtime.load(quantizer_spec("fp8_amax", dtype, kernel_dim)), grid,
+                       block, [x, *strides, np.int32(seqlen), np.int32(heads), np.int64(rows),
+                               signs_arg, amax_bits, np.int32(head_dim)])
         amax = amax_bits.view(cupy.float32)
         if granularity == "head":
             amax = amax.max(axis=2)
@@ -284,10 +291,10 @@ def quantize(x, granularity: str = "tensor", rotation: HadamardRotation | None =
         descale = descale.astype(cupy.float32)
         d = descale_operand(descale, batch, heads, seqlen)
         x8 = cupy.empty(x.shape, dtype=cupy.uint8)
-        runtime.launch(runtime.load(quantizer_spec("fp8_quantize", dtype, head_dim)), grid, block,
-                       [x, *strides, np.int32(seqlen), np.int32(heads), np.int64(rows), signs_arg,
-                        d.array, np.int64(d.stride_b), np.int64(d.stride_h),
-                        np.int64(d.stride_block), x8])
+        runtime.launch(runtime.load(quantizer_spec("fp8_quantize", dtype, kernel_dim)), grid,
+                       block, [x, *strides, np.int32(seqlen), np.int32(heads), np.int64(rows),
+                               signs_arg, d.array, np.int64(d.stride_b), np.int64(d.stride_h),
+                               np.int64(d.stride_block), x8, np.int32(head_dim)])
     return E4M3Array(x8), descale
 
 
