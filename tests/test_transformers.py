@@ -13,9 +13,10 @@ docstring rules.
 Models, tiny and random (1-2 layers, hidden 256, built from configs: no downloads), their attention
 sharpened (query and key projections scaled up, gpt-oss's sinks drawn large) so that a wrong mask,
 window, softcap or sink shows: Llama (GQA, head_dim 128), Mistral (sliding window), Qwen3 (q/k
-norms), Gemma 2 (softcap and window, head_dim 256), gpt-oss (sinks and window, head_dim 64), Phi-3
-(head_dim 96, between the compiled ones), DeepSeek-V3 (multi-head latent attention: value head_dim
-32 under 64), a BERT encoder with right padding, a BERT decoder cross-attending to padded encoder
+norms), Gemma 2 (softcap and window, head_dim 256), Gemma 3 (local and global layers), gpt-oss
+(sinks and window, head_dim 64; it and DeepSeek-V3 route every token through all their experts,
+since a top-k router's choice follows rounding), Phi-3 (head_dim 96, between the compiled ones),
+DeepSeek-V3 (multi-head latent attention: value head_dim 32 under 64), a BERT encoder with right padding, a BERT decoder cross-attending to padded encoder
 states, Whisper (encoder, causal decoder, cross-attention). Each test runs twice: on the GPU with
 ptxattn's kernels in bfloat16, and on the CPU in float16 with the two ptxattn.torch functions
 replaced by their math in torch (_reference_attention), which tests everything ptxattn.transformers
@@ -88,6 +89,12 @@ CASES = {
                                                      attn_logit_softcapping=3.0,
                                                      final_logit_softcapping=30.0),
                    "Gemma2ForCausalLM", baseline="eager"),
+    # Gemma 3: q/k norms instead of the softcap; layer 0 local (a window of 32), layer 1 global.
+    "gemma3": Case(lambda: transformers.Gemma3TextConfig(
+        **_SMALL, num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+        query_pre_attn_scalar=256, sliding_window=32,
+        layer_types=["sliding_attention", "full_attention"]),
+        "Gemma3ForCausalLM"),
     # Every expert a token (num_experts_per_tok = the experts): a top-k router is discontinuous,
     # and its choice between two experts whose logits lie 0.002 apart (the random model's
     # closest, at the packed test's tokens) follows the attention's rounding, so a 16-bit model
@@ -126,7 +133,7 @@ CASES = {
         decoder_start_token_id=1, suppress_tokens=None, begin_suppress_tokens=None),
         "WhisperForConditionalGeneration", kind="whisper"),
 }
-DECODERS = ["llama", "mistral", "qwen3", "gemma2", "gpt_oss", "phi3", "deepseek_v3"]
+DECODERS = ["llama", "mistral", "qwen3", "gemma2", "gemma3", "gpt_oss", "phi3", "deepseek_v3"]
 
 
 def _sharpen(model, generator) -> None:
