@@ -75,9 +75,9 @@ def pytest_runtest_logreport(report):
             _recorder.add(test, params, report.outcome, crash.message if crash is not None else "")
 
 
-def pytest_sessionfinish(session):
-    path = session.config.getoption("--model-coverage")
-    if not path or _recorder is None or hasattr(session.config, "workerinput"):
+def pytest_unconfigure(config):
+    path = config.getoption("--model-coverage")
+    if not path or _recorder is None or hasattr(config, "workerinput"):
         return
     name = "a machine without a GPU"
     if GPU_PRESENT:
