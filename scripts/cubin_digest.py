@@ -4,6 +4,7 @@
     # ... restructure ...
     python scripts/cubin_digest.py > after.txt
     diff before.txt after.txt   # empty: no kernel changed
+    python scripts/cubin_digest.py --code-only   # the same, blind to symbol names
 
 Compiles every variant that `python -m ptxattn kernels` budgets (default: for sm_80, sm_90a and
 sm_120a) with NVRTC, in a fresh compile cache so that nothing is read back from an earlier run,
@@ -16,6 +17,11 @@ normalised: NVRTC names those after the source file plus a random suffix that di
 compile to the next (``_INTERNAL_00000000_18_fwd_blockscaled_cu_0de14adf_36787``), so the
 bytes of the file differ between two compiles of the same source; the code, data and every
 other symbol are digested as they are.
+
+``--code-only`` digests the contents of every section but the string and symbol tables, and no
+names: a change that only renames the kernels' symbols (a template argument added to every
+variant's configuration, say) then leaves every digest as it was, and a changed instruction,
+register count or shared-memory size still shows.
 """
 
 from __future__ import annotations
@@ -74,13 +80,34 @@ def elf_digest(cubin: bytes) -> str:
     return digest.hexdigest()
 
 
-def _digest_one(spec, arch: str) -> dict:
+def code_digest(cubin: bytes) -> str:
+    """SHA-256 of the contents of a 64-bit little-endian ELF's sections but its string and
+    symbol tables, in section order, without their names."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, _ = struct.unpack_from("<HHH", cubin, 0x3A)
+    digest = hashlib.sha256()
+    for i in range(shnum):
+        _, kind, _, _, offset, size, *_ = struct.unpack_from("<IIQQQQIIQQ", cubin,
+                                                               shoff + i * shentsize)
+        if kind not in (_SHT_STRTAB, _SHT_SYMTAB, _SHT_NOBITS):
+            digest.update(cubin[offset:offset + size])
+        elif kind == _SHT_NOBITS:
+            digest.update(repr(size).encode())
+    return digest.hexdigest()
+
+
+def _digest_one(spec, arch: str, code_only: bool = False) -> dict:
     from ptxattn import runtime
     try:
         compiled = runtime.compile(spec, arch)
     except runtime.CompileError as err:
         return {"name": spec.name, "error": err.log}
-    return {"name": spec.name, "sha256": elf_digest(compiled.cubin)}
+    return {"name": spec.name,
+            "sha256": (code_digest if code_only else elf_digest)(compiled.cubin)}
+
+
+def _code_digest_one(spec, arch: str) -> dict:
+    return _digest_one(spec, arch, code_only=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                         + ", ".join(DEFAULT_ARCHS) + ")")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="parallel NVRTC compiles (default: one per CPU)")
+    parser.add_argument("--code-only", action="store_true",
+                        help="digest the sections' contents alone, blind to symbol names")
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="ptxattn-digest-") as cache:
@@ -98,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         failed = 0
         for arch in args.arch or DEFAULT_ARCHS:
             specs = sorted(kernels.all_variants(arch), key=lambda spec: spec.name)
-            rows = kernels.for_each_spec(_digest_one, specs, arch, args.jobs)
+            rows = kernels.for_each_spec(_code_digest_one if args.code_only else _digest_one,
+                                         specs, arch, args.jobs)
             total = hashlib.sha256()
             for row in rows:
                 if "error" in row:
