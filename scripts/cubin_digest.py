@@ -18,10 +18,11 @@ compile to the next (``_INTERNAL_00000000_18_fwd_blockscaled_cu_0de14adf_36787``
 bytes of the file differ between two compiles of the same source; the code, data and every
 other symbol are digested as they are.
 
-``--code-only`` digests the contents of every section but the string and symbol tables, and no
-names: a change that only renames the kernels' symbols (a template argument added to every
-variant's configuration, say) then leaves every digest as it was, and a changed instruction,
-register count or shared-memory size still shows.
+``--code-only`` digests the instructions alone, the contents of the ``.text`` sections, and the
+sizes of the ``.nv.shared`` ones, without names: a change that renames the kernels' symbols and
+adds constants beside them (a template argument added to every variant's configuration, whose
+value is a new static member) then leaves every digest as it was, while a changed instruction,
+register allocation or shared-memory size shows.
 """
 
 from __future__ import annotations
@@ -81,17 +82,19 @@ def elf_digest(cubin: bytes) -> str:
 
 
 def code_digest(cubin: bytes) -> str:
-    """SHA-256 of the contents of a 64-bit little-endian ELF's sections but its string and
-    symbol tables, in section order, without their names."""
+    """SHA-256 of a 64-bit little-endian ELF's ``.text`` sections' contents and its
+    ``.nv.shared`` sections' sizes, in section order, without their names."""
     shoff, = struct.unpack_from("<Q", cubin, 0x28)
-    shentsize, shnum, _ = struct.unpack_from("<HHH", cubin, 0x3A)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize)
+                for i in range(shnum)]
+    names = cubin[sections[shstrndx][4]:sections[shstrndx][4] + sections[shstrndx][5]]
     digest = hashlib.sha256()
-    for i in range(shnum):
-        _, kind, _, _, offset, size, *_ = struct.unpack_from("<IIQQQQIIQQ", cubin,
-                                                               shoff + i * shentsize)
-        if kind not in (_SHT_STRTAB, _SHT_SYMTAB, _SHT_NOBITS):
+    for name, _, _, _, offset, size, *_ in sections:
+        name = names[name:names.index(b"\0", name)]
+        if name.startswith(b".text."):
             digest.update(cubin[offset:offset + size])
-        elif kind == _SHT_NOBITS:
+        elif name.startswith(b".nv.shared."):
             digest.update(repr(size).encode())
     return digest.hexdigest()
 
