@@ -91,15 +91,21 @@ class Route:
                 + (", head_dim_v <= head_dim" if self.narrow_v else ""))
 
 
+def head_dim_step(input_format: str) -> int:
+    """The columns of ``input_format`` in one 16-byte piece (formats of their own layouts, the
+    block-scaled ones: 1)."""
+    return ROW_PIECE_BYTES // ITEM_BYTES.get(input_format, ROW_PIECE_BYTES)
+
+
 def takes_head_dim(input_format: str, head_dim: int) -> bool:
     """Whether ``head_dim`` columns of ``input_format`` are whole 16-byte pieces."""
-    step = ROW_PIECE_BYTES // ITEM_BYTES.get(input_format, ROW_PIECE_BYTES)
+    step = head_dim_step(input_format)
     return head_dim >= step and head_dim % step == 0
 
 
 def head_dim_rule(input_format: str, largest: int) -> str:
     """The padded routes' head_dim rule in words."""
-    step = ROW_PIECE_BYTES // ITEM_BYTES[input_format]
+    step = head_dim_step(input_format)
     return f"a multiple of {step} from {step} to {largest}"
 
 

@@ -217,7 +217,7 @@ def _checked_value(query: torch.Tensor, value: torch.Tensor, layer: str) -> torc
     unless ptxattn runs them."""
     input_format = str(query.dtype).removeprefix("torch.")
     head_dim, value_head_dim = query.shape[-1], value.shape[-1]
-    step = dispatch.ROW_PIECE_BYTES // dispatch.ITEM_BYTES[input_format]
+    step = dispatch.head_dim_step(input_format)
     padded_dim = -(-value_head_dim // step) * step
     try:
         dispatch.check_head_dims(input_format, head_dim, padded_dim)

@@ -188,11 +188,7 @@ FEATURE_CASES = [
 def test_softcap_and_sinks_match_fp32_reference(backend, head_dim, spec, seqlens, heads, rng):
     """A softcap alone and with a window; sinks alone, with a window, and with rows that see
     only their sink; all three together. dsinks is held to the same rule as dq, dk, dv."""
-    backend = backward_backend(backend, head_dim)
-    dout, q, k, v = _fixed_inputs(seqlens, heads, head_dim, "bfloat16", rng)
-    masks = _masks(spec, heads[0], head_dim, rng)
-    grads = _gradients(dout, q, k, v, backend=backend, masks=masks)
-    _assert_close(grads, dout, q, k, v, **masks)
+    _check_with_masks(backend, head_dim, spec, seqlens, heads, "bfloat16", rng)
 
 
 @pytest.mark.gpu
@@ -205,9 +201,15 @@ def test_softcap_and_sinks_match_fp32_reference(backend, head_dim, spec, seqlens
 def test_float16(backend, head_dim, spec, rng):
     """float16 inputs, more queries than keys: a window with sinks, and causal with a window
     and a softcap (its first 217 rows see no key)."""
+    _check_with_masks(backend, head_dim, spec, (517, 300), SINK_HEADS, "float16", rng, batch=1)
+
+
+def _check_with_masks(backend, head_dim, spec, seqlens, heads, dtype, rng, batch=2):
+    """One backend's gradients (and dsinks) of a call with ``spec``'s options against the
+    FP32 reference."""
     backend = backward_backend(backend, head_dim)
-    dout, q, k, v = _fixed_inputs((517, 300), SINK_HEADS, head_dim, "float16", rng, batch=1)
-    masks = _masks(spec, SINK_HEADS[0], head_dim, rng)
+    dout, q, k, v = _fixed_inputs(seqlens, heads, head_dim, dtype, rng, batch=batch)
+    masks = _masks(spec, heads[0], head_dim, rng)
     grads = _gradients(dout, q, k, v, backend=backend, masks=masks)
     _assert_close(grads, dout, q, k, v, **masks)
 

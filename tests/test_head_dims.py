@@ -130,15 +130,7 @@ def _assert_columns_past_untouched(name, view):
 @pytest.mark.parametrize("seqlens", SEQLENS, ids=_seqlens_id)
 def test_forward_and_backward_match_fp32_reference(backend, dims, causal, seqlens, rng):
     """Contiguous bf16 arrays, GQA 4:1: the output, its LSE and the gradients of one backend."""
-    import ptxattn
-
-    backend = _backend(backend)
-    seqlen_q, seqlen_k = seqlens
-    dout, q, k, v = _inputs((2, seqlen_q), (2, seqlen_k), dims, "bfloat16", rng)
-    out, lse = ptxattn.attention(q, k, v, causal=causal, return_lse=True, backend=backend)
-    _assert_output_close(out, lse, q, k, v, causal=causal)
-    grads = ptxattn.attention_backward(dout, q, k, v, out, lse, causal=causal, backend=backend)
-    assert_gradients_close(grads, dout, q, k, v, causal=causal)
+    _check_forward_and_backward(backend, dims, causal, seqlens, "bfloat16", rng)
 
 
 @pytest.mark.gpu
@@ -146,11 +138,16 @@ def test_forward_and_backward_match_fp32_reference(backend, dims, causal, seqlen
 @pytest.mark.parametrize("dims", [(40, 40), (96, 96), (200, 200), (192, 128)], ids=_dims_id)
 @pytest.mark.parametrize("causal,seqlens", CAUSAL_SEQLENS)
 def test_float16(backend, dims, causal, seqlens, rng):
+    _check_forward_and_backward(backend, dims, causal, seqlens, "float16", rng)
+
+
+def _check_forward_and_backward(backend, dims, causal, seqlens, dtype, rng):
+    """One backend's output, LSE and gradients over contiguous ``dtype`` arrays, GQA 4:1."""
     import ptxattn
 
     backend = _backend(backend)
     seqlen_q, seqlen_k = seqlens
-    dout, q, k, v = _inputs((2, seqlen_q), (2, seqlen_k), dims, "float16", rng)
+    dout, q, k, v = _inputs((2, seqlen_q), (2, seqlen_k), dims, dtype, rng)
     out, lse = ptxattn.attention(q, k, v, causal=causal, return_lse=True, backend=backend)
     _assert_output_close(out, lse, q, k, v, causal=causal)
     grads = ptxattn.attention_backward(dout, q, k, v, out, lse, causal=causal, backend=backend)

@@ -106,18 +106,24 @@ def _meta_leaves(kind, masks=None):
     return leaves, sinks, options
 
 
+def _assert_backward_reaches_the_leaves(out, lse, leaves, sinks):
+    """out takes a gradient and lse none; out.sum()'s backward gives every leaf a gradient of
+    its shape (bf16 for q, k, v; float32 for the sinks)."""
+    assert out.requires_grad and not lse.requires_grad  # lse carries no gradient
+    out.sum().backward()
+    for leaf in leaves:
+        assert leaf.grad.shape == leaf.shape and leaf.grad.dtype == torch.bfloat16
+    if sinks is not None:
+        assert (sinks.grad.shape, sinks.grad.dtype) == (sinks.shape, torch.float32)
+
+
 @pytest.mark.parametrize("masks", MASKS.values(), ids=MASKS)
 @pytest.mark.parametrize("kind", SHAPES)
 def test_autograd_reaches_the_backward_op(kind, masks):
     (q, k, v), sinks, options = _meta_leaves(kind, masks)
     out, lse = ptxattn.torch.attention(q, k, v, causal=True, sinks=sinks, return_lse=True,
                                        **options)
-    assert out.requires_grad and not lse.requires_grad  # lse carries no gradient
-    out.sum().backward()
-    for leaf in (q, k, v):
-        assert leaf.grad.shape == leaf.shape and leaf.grad.dtype == torch.bfloat16
-    if sinks is not None:
-        assert (sinks.grad.shape, sinks.grad.dtype) == (sinks.shape, torch.float32)
+    _assert_backward_reaches_the_leaves(out, lse, (q, k, v), sinks)
 
 
 @pytest.mark.parametrize("masks", MASKS.values(), ids=MASKS)
@@ -287,12 +293,7 @@ def test_varlen_autograd_reaches_the_backward_op(masks):
     out, lse = ptxattn.torch.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
                                               window=window, softcap=softcap, sinks=sinks,
                                               return_lse=True)
-    assert out.requires_grad and not lse.requires_grad  # lse carries no gradient
-    out.sum().backward()
-    for leaf in (q, k, v):
-        assert leaf.grad.shape == leaf.shape and leaf.grad.dtype == torch.bfloat16
-    if sinks is not None:
-        assert (sinks.grad.shape, sinks.grad.dtype) == (sinks.shape, torch.float32)
+    _assert_backward_reaches_the_leaves(out, lse, (q, k, v), sinks)
 
 
 @pytest.mark.parametrize("masks", VARLEN_MASKS.values(), ids=VARLEN_MASKS)
