@@ -3,7 +3,8 @@ CUDA with inline PTX and compiled at run time by NVRTC.
 
 Entry points: :func:`attention` and :func:`attention_backward` (16-bit, fixed length),
 :func:`attention_varlen` and :func:`attention_varlen_backward` (packed batches),
-:func:`attention_with_kvcache` and :func:`merge_attention_states` (serving), :func:`fp8_attention` (e4m3, Hopper) and :func:`blockscaled_attention` (MXFP8 /
+:func:`attention_with_kvcache`, :func:`attention_mla_decode` and :func:`merge_attention_states`
+(serving), :func:`fp8_attention` (e4m3, Hopper) and :func:`blockscaled_attention` (MXFP8 /
 NVFP4). The modules ``ptxattn.fp8``, ``ptxattn.blockscaled``, ``ptxattn.distributed``,
 ``ptxattn.torch`` and ``ptxattn.jax`` hold the rest of the public API.
 """
@@ -22,6 +23,7 @@ _ENTRY_POINTS = {
     "attention_varlen": ("serving", "attention_varlen"),
     "attention_varlen_backward": ("serving", "attention_varlen_backward"),
     "attention_with_kvcache": ("serving", "attention_with_kvcache"),
+    "attention_mla_decode": ("serving", "attention_mla_decode"),
     "merge_attention_states": ("serving", "merge_attention_states"),
     "fp8_attention": ("fp8", "attention"),
     "blockscaled_attention": ("blockscaled", "blockscaled_attention"),

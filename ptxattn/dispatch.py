@@ -29,19 +29,23 @@ import functools
 
 from . import archs
 from .launchers import (Launcher, blockscaled, hopper_backward, hopper_forward,
-                        portable_backward, portable_decode, portable_forward)
+                        portable_backward, portable_decode, portable_forward, portable_mla)
 
 # What an attention call may need beyond plain attention over whole sequences: "causal"
 # masking, "gqa" (fewer k/v heads than q heads), "backward" (the gradients), and the serving
 # features: a local "window", a logit "softcap", attention "sinks", and the layouts "varlen"
 # (packed sequences of their own lengths), "kvcache" (keys up to each sequence's filled length),
-# "paged" (a paged cache), and "decode": a serving call with few query rows a sequence
-# (problem.DECODE_QUERIES), which the decode launcher alone serves well. A route lists those its
-# family handles and select() passes over the others.
+# "paged" (a paged cache), "decode": a serving call with few query rows a sequence
+# (problem.DECODE_QUERIES), which the decode launcher alone serves well, and "fp8_kv", an e4m3
+# cache. A route lists those its family handles and select() passes over the others. "mla"
+# (multi-head latent attention over one latent cache, ptxattn.attention_mla_decode) is a call
+# of its own: its routes take those calls only, and no others take them.
 FORWARD = frozenset({"causal", "gqa"})
-SERVING = FORWARD | {"window", "softcap", "sinks", "varlen", "kvcache", "paged", "decode"}
+SERVING = FORWARD | {"window", "softcap", "sinks", "varlen", "kvcache", "paged", "decode",
+                     "fp8_kv"}
+MLA = FORWARD | {"kvcache", "paged", "decode", "fp8_kv", "mla"}
 PREFILL = FORWARD | {"window", "softcap", "sinks", "varlen", "kvcache"}
-FEATURES = FORWARD | SERVING | {"backward"}
+FEATURES = FORWARD | SERVING | MLA | {"backward"}
 # The gradients: of fixed-length and packed calls, with the forward's window, softcap and sinks.
 BACKWARD = FORWARD | {"backward", "window", "softcap", "sinks", "varlen"}
 # What only the serving builds take of a fixed-length call.
@@ -67,10 +71,13 @@ class Route:
     features: frozenset[str] = FORWARD
     padded: bool = True           # runs every head_dim below its largest (the module docstring)
     narrow_v: bool = False        # takes head_dim_v < head_dim
+    smem_per_block: int = 0       # the shared memory its kernels need a block, where that
+                                  # rules out some of the family's archs
 
     @property
     def archs(self) -> tuple[str, ...]:
-        return archs.running(self.family, emulated=self.emulated)
+        return tuple(a for a in archs.running(self.family, emulated=self.emulated)
+                     if archs.get(a).smem_per_block >= self.smem_per_block)
 
     def takes(self, input_format: str, head_dim: int, head_dim_v: int) -> bool:
         """Whether the route runs a call of these head dims."""
@@ -122,6 +129,9 @@ TABLE: tuple[Route, ...] = (
           call="backward", features=BACKWARD, narrow_v=True),
     Route("portable", "portable", SIXTEEN_BIT, portable_decode.HEAD_DIMS, portable_decode,
           call="serve", features=SERVING, narrow_v=True),
+    Route("portable", "portable", SIXTEEN_BIT, portable_mla.HEAD_DIMS, portable_mla,
+          call="serve", features=MLA, padded=False, narrow_v=True,
+          smem_per_block=portable_mla.SMEM_PER_BLOCK),
     Route("hopper", "hopper", ("e4m3",), hopper_forward.FP8_HEAD_DIMS, hopper_forward),
     Route("blockscaled", "blockscaled", BLOCK_SCALED, blockscaled.HEAD_DIMS, blockscaled,
           padded=False),
@@ -144,16 +154,23 @@ def routes_for(input_format: str, table: tuple[Route, ...] | None = None) -> lis
     return routes
 
 
+def attention_routes(input_format: str) -> list[Route]:
+    """routes_for() less the MLA routes, whose head dims are those of MLA's latent cache alone
+    (AttentionProblem.from_mla_decode checks them): the routes the head-dim rules speak of."""
+    return [route for route in routes_for(input_format) if "mla" not in route.features]
+
+
 def head_dims(input_format: str) -> tuple[int, ...]:
-    """Every compiled head_dim of some route for inputs of this format."""
-    return tuple(sorted({d for route in routes_for(input_format) for d in route.head_dims}))
+    """Every compiled head_dim of some attention route for inputs of this format."""
+    return tuple(sorted({d for route in attention_routes(input_format)
+                         for d in route.head_dims}))
 
 
 def check_head_dims(input_format: str, head_dim: int, head_dim_v: int | None = None) -> None:
     """Refuses head dims that no route runs for this format (the metadata check before any
     GPU is known), naming the rule."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    routes = routes_for(input_format)
+    routes = attention_routes(input_format)
     if not any(route.takes(input_format, head_dim, head_dim) for route in routes):
         raise ValueError(f"head_dim must be {_dims_rule(input_format, routes)} for "
                          f"{input_format} inputs, got {head_dim}")
@@ -213,8 +230,10 @@ def _select(table: tuple[Route, ...], arch: str, input_format: str, head_dim: in
                 else f"head_dim {head_dim} with head_dim_v {head_dim_v}")
         raise ValueError(f"{input_format} attention at {dims} does not run on {arch}; it runs "
                          f"as {supported}")
-    # a backward route takes the calls for gradients, and only those
-    fitting = [route for route in fitting if ("backward" in features) == (route.call == "backward")]
+    # a backward route takes the calls for gradients, and only those; an MLA route MLA calls
+    fitting = [route for route in fitting
+               if ("backward" in features) == (route.call == "backward")
+               and ("mla" in features) == ("mla" in route.features)]
     for route in fitting:
         if set(features) <= route.features:
             return route

@@ -1,8 +1,9 @@
 """The serving entry points, exported as ``ptxattn.attention_varlen``,
-``ptxattn.attention_varlen_backward``, ``ptxattn.attention_with_kvcache`` and
-``ptxattn.merge_attention_states``: attention over variable-length batches (and its gradients)
-and over KV caches (contiguous or paged, with new keys appended in place), and the merge of
-partial attention states.
+``ptxattn.attention_varlen_backward``, ``ptxattn.attention_with_kvcache``,
+``ptxattn.attention_mla_decode`` and ``ptxattn.merge_attention_states``: attention over
+variable-length batches (and its gradients) and over KV caches (contiguous or paged, 16-bit or
+FP8, with new keys appended in place), multi-head latent attention over a latent cache, and the
+merge of partial attention states.
 
 Each checks its call once (ptxattn/problem/), picks a route (ptxattn/dispatch.py) and launches it
 (ptxattn/launchers/; the merge runs kernels/combine.cu through ptxattn/launchers/split_kv.py).
@@ -18,8 +19,8 @@ from .interop import framework_arrays
 from .problem import (AttentionProblem, check_kvcache_contents, check_positive_strides,
                       check_varlen_contents, dtype_of)
 
-__all__ = ["attention_with_kvcache", "attention_varlen", "attention_varlen_backward",
-           "merge_attention_states"]
+__all__ = ["attention_with_kvcache", "attention_mla_decode", "attention_varlen",
+           "attention_varlen_backward", "merge_attention_states"]
 
 
 def __dir__():
@@ -31,7 +32,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
                            v_new=None, causal: bool = True, window=(-1, -1), softcap: float = 0.0,
                            sinks=None, softmax_scale: float | None = None, num_splits: int = 0,
                            return_lse: bool = False, out=None, check_contents: bool = True,
-                           backend: str | None = None):
+                           backend: str | None = None, k_descale=None, v_descale=None):
     """Attention of new query tokens over a KV cache, contiguous or paged, new keys appended.
 
     For decoding (one query token a sequence), speculative decoding and chunked prefill
@@ -53,11 +54,14 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
     q : CUDA array
         Queries, (batch, seqlen_q, heads_q, head_dim), float16 or bfloat16; head_dim a
         multiple of 8 from 8 to 256; heads_q a multiple of heads_kv (GQA/MQA).
-    k_cache, v_cache : CUDA array
-        The cache, in q's dtype: contiguous, (batch, seqlen_cache, heads_kv, head_dim), or
-        paged, (num_pages, page_size, heads_kv, head_dim) with ``block_table``, page_size a
-        multiple of 16 from 16 to 256. v_cache has k_cache's shape but for its last axis,
-        head_dim_v: a multiple of 8 at most head_dim, the output's head_dim.
+    k_cache, v_cache : CUDA array or ptxattn.fp8.E4M3Array
+        The cache, in q's dtype or FP8 (e4m3: ``fp8.E4M3Array``, a torch float8_e4m3fn tensor
+        or a CuPy float8_e4m3fn view, both caches, with ``k_descale`` and ``v_descale``):
+        contiguous, (batch, seqlen_cache, heads_kv, head_dim), or paged, (num_pages,
+        page_size, heads_kv, head_dim) with ``block_table``, page_size a multiple of 16 from
+        16 to 256. v_cache has k_cache's shape but for its last axis, head_dim_v: a multiple of
+        8 at most head_dim, the output's head_dim (an e4m3 cache: head_dim itself, a multiple
+        of 16).
     cache_seqlens : int or CUDA array
         Each sequence's filled length: one int for every sequence, or an int32 (batch,)
         contiguous array. In [0, capacity], capacity seqlen_cache (contiguous) or max_pages *
@@ -68,7 +72,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
     k_new, v_new : CUDA array, optional
         Keys and values to append, given together: (batch, seqlen_new, heads_kv, head_dim) of
         q's dtype, v_new's last axis head_dim_v as v_cache's; cache_seqlens + seqlen_new must
-        not exceed the capacity.
+        not exceed the capacity. Into an e4m3 cache they are quantized with the cache's
+        descales: e4m3(k_new / k_descale), rounded to nearest even and saturated at +-448.
     causal : bool, default True
         Aligns the queries with the last keys: query i of a sequence of L keys (cache_seqlens
         + seqlen_new) sees key j only if j <= i + L - seqlen_q (bottom-right aligned). A row
@@ -99,6 +104,12 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
     backend : {'hopper', 'portable'}, optional
         The kernel family, as in ``ptxattn.attention``; by default the first that runs the
         call on the current GPU.
+    k_descale, v_descale : float or CUDA array, optional
+        For e4m3 caches, and only for them: the float32 factors that turn the caches' values
+        back into real ones, a value being e4m3(byte) * descale. Per tensor (a positive number,
+        or shape () or (1,)) or per (sequence, kv head) (shape (batch, heads_kv)). The kernel
+        dequantizes the cache in registers after loading it and applies the descales to the
+        scores and the output.
 
     Returns
     -------
@@ -115,13 +126,14 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
         An array argument in host memory or no array; q, the caches, k_new, v_new or out not
         of one float16 or bfloat16 dtype; ``cache_seqlens`` neither an int nor an array;
         ``cache_seqlens`` or ``block_table`` not int32; ``sinks`` not float32; ``causal`` not a
-        bool.
+        bool; an e4m3 cache without its descales, or a descale not float32.
     ValueError
         A shape, stride or alignment above (the cache's head_dim or heads unlike q's, a
         contiguous cache of another batch than q, page_size, ``block_table``'s shape); head_dim
         or head_dim_v outside the rule above; ``k_new`` without ``v_new``; lengths beyond the
         cache's capacity (with ``check_contents``, also per sequence, and pages outside
-        [0, num_pages)); ``num_splits`` outside [0, 128]; a bad ``softmax_scale``, ``window``
+        [0, num_pages)); ``num_splits`` outside [0, 128]; descales for a 16-bit cache, or of
+        another shape; a bad ``softmax_scale``, ``window``
         or ``softcap``; arrays on different devices; ``out`` overlapping an input; an unknown
         ``backend``, or a GPU on which no kernel runs the call.
 
@@ -142,38 +154,173 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
     ...                                      block_table=block_table, k_new=k_new, v_new=v_new)
     >>> lengths += 1  # the cache now holds one more key a sequence
     """
-    import cupy
-
-    from . import dispatch, runtime
-
     problem = AttentionProblem.from_kvcache(
         q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_new=k_new,
         v_new=v_new, causal=causal, window=window, softcap=softcap, sinks=sinks,
-        softmax_scale=softmax_scale, num_splits=num_splits, out=out)
+        softmax_scale=softmax_scale, num_splits=num_splits, out=out, k_descale=k_descale,
+        v_descale=v_descale)
+    out, lse = _serve_cache(problem, backend, q, k_cache, v_cache, cache_seqlens=cache_seqlens,
+                            block_table=block_table, k_new=k_new, v_new=v_new, sinks=sinks,
+                            k_descale=k_descale, v_descale=v_descale, out=out,
+                            check_contents=check_contents)
+    return (out, lse) if return_lse else out
+
+
+@framework_arrays
+def attention_mla_decode(q, kv_cache, *, cache_seqlens, block_table=None, head_dim_v: int = 512,
+                         softmax_scale: float | None = None, causal: bool = True,
+                         num_splits: int = 0, return_lse: bool = False, out=None, kv_new=None,
+                         kv_descale=None, check_contents: bool = True):
+    """Multi-head latent attention (MLA) decoding over a latent cache, new rows appended.
+
+    DeepSeek-V3/R1's and Kimi K2's attention at decode time, after the up-projections are
+    absorbed into the queries and the output: every query head attends to one cache row per
+    token of 576 columns (a 512-column compressed latent and 64 rotary ones), the row being the
+    key and its first 512 columns the value. The cache is read once for all the heads of a
+    tile, as FlashMLA's ``flash_mla_with_kvcache`` and FlashInfer's MLA decode do. Arrays,
+    kinds of array, streams and the checks of lengths and pages as in
+    ``ptxattn.attention_with_kvcache``, whose semantics this is with k_cache = kv_cache,
+    v_cache = kv_cache[..., :head_dim_v] and one kv head.
+
+    Parameters
+    ----------
+    q : CUDA array
+        Queries, (batch, seqlen_q, heads_q, 576), float16 or bfloat16: the absorbed latent
+        part then the rotary part, as the cache's rows. seqlen_q >= 1 tokens a sequence (more
+        than one for speculative decoding), any number of heads (16 to 128 in DeepSeek-V3
+        shards).
+    kv_cache : CUDA array or ptxattn.fp8.E4M3Array
+        The latent cache, one head: contiguous, (batch, seqlen_cache, 1, 576), or paged,
+        (num_pages, page_size, 1, 576) with ``block_table``, page_size a multiple of 16 from 16
+        to 256 (FlashMLA's is 64). In q's dtype, or FP8 (e4m3: ``fp8.E4M3Array``, a torch
+        float8_e4m3fn tensor or a CuPy float8_e4m3fn view) with ``kv_descale``.
+    cache_seqlens : int or CUDA array
+        Each sequence's filled length: one int, or an int32 (batch,) contiguous array.
+    block_table : CUDA array, optional
+        For a paged cache: int32 (batch, max_pages), unit stride along the pages.
+    head_dim_v : int, default 512
+        The columns of a row that are the value: 512, the latent.
+    softmax_scale : float, optional
+        The scale of the scores, finite and positive; 1 / sqrt(576) by default (DeepSeek-V3
+        passes its own, 1 / sqrt(192) times its YaRN factor).
+    causal : bool, default True
+        Bottom-right aligned, as in attention_with_kvcache: with seqlen_q > 1, query i of a
+        sequence of L keys sees keys j <= i + L - seqlen_q.
+    num_splits : int, default 0
+        How many blocks the keys of a sequence are split over: 0 chooses, 1 splits nothing; at
+        most 128.
+    return_lse : bool, default False
+        Also return the log-sum-exp.
+    out : CUDA array, optional
+        The output buffer, (batch, seqlen_q, heads_q, 512), q's dtype, laid out as q.
+    kv_new : CUDA array, optional
+        Rows to append, (batch, seqlen_new, 1, 576) in q's dtype, written at rows
+        cache_seqlens .. of each sequence (quantized, e4m3(kv_new / kv_descale) saturated at
+        +-448, into an e4m3 cache) before the queries attend; ``cache_seqlens`` is not advanced.
+    kv_descale : float or CUDA array, optional
+        For an e4m3 cache, and only for one: the float32 factor that turns its values back into
+        real ones, per tensor (a positive number, or shape () or (1,)) or per sequence (shape
+        (batch, 1)). It scales the scores and the output; the cache is dequantized in registers
+        after it is loaded.
+    check_contents : bool, default True
+        Copy ``cache_seqlens`` and ``block_table`` to the host to check them, as in
+        attention_with_kvcache.
+
+    Returns
+    -------
+    out : array
+        (batch, seqlen_q, heads_q, 512) in q's dtype: ``out`` itself if given.
+    lse : array
+        Only with ``return_lse``: float32 (batch, heads_q, seqlen_q), natural log; -inf (with
+        zeros out) for a row that sees no key.
+
+    Raises
+    ------
+    TypeError
+        As attention_with_kvcache's; an e4m3 cache without ``kv_descale``.
+    ValueError
+        q's or kv_cache's last axis not 576, kv_cache with more than one head, head_dim_v other
+        than 512, ``kv_descale`` for a 16-bit cache or of another shape, and
+        attention_with_kvcache's layout, length and page checks; a GPU without the shared
+        memory the kernel needs (200 KB a block: sm_90a, sm_100a, sm_103a).
+
+    Examples
+    --------
+    One decode step of 128 heads over a paged latent cache of 64-row pages:
+
+    >>> import cupy, ptxattn
+    >>> batch, heads = 4, 128
+    >>> kv_cache = cupy.zeros((64, 64, 1, 576), dtype="bfloat16")  # 64 pages of 64 rows
+    >>> block_table = cupy.arange(64, dtype=cupy.int32).reshape(batch, 16)
+    >>> lengths = cupy.array([700, 1, 1000, 64], dtype=cupy.int32)
+    >>> q = cupy.random.standard_normal((batch, 1, heads, 576)).astype("bfloat16")
+    >>> kv_new = cupy.random.standard_normal((batch, 1, 1, 576)).astype("bfloat16")
+    >>> out = ptxattn.attention_mla_decode(q, kv_cache, cache_seqlens=lengths,
+    ...                                    block_table=block_table, kv_new=kv_new,
+    ...                                    softmax_scale=192 ** -0.5)
+    >>> out.shape
+    (4, 1, 128, 512)
+    """
+    problem = AttentionProblem.from_mla_decode(
+        q, kv_cache, cache_seqlens=cache_seqlens, block_table=block_table, head_dim_v=head_dim_v,
+        kv_new=kv_new, causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
+        out=out, kv_descale=kv_descale)
+    out, lse = _serve_cache(problem, None, q, kv_cache, kv_cache[..., :head_dim_v],
+                            cache_seqlens=cache_seqlens, block_table=block_table, k_new=kv_new,
+                            v_new=None, sinks=None, k_descale=kv_descale, v_descale=kv_descale,
+                            out=out, check_contents=check_contents)
+    return (out, lse) if return_lse else out
+
+
+def _serve_cache(problem, backend, q, k_cache, v_cache, *, cache_seqlens, block_table, k_new,
+                 v_new, sinks, k_descale, v_descale, out, check_contents):
+    """attention_with_kvcache's and attention_mla_decode's work once their problem is built:
+    the contents checked, the new keys appended, the route launched. Returns (out, lse)."""
+    import cupy
+
+    from . import dispatch, runtime
+    from .quant.fp8 import descale_operand
+
     route = dispatch.select(runtime.device_arch(problem.device), problem.format,
                             problem.head_dim, head_dim_v=problem.head_dim_v,
                             features=problem.features, backend=backend)
     seqlen_new = 0 if k_new is None else k_new.shape[1]
+    fp8 = problem.kv_format == "e4m3"
     with cupy.cuda.Device(problem.device):
         if check_contents:
             check_kvcache_contents(problem, cache_seqlens, block_table, k_cache.shape[0],
                                    seqlen_new)
         lengths = (cupy.full(problem.batch, cache_seqlens, dtype=cupy.int32)
                    if isinstance(cache_seqlens, numbers.Integral) else cache_seqlens)
+        descales = {}
+        if fp8:
+            k_cache, v_cache = _e4m3_bytes(k_cache), _e4m3_bytes(v_cache)
+            descales = {name: descale_operand(d, problem.batch, problem.heads_kv, 0)
+                        for name, d in (("k_descale", k_descale), ("v_descale", v_descale))}
         if k_new is not None:
-            _append(k_cache, v_cache, k_new, v_new, lengths, block_table)
+            _append(k_cache, v_cache, k_new, v_new, lengths, block_table, **descales)
             lengths = lengths + seqlen_new
         if out is None:
             out = cupy.empty(problem.out_shape, dtype=problem.out_dtype)
         lse = cupy.empty(problem.lse_shape, dtype=cupy.float32)
         route.launcher.serve(problem, q, k_cache, v_cache, out, lse, seqused_k=lengths,
-                             block_table=block_table, sinks=sinks)
-    return (out, lse) if return_lse else out
+                             block_table=block_table, sinks=sinks, **descales)
+    return out, lse
 
 
-def _append(k_cache, v_cache, k_new, v_new, lengths, block_table) -> None:
+def _e4m3_bytes(cache):
+    """The uint8 storage of an e4m3 cache (an E4M3Array or a float8_e4m3fn view)."""
+    import cupy
+
+    return cache.bytes if hasattr(cache, "bytes") else cache.view(cupy.uint8)
+
+
+def _append(k_cache, v_cache, k_new, v_new, lengths, block_table, k_descale=None,
+            v_descale=None) -> None:
     """k_new, v_new into rows lengths[b] .. of each sequence's cache (its pages, if paged), as
-    16-bit words so that any 16-bit dtype scatters alike."""
+    16-bit words so that any 16-bit dtype scatters alike; into uint8 e4m3 caches, quantized
+    with their descales (quant.fp8.Descale) first. v_new None: v_cache is a view of k_cache's
+    first columns (an MLA cache), written with k_new."""
     import cupy
 
     batch, seqlen_new = k_new.shape[:2]
@@ -185,8 +332,27 @@ def _append(k_cache, v_cache, k_new, v_new, lengths, block_table) -> None:
         page_size = k_cache.shape[1]
         slots = cupy.take_along_axis(block_table, positions // page_size, axis=1)
         rows = positions % page_size
-    k_cache.view(cupy.uint16)[slots, rows] = k_new.view(cupy.uint16)
-    v_cache.view(cupy.uint16)[slots, rows] = v_new.view(cupy.uint16)
+    for cache, new, descale in ((k_cache, k_new, k_descale), (v_cache, v_new, v_descale)):
+        if new is None:
+            continue
+        if descale is not None:
+            cache[slots, rows] = _quantize_new(new, descale)
+        else:
+            cache.view(cupy.uint16)[slots, rows] = new.view(cupy.uint16)
+
+
+def _quantize_new(x, descale):
+    """e4m3(x / descale) of new cache rows (batch, seqlen_new, heads, head_dim), uint8. Rows wider
+    than the quantizer's (an MLA cache's 576 columns, one head) go as pieces of 64 columns,
+    the descale then per tensor or per sequence (its head stride unused)."""
+    from .quant.fp8 import HEAD_DIMS, Descale, quantize_rows
+
+    batch, seqlen_new, heads, head_dim = x.shape
+    if head_dim <= max(HEAD_DIMS):
+        return quantize_rows(x, descale)
+    pieces = x.reshape(batch, seqlen_new, heads * head_dim // 64, 64)
+    x8 = quantize_rows(pieces, Descale(descale.array, descale.stride_b, 0, 0))
+    return x8.reshape(x.shape)
 
 
 @framework_arrays

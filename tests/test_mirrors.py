@@ -9,7 +9,8 @@ import pytest
 
 from ptxattn import runtime
 from ptxattn.launchers import (backward_prepost, blockscaled, hopper_backward, hopper_forward,
-                               portable_backward, portable_decode, portable_forward, split_kv)
+                               portable_backward, portable_decode, portable_forward,
+                               portable_mla, split_kv)
 
 # config dataclass -> (the device source declaring its template, the struct or kernel name)
 MIRRORS = [
@@ -19,6 +20,7 @@ MIRRORS = [
     (portable_backward.BwdMmaSyncConfig, "mainloops/bwd_mma_sync.cuh",
      "struct BwdMmaSyncConfig"),
     (portable_decode.DecodeConfig, "mainloops/decode_mma_sync.cuh", "struct DecodeConfig"),
+    (portable_mla.MlaConfig, "mainloops/mla_mma_sync.cuh", "struct MlaConfig"),
     (backward_prepost.RowKernelConfig, "kernels/bwd_prepost.cu", "bwd_preprocess("),
     (backward_prepost.RowKernelConfig, "kernels/bwd_prepost.cu", "bwd_postprocess("),
     (split_kv.CombineConfig, "kernels/combine.cu", "combine_states("),
@@ -48,8 +50,8 @@ def test_config_fields_are_the_template_parameters_in_order(config, source, decl
 
 
 def test_template_arguments_follow_the_declared_order():
-    config = portable_decode.DecodeConfig(128, 1, 64, 4, 3, True, 2)
-    assert runtime.template_arguments(config) == "128, 1, 64, 4, 3, true, 2"
+    config = portable_decode.DecodeConfig(128, 1, 64, 4, 3, True, False, 2)
+    assert runtime.template_arguments(config) == "128, 1, 64, 4, 3, true, false, 2"
     with pytest.raises(TypeError, match="must be an int or a bool"):
         runtime.template_arguments(split_kv.CombineConfig(0, "1"))
 

@@ -1,7 +1,7 @@
 """The profiler's runners, read from the dispatch table (no GPU): one per 16-bit backend that
-runs on the arch, with that backend's head dims; and the pure parts of --backward-features: the
+runs on the arch, with that backend's head dims; the pure parts of --backward-features: the
 (query, key) pairs a mask lets through, the mixed-length draw, a row's line, the refusal of two
-runs at once."""
+runs at once; and of --serving: its parts, the MLA rows, their FLOPs, a decode row's line."""
 
 import pytest
 
@@ -65,3 +65,50 @@ def test_two_runs_at_once_are_refused_before_any_timing(capsys):
     for option in (["--energy"], ["--plot", "x.png"], ["--grid", "targets"]):
         with pytest.raises(SystemExit):
             profile.main(["--backward-features", *option])
+
+
+def test_serving_runs_every_part_or_those_mla_and_fp8_cache_pick():
+    assert profile.serving_sections(False, False) == ("decode", "prefill", "mla", "fp8-cache")
+    assert profile.serving_sections(True, False) == ("mla",)
+    assert profile.serving_sections(False, True) == ("fp8-cache",)
+    assert profile.serving_sections(True, True) == ("mla", "fp8-cache")
+
+
+def test_mla_rows_group_by_cache_and_quick_keeps_batch_64():
+    rows = profile.mla_shapes(quick=False)
+    one_token = [(r["batch"], r["keys"], r["heads"]) for r in rows if r["seqlen_q"] == 1]
+    assert sorted(one_token) == sorted((b, l, h) for b in (64, 128) for l in (4096, 16384)
+                                       for h in (128, 16))
+    assert sorted((r["batch"], r["seqlen_q"]) for r in rows if r["seqlen_q"] > 1) == [
+        (64, 2), (64, 4), (128, 2), (128, 4)]
+    assert all(r["heads"] == 128 and r["keys"] == 4096 for r in rows if r["seqlen_q"] > 1)
+    # the rows of one cache are adjacent: the serving run builds each cache once
+    caches = [(r["batch"], r["keys"]) for r in rows]
+    assert len(set(caches)) == 4 and caches == sorted(caches, key=caches.index)
+    assert profile.mla_shapes(quick=True) == [r for r in rows if r["batch"] == 64]
+
+
+def test_mla_flops_count_the_576_wide_scores_and_the_512_wide_values():
+    assert profile.MLA_WIDTH == 576 and profile.MLA_LATENT == 512
+    assert profile.mla_flops(64, 1, 128, 4096) == 2 * 64 * 128 * 4096 * (576 + 512)
+    assert profile.mla_flops(128, 4, 128, 4096) == 8 * profile.mla_flops(64, 1, 128, 4096)
+
+
+def test_a_decode_row_gives_gb_s_its_fraction_of_the_copy_tflops_and_e4m3_over_16_bit():
+    # 2 GB in 1 ms is 2000 GB/s, 0.50 of a 4000 GB/s copy; 1 GB (e4m3) in 0.5 ms the same
+    ms = {"bf16": 1.0, "e4m3": 0.5}
+    assert profile.cache_read_line("batch  64, caches", ms, 2e9, 4000.0) == (
+        "batch  64, caches: bf16 2000 (0.50), e4m3 4000 (1.00)")
+    line = profile.cache_read_line("x", ms, {"bf16": 2e9, "e4m3": 1e9}, 4000.0, flops=5e11,
+                                   ratios={"contiguous": ("e4m3", "bf16"),
+                                           "fa3": ("fa3-e4m3", "fa3")})
+    assert line == ("x: bf16 2000 (0.50) 500 TFLOP/s, e4m3 2000 (0.50) 1000 TFLOP/s; "
+                    "tokens/s e4m3 over 16-bit: contiguous 2.00")
+    assert profile.cache_read_line("x", {}, 1e9, 4000.0) == "x: no call ran"
+
+
+def test_mla_and_fp8_cache_need_serving(capsys):
+    for option in ("--mla", "--fp8-cache"):
+        with pytest.raises(SystemExit):
+            profile.main([option])
+        assert "add --serving" in capsys.readouterr().err

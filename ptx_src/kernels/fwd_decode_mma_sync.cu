@@ -12,7 +12,10 @@
 // sinks folded in); with several it writes its partial state in float32 for combine.cu.
 //
 // Every runtime argument is in FwdParams (params.cuh): q (batch, seqlen_q, heads_q, D), or
-// (total_q, heads_q, D) with cu_seqlens_q; k and v caches per kv_cache.cuh; out like q.
+// (total_q, heads_q, D) with cu_seqlens_q; k and v caches per kv_cache.cuh; out like q. An e4m3
+// cache (Cfg::kKvFp8) is dequantized in registers (decode_mma_sync.cuh) and its descales,
+// one per (sequence, kv head) through k_descale's and v_descale's strides (0 for one per
+// tensor), scale the scores (before the softcap) and the output.
 #include "roles/block_info.cuh"
 #include "roles/epilogue.cuh"
 #include "roles/kv_cache.cuh"
@@ -28,6 +31,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
 attn_fwd_decode(const __grid_constant__ FwdParams p) {
     using Mainloop = MmaSyncMainloop<Cfg>;
     using Loader = DecodeMainloop<Cfg>;
+    using E4m3Gemms = DecodeE4m3Gemms<Cfg>;
     constexpr int kBlockN = Cfg::kBlockN;
     constexpr int kStages = Cfg::kStages;
     constexpr int kRows = Cfg::kRows;
@@ -51,22 +55,31 @@ attn_fwd_decode(const __grid_constant__ FwdParams p) {
     // The key blocks the tile's tokens see, this split's share of them, and which need a mask.
     const SeqMask mask =
         SeqMask::make(lens.seqlen_q, seqlen_k, p.causal, p.window_left, p.window_right);
-    const int first_token = packed.token(first_row);
-    const int last_token = packed.token(first_row + tile_rows - 1);
-    const int key_end = mask.key_end(last_token);
-    const int n_lo = mask.key_begin(first_token) / kBlockN;
-    const int n_hi = key_end <= 0 ? 0 : ceil_div(key_end, kBlockN);
-    const int per_split = ceil_div(max(n_hi - n_lo, 0), p.num_splits);
-    const int n_begin = n_lo + split * per_split;
-    const int n_blocks = max(min(n_hi, n_begin + per_split) - n_begin, 0);
-    const int n_right_masked = max(mask.key_end(first_token), 0) / kBlockN;
-    const int n_left_unmasked =
-        mask.window_left < 0 ? 0 : ceil_div(mask.key_begin(last_token), kBlockN);
+    const auto blocks = SplitKeyBlocks<kBlockN>::make(
+        mask, packed.token(first_row), packed.token(first_row + tile_rows - 1), split,
+        p.num_splits);
+    const int n_begin = blocks.begin;
+    const int n_blocks = blocks.count;
 
     const uint16_t* q_seq = static_cast<const uint16_t*>(p.q) + batch * p.q_stride_b +
                             lens.offset_q * p.q_stride_s;
     const uint16_t* k_head = static_cast<const uint16_t*>(p.k) + kv_head * p.k_stride_h;
     const uint16_t* v_head = static_cast<const uint16_t*>(p.v) + kv_head * p.v_stride_h;
+    const uint8_t* k_head_e4m3 = static_cast<const uint8_t*>(p.k) + kv_head * p.k_stride_h;
+    const uint8_t* v_head_e4m3 = static_cast<const uint8_t*>(p.v) + kv_head * p.v_stride_h;
+    float scale_log2 = p.scale_log2;
+    float softcap_scale = p.softcap_scale;
+    float v_descale = 1.0f;
+    if constexpr (Cfg::kKvFp8) {
+        const float k_descale =
+            p.k_descale[batch * p.k_descale_stride_b + kv_head * p.k_descale_stride_h];
+        if (softcap_scale != 0.0f) {
+            softcap_scale *= k_descale;
+        } else {
+            scale_log2 *= k_descale;
+        }
+        v_descale = p.v_descale[batch * p.v_descale_stride_b + kv_head * p.v_descale_stride_h];
+    }
     const KvRows kv = KvRows::of(p, batch, lens.offset_k);
 
     const uint32_t q_tile = smem_addr(smem);
@@ -77,8 +90,13 @@ attn_fwd_decode(const __grid_constant__ FwdParams p) {
     const auto load_stage = [&](int iter) {
         const int key0 = (n_begin + iter) * kBlockN;
         if (iter < n_blocks) {
-            Loader::load_kv(ring + (iter % kStages) * Cfg::kStageBytes, p, kv, pages.slot(iter),
-                            k_head, v_head, key0, seqlen_k, tid);
+            if constexpr (Cfg::kKvFp8) {
+                Loader::load_kv_e4m3(Cfg::stage(ring, iter), p, kv, pages.slot(iter),
+                                     k_head_e4m3, v_head_e4m3, key0, seqlen_k, tid);
+            } else {
+                Loader::load_kv(Cfg::stage(ring, iter), p, kv, pages.slot(iter), k_head, v_head,
+                                key0, seqlen_k, tid);
+            }
         }
         if (iter + kStages - 1 < n_blocks) {
             pages.prefetch(kv, iter + kStages - 1, key0 + (kStages - 1) * kBlockN, seqlen_k, tid);
@@ -118,22 +136,30 @@ attn_fwd_decode(const __grid_constant__ FwdParams p) {
         load_stage(iter + kStages - 1);
 
         // this warp's keys of the stage
-        const uint32_t k_tile =
-            ring + (iter % kStages) * Cfg::kStageBytes + warp_key0 * Cfg::kRowBytes;
         const int n_block = n_begin + iter;
         float s[Cfg::kMTiles][Cfg::kSTiles][4];
-        Mainloop::gemm_qk(s, q_tile, k_tile, 0, q_lane, k_lane);
-        if (p.softcap_scale != 0.0f) apply_softcap(s, p.softcap_scale);
-        if (n_block >= n_right_masked || n_block < n_left_unmasked) {
+        const uint32_t k_tile =
+            Cfg::stage(ring, iter) + warp_key0 * (Cfg::kKvFp8 ? Cfg::kHeadDim : Cfg::kRowBytes);
+        if constexpr (Cfg::kKvFp8) {
+            E4m3Gemms::gemm_qk(s, q_tile, k_tile, lane);
+        } else {
+            Mainloop::gemm_qk(s, q_tile, k_tile, 0, q_lane, k_lane);
+        }
+        if (softcap_scale != 0.0f) apply_softcap(s, softcap_scale);
+        if (n_block >= blocks.right_masked || n_block < blocks.left_unmasked) {
             apply_mask<16>(s, mask, first_row + (lane >> 2),
                            n_block * kBlockN + warp_key0 + 2 * (lane & 3), AccumulatorColumns{},
                            p.q_per_kv);
         }
         float rescale[Cfg::kMTiles][2];
-        if (softmax.update(s, p.scale_log2, rescale)) scale_rows(o, rescale);
+        if (softmax.update(s, scale_log2, rescale)) scale_rows(o, rescale);
         uint32_t pa[Cfg::kMTiles][Cfg::kPSteps][4];
         Mainloop::pack_probabilities(pa, s);
-        Mainloop::gemm_pv(o, pa, k_tile + Cfg::kKVTileBytes, v_lane);
+        if constexpr (Cfg::kKvFp8) {
+            E4m3Gemms::gemm_pv(o, pa, k_tile + Cfg::kFp8TileBytes, lane);
+        } else {
+            Mainloop::gemm_pv(o, pa, k_tile + Cfg::kKVTileBytes, v_lane);
+        }
     }
     cp_async_wait<0>();
     __syncthreads();  // the ring and Q are free for the merge
@@ -153,8 +179,14 @@ attn_fwd_decode(const __grid_constant__ FwdParams p) {
         const int row = first_row + r;
         const int token = packed.token(row);
         const int head = packed.head(row);
-        const float4 lo = *reinterpret_cast<const float4*>(merged + r * kHeadDim + col);
-        const float4 hi = *reinterpret_cast<const float4*>(merged + r * kHeadDim + col + 4);
+        float4 lo = *reinterpret_cast<const float4*>(merged + r * kHeadDim + col);
+        float4 hi = *reinterpret_cast<const float4*>(merged + r * kHeadDim + col + 4);
+        if constexpr (Cfg::kKvFp8) {
+            lo = make_float4(lo.x * v_descale, lo.y * v_descale, lo.z * v_descale,
+                             lo.w * v_descale);
+            hi = make_float4(hi.x * v_descale, hi.y * v_descale, hi.z * v_descale,
+                             hi.w * v_descale);
+        }
         float lse = row_lse[r];
         if (partial) {
             float* dst = partial_out_row(p, split, global_token0 + token, head, kHeadDim) + col;

@@ -60,6 +60,31 @@ struct SeqLens {
     }
 };
 
+// The key blocks of kBlockN keys that a serving kernel's tile of GQA-packed query rows sees
+// (its tokens first_token .. last_token, under `mask`), the share of them that split `split` of
+// `num_splits` visits (equal shares of whole blocks, the last ones possibly empty), and which of
+// them need a mask.
+template <int kBlockN>
+struct SplitKeyBlocks {
+    int begin;          // this split's first key block
+    int count;          // how many it visits (0: none)
+    int right_masked;   // blocks from this one up need the right-side (causal) mask
+    int left_unmasked;  // blocks below this one need the window's left mask
+
+    __device__ __forceinline__ static SplitKeyBlocks make(const SeqMask& mask, int first_token,
+                                                          int last_token, int split,
+                                                          int num_splits) {
+        const int key_end = mask.key_end(last_token);
+        const int lo = mask.key_begin(first_token) / kBlockN;
+        const int hi = key_end <= 0 ? 0 : ceil_div(key_end, kBlockN);
+        const int per_split = ceil_div(max(hi - lo, 0), num_splits);
+        const int begin = lo + split * per_split;
+        return {begin, max(min(hi, begin + per_split) - begin, 0),
+                max(mask.key_end(first_token), 0) / kBlockN,
+                mask.window_left < 0 ? 0 : ceil_div(mask.key_begin(last_token), kBlockN)};
+    }
+};
+
 template <int kBlockM, int kBlockN>
 struct BlockInfo {
     SeqMask mask;

@@ -129,6 +129,23 @@ struct SwizzledTile {
     }
 };
 
+// Rows of kRowBytes e4m3 bytes (64 or a multiple of 128), their 16-byte units XOR-swizzled by
+// row: unit u of row r at r * kRowBytes + ((u ^ swizzle(r)) << 4), swizzle(r) = r % 8 for rows
+// of 128 bytes or more and (r / 2) % 4 for 64-byte rows (two to a 128-byte span). The decode
+// kernel reads an e4m3 cache's fragments from such tiles (DecodeE4m3Gemms): a 4-byte word of
+// one unit in eight consecutive rows (K), and 4-byte words of one 32-byte column group in rows
+// 2t + c (t < 4, one c a load; V). With 128-byte rows or wider both fall into 32 different
+// banks; 64-byte rows leave V's loads two-way conflicted. The swizzle depends on the row mod 16
+// alone, so a tile's rows offset by a multiple of 16 keep it.
+template <int kRowBytes>
+struct E4m3Tile {
+    static_assert(kRowBytes == 64 || kRowBytes % 128 == 0, "64-byte rows or whole 128-byte spans");
+    static __device__ __forceinline__ uint32_t offset(int row, int unit) {
+        const int swizzle = kRowBytes >= 128 ? (row & 7) : ((row >> 1) & 3);
+        return static_cast<uint32_t>(row * kRowBytes + ((unit ^ swizzle) << 4));
+    }
+};
+
 // A tile of kRows rows of kRowBytes kept as kRowBytes / 128 slabs: slab s holds chunks 8s..8s+7
 // of every row, as a SwizzledTile<128> of kRows rows at s * kRows * 128. It is the layout TMA
 // writes with SWIZZLE_128B and one box of 128-byte rows per slab (from a 1024-byte aligned

@@ -149,6 +149,41 @@ struct OnlineSoftmax {
             }
         }
         const bool move = __any_sync(0xffffffffu, grows);
+        fold(s, scale_log2, block_max, move, rescale);
+        return move;
+    }
+
+    // update() for warps that share rows but score different keys of a block (the MLA decode
+    // kernel): `block_max` is each row's raw max over the whole block, which the warps agree on
+    // (exchanged through shared memory), so every warp moves the same references and computes
+    // the same `rescale`; the row sums stay this warp's share over its own keys.
+    template <int kTiles>
+    __device__ __forceinline__ bool update_with_max(float (&s)[kRowPairs][kTiles][4],
+                                                    float scale_log2,
+                                                    const float (&block_max)[kRowPairs][2],
+                                                    float (&rescale)[kRowPairs][2]) {
+        float scaled_max[kRowPairs][2];
+        bool grows = false;
+#pragma unroll
+        for (int r = 0; r < kRowPairs; ++r) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                scaled_max[r][h] = block_max[r][h] * scale_log2;
+                grows |= scaled_max[r][h] > row_max[r][h] + kMaxGrowth;
+            }
+        }
+        const bool move = __any_sync(0xffffffffu, grows);
+        fold(s, scale_log2, scaled_max, move, rescale);
+        return move;
+    }
+
+    // The second half of update(), given each row's scaled block max and whether the references
+    // move: the new references and `rescale` (if they move), the probabilities in place of `s`
+    // and the row sums.
+    template <int kTiles>
+    __device__ __forceinline__ void fold(float (&s)[kRowPairs][kTiles][4], float scale_log2,
+                                         const float (&block_max)[kRowPairs][2], bool move,
+                                         float (&rescale)[kRowPairs][2]) {
 #pragma unroll
         for (int r = 0; r < kRowPairs; ++r) {
 #pragma unroll
@@ -163,7 +198,6 @@ struct OnlineSoftmax {
                                      : row_sum[r][h] + block_sum;
             }
         }
-        return move;
     }
 
     // The common case of update(), without its max pass: probabilities exp2(c * s - m) with each

@@ -81,6 +81,25 @@ def splits_one_wave(tiles: int, key_blocks: int, sms: int) -> int:
     return max(1, min(MAX_SPLITS, key_blocks, sms // tiles))
 
 
+def serving_splits(problem, tiles: int, key_blocks: int, blocks_per_sm: int) -> int:
+    """The split count of a serving kernel's launch (the decode and MLA kernels): ``tiles``
+    (query tile, kv head, sequence) tiles of ``key_blocks`` key blocks each, ``blocks_per_sm``
+    resident at once on an SM. problem.num_splits if given; one token a sequence with its tiles
+    at most half the SMs: one wave of one block an SM (splits_one_wave), over contiguous and
+    paged caches alike; otherwise whole waves of resident blocks (choose_splits): chunks of
+    queries need a second block an SM to hide their query work (one an SM, 16 and 64 tokens over
+    16k lost 35-40% on the H100), and so do tiles that could not fill the GPU taking two SMs
+    each. Never more splits than key blocks."""
+    sms = runtime.sm_count(problem.device)
+    if problem.num_splits:
+        splits = problem.num_splits
+    elif problem.seqlen_q == 1 and 2 * tiles <= sms:
+        splits = splits_one_wave(tiles, key_blocks, sms)
+    else:
+        splits = choose_splits(tiles, key_blocks, sms * blocks_per_sm)
+    return min(splits, key_blocks)
+
+
 @dataclasses.dataclass(frozen=True)
 class SplitLaunch:
     """A split-KV launch and the merge of its partials, holding the partials' buffers: prepared

@@ -21,13 +21,14 @@ import collections
 import dataclasses
 import functools
 import numbers
+import re
 import threading
 
 import numpy as np
 
 from .. import dispatch
 from ..quant.blockscaled import padded_seqlen
-from .checks import (ALIGN_BYTES, FP8_OUT_DTYPES, check_16bit, check_causal, check_descale,
+from .checks import (ALIGN_BYTES, E4M3, FP8_OUT_DTYPES, check_16bit, check_causal, check_descale,
                      check_device, check_e4m3, check_head_dim, check_int32, check_last_axis,
                      check_lse, check_num_splits, check_output, check_positive_strides,
                      check_qkv_shapes, check_rows, check_sinks, check_softcap,
@@ -126,6 +127,8 @@ class AttentionProblem:
     layouts: frozenset[str] = frozenset()
     # v's and the output's head dim, 0: head_dim (at most head_dim; dispatch's rule).
     head_dim_v: int = 0
+    # A KV cache's format where it is not the queries' (``format``): "e4m3" for an FP8 cache.
+    kv_format: str = ""
 
     def __post_init__(self):
         if not self.head_dim_v:
@@ -150,6 +153,10 @@ class AttentionProblem:
             needs.add("softcap")
         if self.sinks:
             needs.add("sinks")
+        if self.kv_format == "e4m3":
+            needs.add("fp8_kv")
+        if "mla" in self.layouts:
+            needs.add("decode")
         # a call that runs on a serving build (a layout of its own, or an option the
         # fixed-length kernels lack) with few query rows a sequence is a decode step
         if (self.layouts or needs & dispatch.SERVING_OPTIONS) and self.seqlen_q < DECODE_QUERIES:
@@ -362,17 +369,18 @@ class AttentionProblem:
     @_memoized
     def from_kvcache(cls, q, k_cache, v_cache, *, cache_seqlens, block_table=None, k_new=None,
                      v_new=None, causal: bool = True, window=(-1, -1), softcap=0.0, sinks=None,
-                     softmax_scale=None, num_splits=0, out=None) -> "AttentionProblem":
+                     softmax_scale=None, num_splits=0, out=None, k_descale=None,
+                     v_descale=None, mla: bool = False) -> "AttentionProblem":
         """ptxattn.attention_with_kvcache's arguments (metadata only; check_kvcache_contents
-        reads the values). ``seqlen_k`` is the cache's capacity per sequence."""
+        reads the values). ``seqlen_k`` is the cache's capacity per sequence. ``mla``: the
+        caches are from_mla_decode's views of one latent cache, whose head dims it checked."""
         check_causal(causal)
+        fmt = check_16bit("q", q)
+        kv_format = _cache_format({"k_cache": k_cache, "v_cache": v_cache}, q.dtype)
         for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-            check_last_axis(name, x, check_16bit(name, x))
+            if not mla:
+                check_last_axis(name, x, kv_format if name != "q" and kv_format else fmt)
             check_rows(name, x)
-        if not (q.dtype == k_cache.dtype == v_cache.dtype):
-            raise TypeError(f"q, k_cache and v_cache must share a dtype, got {q.dtype}, "
-                            f"{k_cache.dtype}, {v_cache.dtype}")
-        fmt = np.dtype(q.dtype).name
         batch, seqlen_q, heads_q, head_dim = q.shape
         if k_cache.shape[:-1] != v_cache.shape[:-1]:
             raise ValueError(f"k_cache and v_cache must have the same shape but for the last "
@@ -384,10 +392,16 @@ class AttentionProblem:
         if heads_q % heads_kv:
             raise ValueError(f"q's heads ({heads_q}) must be a multiple of the cache's heads "
                              f"({heads_kv})")
-        check_head_dim(fmt, head_dim, head_dim_v=head_dim_v)
+        if not mla:
+            check_head_dim(fmt, head_dim, head_dim_v=head_dim_v)
+        if kv_format and head_dim_v != head_dim and not mla:
+            raise ValueError(f"v_cache's head_dim (head_dim_v) must be k_cache's ({head_dim}) in "
+                             f"an e4m3 cache, got {head_dim_v}")
         device = q.device.id
         for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
             check_device(name, x, device)
+        _check_cache_descales(kv_format, {"k_descale": k_descale, "v_descale": v_descale},
+                              batch, heads_kv, device)
         layouts = {"kvcache"}
         if block_table is None:
             if slots != batch:
@@ -407,6 +421,8 @@ class AttentionProblem:
                                  f"multiple of 16 from 16 to 256, got {slot_rows}")
             capacity = block_table.shape[1] * slot_rows
             layouts.add("paged")
+        if mla:
+            layouts.add("mla")
         if isinstance(cache_seqlens, bool) or not (
                 isinstance(cache_seqlens, numbers.Integral) or hasattr(cache_seqlens, "dtype")):
             raise TypeError(f"cache_seqlens must be an int or an int32 array of shape (batch,), "
@@ -419,7 +435,8 @@ class AttentionProblem:
         seqlen_new = 0
         if (k_new is None) != (v_new is None):
             raise ValueError("k_new and v_new must be given together")
-        inputs = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+        inputs = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k_descale": k_descale,
+                  "v_descale": v_descale}
         if k_new is not None:
             for name, x, dim in (("k_new", k_new, head_dim), ("v_new", v_new, head_dim_v)):
                 if check_16bit(name, x) != fmt:
@@ -456,7 +473,54 @@ class AttentionProblem:
                    window=window, softcap=check_softcap(softcap),
                    sinks=check_sinks(sinks, heads_q, device),
                    num_splits=check_num_splits(num_splits), total_q=batch * seqlen_q,
-                   layouts=frozenset(layouts), head_dim_v=head_dim_v)
+                   layouts=frozenset(layouts), head_dim_v=head_dim_v, kv_format=kv_format)
+
+    @classmethod
+    @_memoized
+    def from_mla_decode(cls, q, kv_cache, *, cache_seqlens, block_table=None, head_dim_v=512,
+                        kv_new=None, causal: bool = True, softmax_scale=None, num_splits=0,
+                        out=None, kv_descale=None) -> "AttentionProblem":
+        """ptxattn.attention_mla_decode's arguments: attention over one latent cache, whose
+        rows are both the keys (all MLA_HEAD_DIM columns) and the values (the first
+        head_dim_v), shared by every query head. The problem is that of
+        attention_with_kvcache over k_cache = kv_cache, v_cache = kv_cache[..., :head_dim_v],
+        with the layout "mla"."""
+        for name, x in (("q", q), ("kv_cache", kv_cache)):
+            if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+                dtype_of(name, x)  # the TypeError for a non-array
+        if q.ndim == 4 and q.shape[3] != MLA_HEAD_DIM:
+            raise ValueError(f"q's head_dim must be {MLA_HEAD_DIM} (a {MLA_HEAD_DIM_V}-column "
+                             f"latent and {MLA_HEAD_DIM - MLA_HEAD_DIM_V} rotary columns), "
+                             f"got {q.shape[3]}")
+        if kv_cache.ndim == 4 and kv_cache.shape[2:] != (1, MLA_HEAD_DIM):
+            raise ValueError(f"kv_cache must have one head of q's head_dim {MLA_HEAD_DIM}: "
+                             f"(batch, seqlen_cache, 1, {MLA_HEAD_DIM}) or (num_pages, "
+                             f"page_size, 1, {MLA_HEAD_DIM}), got {tuple(kv_cache.shape)}")
+        if isinstance(head_dim_v, bool) or head_dim_v != MLA_HEAD_DIM_V:
+            raise ValueError(f"head_dim_v must be {MLA_HEAD_DIM_V} (the latent columns of "
+                             f"kv_cache that are also the values), got {head_dim_v!r}")
+        if kv_new is not None and kv_new.ndim == 4 and kv_new.shape[2:] != (1, MLA_HEAD_DIM):
+            raise ValueError(f"kv_new must have shape (batch, seqlen_new, 1, {MLA_HEAD_DIM}), "
+                             f"got {tuple(kv_new.shape)}")
+        fp8 = _cache_format({"kv_cache": kv_cache}, q.dtype) == "e4m3"
+        if fp8 and kv_descale is None:
+            raise TypeError("kv_descale is required for an e4m3 kv_cache: the float32 factor "
+                            "that turns its values back into real ones (per tensor, or per "
+                            "(batch, 1))")
+        if not fp8 and kv_descale is not None:
+            raise ValueError("kv_descale is for an e4m3 kv_cache; this one has q's dtype "
+                             f"{np.dtype(q.dtype).name}")
+        v_cache = kv_cache[..., :head_dim_v]
+        v_new = None if kv_new is None else kv_new[..., :head_dim_v]
+        try:
+            problem = cls.from_kvcache(
+                q, kv_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
+                k_new=kv_new, v_new=v_new, causal=causal, softmax_scale=softmax_scale,
+                num_splits=num_splits, out=out, k_descale=kv_descale, v_descale=kv_descale,
+                mla=True)
+        except (TypeError, ValueError) as error:
+            raise type(error)(_mla_names(str(error))) from None
+        return problem
 
     @classmethod
     @_memoized
@@ -583,3 +647,45 @@ def _check_backward_operands(problem: AttentionProblem, dout, q, k, v, out, lse,
                 raise ValueError(f"{name} must not share memory with {other_name}: both are "
                                  f"written")
         written[name] = x
+
+
+# Multi-head latent attention (ptxattn.attention_mla_decode): DeepSeek-V3's and Kimi K2's cache
+# rows, a 512-column latent (the values too) and 64 rotary columns.
+MLA_HEAD_DIM = 576
+MLA_HEAD_DIM_V = 512
+# from_kvcache's argument names, as attention_mla_decode's caller knows them
+_MLA_NAMES = (("k_cache", "kv_cache"), ("v_cache", "kv_cache[..., :head_dim_v]"),
+              ("k_new", "kv_new"), ("v_new", "kv_new[..., :head_dim_v]"),
+              ("k_descale", "kv_descale"), ("v_descale", "kv_descale"))
+
+
+def _mla_names(message: str) -> str:
+    names = dict(_MLA_NAMES)
+    return re.sub(r"\b(" + "|".join(names) + r")\b", lambda match: names[match[1]], message)
+
+
+def _cache_format(caches: dict, q_dtype) -> str:
+    """"e4m3" for FP8 caches (E4M3Array or float8_e4m3fn views, all of them), "" for caches of
+    the queries' dtype; a TypeError for anything else."""
+    dtypes = [dtype_of(name, x) for name, x in caches.items()]
+    if all(dtype == E4M3 for dtype in dtypes):
+        return "e4m3"
+    if any(dtype != np.dtype(q_dtype) for dtype in dtypes):
+        names = ["q", *caches]
+        raise TypeError(f"{', '.join(names[:-1])} and {names[-1]} must share a dtype, got "
+                        f"{', '.join(str(d) for d in (np.dtype(q_dtype), *dtypes))}; an FP8 "
+                        "cache is e4m3 throughout (ptxattn.fp8.E4M3Array or float8_e4m3fn)")
+    return ""
+
+
+def _check_cache_descales(kv_format: str, descales: dict, batch: int, heads_kv: int,
+                          device: int) -> None:
+    """An e4m3 cache's descales: each given, per tensor or per (batch, kv head) (a cache has no
+    fixed rows for per-block scales); none for a 16-bit cache."""
+    for name, d in descales.items():
+        if not kv_format:
+            if d is not None:
+                raise ValueError(f"{name} is for an e4m3 cache; these caches have q's dtype")
+            continue
+        check_descale(name, d, batch, heads_kv, 0, False, device)
+

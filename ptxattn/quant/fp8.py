@@ -289,13 +289,28 @@ def quantize(x, granularity: str = "tensor", rotation: HadamardRotation | None =
             amax = amax.max()
         descale = cupy.where(amax > 0, amax / cupy.float32(E4M3_MAX), cupy.float32(1.0))
         descale = descale.astype(cupy.float32)
-        d = descale_operand(descale, batch, heads, seqlen)
-        x8 = cupy.empty(x.shape, dtype=cupy.uint8)
-        runtime.launch(runtime.load(quantizer_spec("fp8_quantize", dtype, kernel_dim)), grid,
-                       block, [x, *strides, np.int32(seqlen), np.int32(heads), np.int64(rows),
-                               signs_arg, d.array, np.int64(d.stride_b), np.int64(d.stride_h),
-                               np.int64(d.stride_block), x8, np.int32(head_dim)])
+        x8 = quantize_rows(x, descale_operand(descale, batch, heads, seqlen), signs_arg)
     return E4M3Array(x8), descale
+
+
+def quantize_rows(x, d: Descale, signs=np.uint64(0)):
+    """e4m3(x / d) of a checked 16-bit x (batch, seqlen, heads, head_dim), d read through its
+    strides, rows rotated first with ``signs`` (a device array, or a null pointer): a contiguous
+    uint8 array of x's shape. The FP8 caches quantize the keys they append with it."""
+    import cupy
+
+    batch, seqlen, heads, head_dim = x.shape
+    strides = [np.int64(s // x.itemsize) for s in x.strides[:3]]
+    rows = batch * seqlen * heads
+    spec = quantizer_spec("fp8_quantize", np.dtype(x.dtype).name,
+                          kernel_head_dim(HEAD_DIMS, head_dim))
+    x8 = cupy.empty(x.shape, dtype=cupy.uint8)
+    runtime.launch(runtime.load(spec), (-(-rows // _WARPS_PER_BLOCK), 1, 1),
+                   (32 * _WARPS_PER_BLOCK, 1, 1),
+                   [x, *strides, np.int32(seqlen), np.int32(heads), np.int64(rows), signs,
+                    d.array, np.int64(d.stride_b), np.int64(d.stride_h), np.int64(d.stride_block),
+                    x8, np.int32(head_dim)])
+    return x8
 
 
 @framework_arrays

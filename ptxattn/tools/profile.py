@@ -4,7 +4,7 @@
     python -m ptxattn profile --grid targets [--dtype float16] --slow-max-seqlen 0 [--energy]
     python -m ptxattn profile --backward [--quick] [--json FILE] [--plot FILE.png]
     python -m ptxattn profile --backward-features [--quick] [--json FILE]
-    python -m ptxattn profile --serving [--repeats N]
+    python -m ptxattn profile --serving [--mla] [--fp8-cache] [--quick] [--repeats N]
     python -m ptxattn profile --head-dims [--quick] [--json FILE]
 
 (in a checkout also ``python scripts/profile.py [options]``). It needs a GPU: without one it
@@ -38,6 +38,24 @@ softcap of 50 and sinks, each against the call without, causal, at seqlens 4096 
 x seqlen = 16k). Each row prints TFLOP/s = 2.5 x the forward's FLOPs over the (query, key) pairs
 the call computes (visible_pairs; fixed-length rows without a window as above), the
 milliseconds, and each call's time over the plain call's.
+
+--serving times the serving calls, each row's calls in shuffled turns as above, beside a device
+copy's bandwidth measured in the same run: one-token decode in GB/s of the K/V cache read (and
+its fraction of the copy's read + write bandwidth), contiguous and paged, beside torch SDPA and
+FlashAttention-3's flash_attn_with_kvcache; varlen, chunked and sliding-window prefill in TFLOP/s;
+MLA decode (ptxattn.attention_mla_decode: q and one cache head of 576 = 512 latent, which are
+the values, + 64 rotary) at 128 query heads and at 16 (a tensor-parallel slice), batch 64 and 128
+over 4096 and 16384 keys, one new token, and 2 and 4 new tokens at 128 heads over 4096 keys
+(compute-bound), each with a 16-bit and an e4m3 cache (ptxattn.fp8.E4M3Array, one descale),
+contiguous and in pages of 64 (a shuffled block table), in GB/s of the cache's bytes (B L 576 x
+its item size) and TFLOP/s (2 B Sq H L (576 + 512)), beside FlashAttention-3's MLA path
+(flash_attn_with_kvcache with qv=) where the installed build has it; and e4m3 K/V caches
+against 16-bit ones at batch 64 x 8192 keys, 32/8 heads of 128, ptxattn's and
+FlashAttention-3's (whose e4m3 takes e4m3 queries too). The e4m3 rows also print the tokens/s
+of e4m3 over 16-bit. A small FlashAttention-3 MLA call of each kind (contiguous, paged, e4m3)
+runs first, and a kind that build lacks is said once and left out of the rows (fa3-fwd 0.0.3
+has bf16 MLA on contiguous caches alone). --mla and --fp8-cache run those rows alone; --quick
+takes 5 runs and the batch-64 MLA rows alone.
 
 --head-dims times the forward and the backward at head dims beyond 64, 128 and 256 (80, 96,
 192, and 192 with 128-wide values; --quick at seqlen 4096, otherwise 2048 and 8192 with more
@@ -790,16 +808,103 @@ def head_dims_main(args) -> int:
     return 0
 
 
+# --serving's parts, in the order they run: --mla and --fp8-cache pick theirs alone.
+SERVING_SECTIONS = ("decode", "prefill", "mla", "fp8-cache")
+
+# MLA's widths (DeepSeek-V2/V3): a cache row is the 512-wide latent, which is also the value,
+# and the 64 rotary dims; the queries are as wide, absorbed into the latent.
+MLA_LATENT, MLA_ROTARY = 512, 64
+MLA_WIDTH = MLA_LATENT + MLA_ROTARY
+
+
+def serving_sections(mla: bool, fp8_cache: bool) -> tuple:
+    """The parts of SERVING_SECTIONS a --serving run takes: all, or those --mla and
+    --fp8-cache name."""
+    if not (mla or fp8_cache):
+        return SERVING_SECTIONS
+    return tuple(s for s, chosen in (("mla", mla), ("fp8-cache", fp8_cache)) if chosen)
+
+
+def mla_shapes(quick: bool) -> list[dict]:
+    """--serving's MLA rows, grouped by cache (batch, keys), which they share: one new token at
+    128 query heads and at 16 (a tensor-parallel rank's slice, memory-bound), batch 64 and 128
+    over 4096 and 16384 keys; and 2 and 4 new tokens at 128 heads over 4096 keys, which are
+    compute-bound. --quick: batch 64 alone."""
+    rows = []
+    for batch in (64,) if quick else (64, 128):
+        for keys in (4096, 16384):
+            rows += [dict(batch=batch, keys=keys, heads=heads, seqlen_q=1) for heads in (128, 16)]
+            if keys == 4096:
+                rows += [dict(batch=batch, keys=keys, heads=128, seqlen_q=sq) for sq in (2, 4)]
+    return rows
+
+
+def mla_flops(batch: int, seqlen_q: int, heads: int, keys: int) -> float:
+    """MLA decode's FLOPs: 2 B Sq H L (576 + 512), Q K^T over the 576-wide rows and P V over the
+    512-wide values, every query row over all L keys (a causal step of Sq tokens masks a few
+    of the last Sq - 1 keys, which this leaves in)."""
+    return 2.0 * batch * seqlen_q * heads * keys * (MLA_WIDTH + MLA_LATENT)
+
+
+def cache_read_line(title: str, ms: dict, cache_bytes, copy_gbs: float, flops=None,
+                    ratios=None) -> str:
+    """One --serving decode row: each call's GB/s of cache bytes read (``cache_bytes``: one
+    count for every call, or name -> count), its fraction of ``copy_gbs`` in parentheses and,
+    with ``flops`` (one count or name -> count), its TFLOP/s; then ``ratios``, label ->
+    (name, baseline name), as baseline's time over name's (tokens/s of name over baseline's)
+    where both ran."""
+    def per(x, name):
+        return x[name] if isinstance(x, dict) else x
+    cells = []
+    for name, t in ms.items():
+        gbs = per(cache_bytes, name) / t / 1e6
+        cell = f"{name} {gbs:.0f} ({gbs / copy_gbs:.2f})"
+        if flops is not None:
+            cell += f" {per(flops, name) / t / 1e9:.0f} TFLOP/s"
+        cells.append(cell)
+    shown = ", ".join(f"{label} {ms[base] / ms[name]:.2f}"
+                      for label, (name, base) in (ratios or {}).items()
+                      if name in ms and base in ms)
+    return f"{title}: {', '.join(cells) or 'no call ran'}" + (
+        f"; tokens/s e4m3 over 16-bit: {shown}" if shown else "")
+
+
+def first_error(call) -> str | None:
+    """None where ``call()`` runs, else its error's type and first line."""
+    try:
+        call()
+    except Exception as err:  # noqa: BLE001 - what a peer lacks, reported
+        return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:200]}"
+    return None
+
+
+def e4m3_cache(cache):
+    """A 16-bit cache (..., heads, dim) in e4m3 with one descale (ptxattn.fp8.quantize per
+    tensor): (E4M3Array of the cache's shape, float32 descale of shape (1,)). The quantizer takes
+    head dims up to 256, so a wider row (MLA's 576) is quantized as rows of 256, 128 or 64,
+    which one tensor-wide descale leaves the same."""
+    from ptxattn import fp8
+    *lead, heads, dim = cache.shape
+    width = next(w for w in (256, 128, 64) if dim % w == 0)
+    x8, descale = fp8.quantize(cache.reshape(*lead, heads * dim // width, width), "tensor")
+    return fp8.E4M3Array(x8.bytes.reshape(cache.shape)), descale.reshape(1)
+
+
 def serving_main(args) -> int:
     """Decode in GB/s of K/V read beside the copy bandwidth, paged against contiguous caches,
-    varlen against fixed-length prefill, chunked prefill and a sliding window, in TFLOP/s."""
+    varlen against fixed-length prefill, chunked prefill and a sliding window, in TFLOP/s; MLA
+    decode (16-bit and e4m3 caches) in GB/s and TFLOP/s; e4m3 caches against 16-bit ones.
+    --mla and --fp8-cache run their parts alone (serving_sections)."""
+    import itertools
+
     import cupy
     import numpy as np
     import ptxattn
     from ptxattn.runtime import device_arch
 
     arch = device_arch()
-    repeats = args.repeats or 10
+    repeats = args.repeats or (5 if args.quick else 10)
+    sections = serving_sections(args.mla, args.fp8_cache)
     print(f"# {device_line(device_props(), arch)}, dtype {args.dtype}, serving, "
           f"median of {repeats} runs")
     try:
@@ -819,23 +924,34 @@ def serving_main(args) -> int:
             print(f"{PROG}: fa3_fwd_interface is not importable, so no FlashAttention-3 "
                   "peers in this run", file=sys.stderr)
     rng = np.random.default_rng(0)
+    short = {"bfloat16": "bf16", "float16": "fp16"}[args.dtype]
 
     def normal(shape):
         return cupy.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(args.dtype)
 
-    def as_torch(*xs):
-        return tuple(torch.from_dlpack(x) for x in xs)
+    def device_normal(shape, seed):
+        """normal drawn on the GPU: the MLA caches (up to 128 x 16384 x 576) would take a
+        while from the host's generator."""
+        return cupy.random.default_rng(seed).standard_normal(
+            shape, dtype=cupy.float32).astype(args.dtype)
 
-    def paged(k, v, page_size):
-        """Paged copies of the caches k and v, their pages shuffled by one block table."""
-        batch, seqlen, heads, dim = k.shape
+    def as_torch(*xs):
+        """Torch views of CuPy arrays, and of E4M3Arrays' bytes as float8_e4m3fn."""
+        return tuple(torch.from_dlpack(x.bytes).view(torch.float8_e4m3fn)
+                     if isinstance(getattr(x, "bytes", None), cupy.ndarray)
+                     else torch.from_dlpack(x) for x in xs)
+
+    def paged(*caches, page_size):
+        """Paged copies of the caches (batch, seqlen, heads, dim), their pages shuffled by one
+        block table."""
+        batch, seqlen = caches[0].shape[:2]
         per_seq = seqlen // page_size
         table = rng.permutation(batch * per_seq).reshape(batch, per_seq).astype(np.int32)
         pools = []
-        for cache in (k, v):
-            pool = cupy.empty((batch * per_seq, page_size, heads, dim), dtype=cache.dtype)
-            pool[cupy.asarray(table.ravel())] = cache.reshape(batch * per_seq, page_size, heads,
-                                                              dim)
+        for cache in caches:
+            page_shape = (batch * per_seq, page_size) + cache.shape[2:]
+            pool = cupy.empty(page_shape, dtype=cache.dtype)
+            pool[cupy.asarray(table.ravel())] = cache.reshape(page_shape)
             pools.append(pool)
         return (*pools, cupy.asarray(table))
 
@@ -851,6 +967,10 @@ def serving_main(args) -> int:
                 print(f"  ({name} failed: {type(err).__name__}: {str(err)[-160:]})")
         return kept
 
+    def fa3_descale(descale, batch, heads_kv):
+        """A tensor-wide descale as FlashAttention-3 takes it: one per (batch, kv head)."""
+        return torch.from_dlpack(descale).reshape(1, 1).expand(batch, heads_kv).contiguous()
+
     copy_src = cupy.empty(2 ** 31, dtype=cupy.uint8)
     copy_dst = cupy.empty_like(copy_src)
     copy_ms = time_ms_interleaved({"copy": lambda: copy_dst.__setitem__(Ellipsis, copy_src)},
@@ -858,120 +978,269 @@ def serving_main(args) -> int:
     copy_gbs = 2 * copy_src.nbytes / copy_ms / 1e6
     print(f"copy bandwidth (read + write): {copy_gbs:.0f} GB/s")
 
-    print("decode, 32/8 heads, head_dim 128, one new token: GB/s of K/V read "
-          "(fraction of copy bandwidth)")
-    for batch, seqlen in ((64, 8192), (8, 32768)):
-        q = normal((batch, 1, 32, 128))
-        k, v = normal((batch, seqlen, 8, 128)), normal((batch, seqlen, 8, 128))
-        lengths = cupy.full(batch, seqlen, dtype=cupy.int32)
+    if "decode" in sections:
+        print("decode, 32/8 heads, head_dim 128, one new token: GB/s of K/V read "
+              "(fraction of copy bandwidth)")
+        for batch, seqlen in ((64, 8192), (8, 32768)):
+            q = normal((batch, 1, 32, 128))
+            k, v = normal((batch, seqlen, 8, 128)), normal((batch, seqlen, 8, 128))
+            lengths = cupy.full(batch, seqlen, dtype=cupy.int32)
 
-        def contiguous():
-            return ptxattn.attention_with_kvcache(q, k, v, cache_seqlens=lengths,
-                                                  check_contents=False)
+            def contiguous():
+                return ptxattn.attention_with_kvcache(q, k, v, cache_seqlens=lengths,
+                                                      check_contents=False)
 
-        # The caches take turns among themselves, apart from the peers: a peer reads the same
-        # arrays as the contiguous cache, so its turn would leave the contiguous cache's address
-        # translations warm and the pages' cold (H100, batch 8 x 32768: 64-row pages read
-        # 0.962-0.965 of the contiguous cache where every turn followed another cache's,
-        # 0.951-0.962 with the fixed-length kernel or torch SDPA also taking turns; a 4-stage
-        # ring, which needs warm translations, 0.88 against 0.98; measured on 2026-11-26,
-        # docs/design/serving.md#address-translations). Taking turns, each cache starts every
-        # sample after another's reads, as it would after other layers.
-        layouts = {"ptxattn-contiguous": contiguous}
-        for page_size in (16, 64):
-            kp, vp, table = paged(k, v, page_size)
-            layouts[f"ptxattn-paged{page_size}"] = (
-                lambda kp=kp, vp=vp, table=table: ptxattn.attention_with_kvcache(
-                    q, kp, vp, cache_seqlens=lengths, block_table=table, check_contents=False))
-        calls = {"ptxattn": contiguous,
-                 "ptxattn-fixed-length": lambda: ptxattn.attention(q, k, v)}
-        if torch is not None:
-            tq, tk, tv = as_torch(q, k, v)
-            calls["torch-sdpa"] = lambda: sdpa(tq.transpose(1, 2), tk.transpose(1, 2),
-                                               tv.transpose(1, 2), enable_gqa=True)
+            # The caches take turns among themselves, apart from the peers: a peer reads the
+            # same arrays as the contiguous cache, so its turn would leave the contiguous
+            # cache's address translations warm and the pages' cold (H100, batch 8 x 32768:
+            # 64-row pages read 0.962-0.965 of the contiguous cache where every turn followed
+            # another cache's, 0.951-0.962 with the fixed-length kernel or torch SDPA also
+            # taking turns; a 4-stage ring, which needs warm translations, 0.88 against 0.98;
+            # measured on 2026-11-26, docs/design/serving.md#address-translations). Taking
+            # turns, each cache starts every sample after another's reads, as it would after
+            # other layers. The MLA and e4m3 rows below group their calls the same way.
+            layouts = {"ptxattn-contiguous": contiguous}
+            for page_size in (16, 64):
+                kp, vp, table = paged(k, v, page_size=page_size)
+                layouts[f"ptxattn-paged{page_size}"] = (
+                    lambda kp=kp, vp=vp, table=table: ptxattn.attention_with_kvcache(
+                        q, kp, vp, cache_seqlens=lengths, block_table=table,
+                        check_contents=False))
+            calls = {"ptxattn": contiguous,
+                     "ptxattn-fixed-length": lambda: ptxattn.attention(q, k, v)}
+            if torch is not None:
+                tq, tk, tv = as_torch(q, k, v)
+                calls["torch-sdpa"] = lambda: sdpa(tq.transpose(1, 2), tk.transpose(1, 2),
+                                                   tv.transpose(1, 2), enable_gqa=True)
+            if fa3 is not None:
+                tlen = torch.from_dlpack(lengths)
+                calls["fa3"] = lambda: fa3.flash_attn_with_kvcache(
+                    tq, tk, tv, cache_seqlens=tlen, causal=True)
+            kv_bytes = 2 * k.nbytes
+            for title, group in (("caches", layouts), ("peers", calls)):
+                ms = time_ms_interleaved(runnable(group), warmup=3, repeats=repeats)
+                print("  " + cache_read_line(f"batch {batch:3d} seqlen_k {seqlen:6d}, {title}",
+                                             ms, kv_bytes, copy_gbs))
+            del q, k, v, calls, layouts
+
+    if "prefill" in sections:
+        print("prefill, TFLOP/s over the visible (query, key) pairs, 32 heads (8 kv), "
+              "head_dim 128")
+
+        def report(title, calls, pairs):
+            ms = time_ms_interleaved(runnable(calls), warmup=3, repeats=repeats)
+            print(f"  {title}: " + ", ".join(f"{name} {4 * pairs * 128 * 32 / t / 1e9:.0f}"
+                                             for name, t in ms.items()))
+
+        # varlen against fixed length: 8 sequences of 2048 tokens, causal
+        q = normal((8, 2048, 32, 128))
+        k, v = normal((8, 2048, 8, 128)), normal((8, 2048, 8, 128))
+        cu = cupy.arange(0, 8 * 2048 + 1, 2048, dtype=cupy.int32)
+        flat = [x.reshape(-1, x.shape[2], 128) for x in (q, k, v)]
+        calls = {"ptxattn-fixed": lambda: ptxattn.attention(q, k, v, causal=True),
+                 "ptxattn-varlen": lambda: ptxattn.attention_varlen(
+                     *flat, cu, cu, 2048, 2048, causal=True, check_contents=False)}
         if fa3 is not None:
-            tlen = torch.from_dlpack(lengths)
-            calls["fa3"] = lambda: fa3.flash_attn_with_kvcache(tq, tk, tv, cache_seqlens=tlen,
-                                                               causal=True)
-        kv_bytes = 2 * k.nbytes
-        for title, group in (("caches", layouts), ("peers", calls)):
-            ms = time_ms_interleaved(runnable(group), warmup=3, repeats=repeats)
-            print(f"  batch {batch:3d} seqlen_k {seqlen:6d}, {title}: " + ", ".join(
-                f"{name} {kv_bytes / t / 1e6:.0f} ({kv_bytes / t / 1e6 / copy_gbs:.2f})"
-                for name, t in ms.items()))
-        del q, k, v, calls, layouts
+            tq, tk, tv = as_torch(*flat)
+            tcu = torch.from_dlpack(cu)
+            calls["fa3-varlen"] = lambda: fa3.flash_attn_varlen_func(
+                tq, tk, tv, tcu, tcu, 2048, 2048, causal=True)
+        report("varlen 8 x 2048 causal", calls, 8 * visible_pairs(2048, 2048, True))
 
-    print("prefill, TFLOP/s over the visible (query, key) pairs, 32 heads (8 kv), head_dim 128")
+        # chunked prefill: new tokens over a 16k cache. "ptxattn" is what dispatch picks (the
+        # decode kernel below problem.DECODE_QUERIES tokens, the Hopper serving build from
+        # there); the two kernels are also timed by name, to show where the crossover lies.
+        from ptxattn import problem as problem_module
+        from ptxattn.launchers import hopper_forward
 
-    def report(title, calls, pairs):
-        ms = time_ms_interleaved(runnable(calls), warmup=3, repeats=repeats)
-        print(f"  {title}: " + ", ".join(f"{name} {4 * pairs * 128 * 32 / t / 1e9:.0f}"
-                                         for name, t in ms.items()))
-
-    # varlen against fixed length: 8 sequences of 2048 tokens, causal
-    q, k, v = normal((8, 2048, 32, 128)), normal((8, 2048, 8, 128)), normal((8, 2048, 8, 128))
-    cu = cupy.arange(0, 8 * 2048 + 1, 2048, dtype=cupy.int32)
-    flat = [x.reshape(-1, x.shape[2], 128) for x in (q, k, v)]
-    calls = {"ptxattn-fixed": lambda: ptxattn.attention(q, k, v, causal=True),
-             "ptxattn-varlen": lambda: ptxattn.attention_varlen(*flat, cu, cu, 2048, 2048,
-                                                                causal=True,
-                                                                check_contents=False)}
-    if fa3 is not None:
-        tq, tk, tv = as_torch(*flat)
-        tcu = torch.from_dlpack(cu)
-        calls["fa3-varlen"] = lambda: fa3.flash_attn_varlen_func(tq, tk, tv, tcu, tcu, 2048,
-                                                                 2048, causal=True)
-    report("varlen 8 x 2048 causal", calls, 8 * visible_pairs(2048, 2048, True))
-
-    # chunked prefill: new tokens over a 16k cache. "ptxattn" is what dispatch picks (the
-    # decode kernel below problem.DECODE_QUERIES tokens, the Hopper serving build from there);
-    # the two kernels are also timed by name, to show where the crossover lies.
-    from ptxattn import problem as problem_module
-    from ptxattn.launchers import hopper_forward
-
-    k, v = normal((1, 16384, 8, 128)), normal((1, 16384, 8, 128))
-    lengths = cupy.full(1, 16384, dtype=cupy.int32)
-    kp, vp, table = paged(k, v, 64)
-    for chunk in (16, 64, 256):
-        q = normal((1, chunk, 32, 128))
-        calls = {"ptxattn": lambda: ptxattn.attention_with_kvcache(
-                     q, k, v, cache_seqlens=lengths, check_contents=False),
-                 "ptxattn-decode-kernel": lambda: ptxattn.attention_with_kvcache(
-                     q, k, v, cache_seqlens=lengths, check_contents=False, backend="portable")}
-        if arch in hopper_forward.ARCHS:
-            chunk_problem = problem_module.AttentionProblem.from_kvcache(
-                q, k, v, cache_seqlens=lengths)
-            out = cupy.empty_like(q)
-            lse = cupy.empty(chunk_problem.lse_shape, dtype=cupy.float32)
-            calls["ptxattn-hopper-serving"] = lambda p=chunk_problem, q=q, out=out, lse=lse: (
-                hopper_forward.serve(p, q, k, v, out, lse, seqused_k=lengths))
-        if chunk == 256:
-            calls["ptxattn-paged64"] = lambda: ptxattn.attention_with_kvcache(
-                q, kp, vp, cache_seqlens=lengths, block_table=table, check_contents=False)
-        if fa3 is not None:
-            tq, tk, tv = as_torch(q, k, v)
-            tlen = torch.from_dlpack(lengths)
-            calls["fa3"] = lambda tq=tq, tk=tk, tv=tv: fa3.flash_attn_with_kvcache(
-                tq, tk, tv, cache_seqlens=tlen, causal=True)
+        k, v = normal((1, 16384, 8, 128)), normal((1, 16384, 8, 128))
+        lengths = cupy.full(1, 16384, dtype=cupy.int32)
+        kp, vp, table = paged(k, v, page_size=64)
+        for chunk in (16, 64, 256):
+            q = normal((1, chunk, 32, 128))
+            calls = {"ptxattn": lambda: ptxattn.attention_with_kvcache(
+                         q, k, v, cache_seqlens=lengths, check_contents=False),
+                     "ptxattn-decode-kernel": lambda: ptxattn.attention_with_kvcache(
+                         q, k, v, cache_seqlens=lengths, check_contents=False,
+                         backend="portable")}
+            if arch in hopper_forward.ARCHS:
+                chunk_problem = problem_module.AttentionProblem.from_kvcache(
+                    q, k, v, cache_seqlens=lengths)
+                out = cupy.empty_like(q)
+                lse = cupy.empty(chunk_problem.lse_shape, dtype=cupy.float32)
+                calls["ptxattn-hopper-serving"] = lambda p=chunk_problem, q=q, out=out, lse=lse: (
+                    hopper_forward.serve(p, q, k, v, out, lse, seqused_k=lengths))
             if chunk == 256:
-                tkp, tvp, ttable = as_torch(kp, vp, table)
-                calls["fa3-paged64"] = lambda: fa3.flash_attn_with_kvcache(
-                    tq, tkp, tvp, cache_seqlens=tlen, page_table=ttable, causal=True)
-        report(f"chunked prefill {chunk} over 16384", calls, visible_pairs(chunk, 16384, True))
-    del k, v, kp, vp
+                calls["ptxattn-paged64"] = lambda: ptxattn.attention_with_kvcache(
+                    q, kp, vp, cache_seqlens=lengths, block_table=table, check_contents=False)
+            if fa3 is not None:
+                tq, tk, tv = as_torch(q, k, v)
+                tlen = torch.from_dlpack(lengths)
+                calls["fa3"] = lambda tq=tq, tk=tk, tv=tv: fa3.flash_attn_with_kvcache(
+                    tq, tk, tv, cache_seqlens=tlen, causal=True)
+                if chunk == 256:
+                    tkp, tvp, ttable = as_torch(kp, vp, table)
+                    calls["fa3-paged64"] = lambda: fa3.flash_attn_with_kvcache(
+                        tq, tkp, tvp, cache_seqlens=tlen, page_table=ttable, causal=True)
+            report(f"chunked prefill {chunk} over 16384", calls,
+                   visible_pairs(chunk, 16384, True))
+        del k, v, kp, vp
 
-    # sliding window 4096 over 32k, against the whole causal sequence
-    q, k, v = (normal((32768, h, 128)) for h in (32, 8, 8))
-    cu = cupy.asarray(np.array([0, 32768], dtype=np.int32))
-    for window in ((4096, 0), (-1, -1)):
-        calls = {"ptxattn": lambda w=window: ptxattn.attention_varlen(
-            q, k, v, cu, cu, 32768, 32768, causal=True, window=w, check_contents=False)}
+        # sliding window 4096 over 32k, against the whole causal sequence
+        q, k, v = (normal((32768, h, 128)) for h in (32, 8, 8))
+        cu = cupy.asarray(np.array([0, 32768], dtype=np.int32))
+        for window in ((4096, 0), (-1, -1)):
+            calls = {"ptxattn": lambda w=window: ptxattn.attention_varlen(
+                q, k, v, cu, cu, 32768, 32768, causal=True, window=w, check_contents=False)}
+            if fa3 is not None:
+                tq, tk, tv = as_torch(q[None], k[None], v[None])
+                calls["fa3"] = lambda w=window: fa3.flash_attn_func(tq, tk, tv, causal=True,
+                                                                    window_size=w)
+            report(f"seqlen 32768 causal window {window}", calls,
+                   visible_pairs(32768, 32768, True, window))
+        del q, k, v, calls
+
+    if "mla" in sections:
+        print(f"MLA decode (attention_mla_decode): q and one cache head {MLA_WIDTH} wide "
+              f"({MLA_LATENT} latent, which are the values, + {MLA_ROTARY} rotary), {short} and "
+              "e4m3 caches (one descale), contiguous and in pages of 64: GB/s of cache read "
+              f"(fraction of copy bandwidth), TFLOP/s = 2 B Sq H L ({MLA_WIDTH} + {MLA_LATENT})"
+              " / time")
+
+        def fa3_mla(q, kv, lengths, table=None, q_descale=None, kv_descale=None):
+            """FlashAttention-3's MLA call: q the rotary dims, qv the latent ones; the cache
+            as views of the same rows, k the rotary dims and v the latent ones (as vLLM's
+            FlashAttention MLA backend passes them)."""
+            q_rope, q_latent = (q[..., MLA_LATENT:].contiguous(),
+                                q[..., :MLA_LATENT].contiguous())
+            k_rope, v_latent = kv[..., MLA_LATENT:], kv[..., :MLA_LATENT]
+            scales = {} if q_descale is None else dict(
+                q_descale=q_descale, k_descale=kv_descale, v_descale=kv_descale)
+            return lambda: fa3.flash_attn_with_kvcache(
+                q_rope, k_rope, v_latent, qv=q_latent, cache_seqlens=lengths, page_table=table,
+                causal=True, **scales)
+
+        fa3_takes = {}  # "contiguous", "paged64", "e4m3" -> whether FlashAttention-3 runs it
         if fa3 is not None:
-            tq, tk, tv = as_torch(q[None], k[None], v[None])
-            calls["fa3"] = lambda w=window: fa3.flash_attn_func(tq, tk, tv, causal=True,
-                                                                window_size=w)
-        report(f"seqlen 32768 causal window {window}", calls,
-               visible_pairs(32768, 32768, True, window))
+            # A small call of each kind first: what this build of FlashAttention-3 lacks is
+            # said once, here, and left out of the rows (fa3-fwd 0.0.3 compiles the 64/512 MLA
+            # kernels for bf16 alone, and no paged KV: FLASHATTENTION_DISABLE_PAGEDKV).
+            dtype = getattr(torch, args.dtype)
+            pq = torch.randn(1, 1, 16, MLA_WIDTH, device="cuda", dtype=dtype)
+            pkv = torch.randn(4, 64, 1, MLA_WIDTH, device="cuda", dtype=dtype)
+            plen = torch.full((1,), 256, dtype=torch.int32, device="cuda")
+            ptable = torch.arange(4, dtype=torch.int32, device="cuda").reshape(1, 4)
+            one = torch.ones(1, 1, dtype=torch.float32, device="cuda")
+            fp8 = torch.float8_e4m3fn
+            probes = {
+                "contiguous": fa3_mla(pq, pkv.reshape(1, 256, 1, MLA_WIDTH), plen),
+                "paged64": fa3_mla(pq, pkv, plen, ptable),
+                "e4m3": fa3_mla(pq.to(fp8), pkv.reshape(1, 256, 1, MLA_WIDTH).to(fp8), plen,
+                                q_descale=one, kv_descale=one)}
+            for kind, call in probes.items():
+                error = first_error(call)
+                fa3_takes[kind] = error is None
+                if error is not None:
+                    print(f"  # fa3 has no {kind} MLA here ({error}): no fa3 peer of that kind")
+            del pq, pkv, probes
+
+        groups = itertools.groupby(mla_shapes(args.quick), key=lambda r: (r["batch"], r["keys"]))
+        for index, ((batch, keys), shapes) in enumerate(groups):
+            kv = device_normal((batch, keys, 1, MLA_WIDTH), 100 + index)
+            kv_pages, table = paged(kv, page_size=64)
+            kv8, kv_descale = e4m3_cache(kv)
+            kv8_pages, _ = e4m3_cache(kv_pages)  # the same values: the same descale
+            lengths = cupy.full(batch, keys, dtype=cupy.int32)
+            cache_bytes = collections.defaultdict(lambda: kv.nbytes)
+            cache_bytes.update({name: kv8.bytes.nbytes for name in
+                                ("e4m3", "e4m3-paged64", "fa3-e4m3")})
+            if fa3 is not None:
+                tkv, tkv_pages, tkv8, ttable, tlen = as_torch(kv, kv_pages, kv8, table, lengths)
+            for shape in shapes:
+                heads, seqlen_q = shape["heads"], shape["seqlen_q"]
+                q = device_normal((batch, seqlen_q, heads, MLA_WIDTH), 200 + index)
+
+                def mla(cache, block_table=None, descale=None):
+                    scale = {} if descale is None else {"kv_descale": descale}
+                    return lambda: ptxattn.attention_mla_decode(
+                        q, cache, cache_seqlens=lengths, block_table=block_table,
+                        check_contents=False, **scale)
+
+                caches = {short: mla(kv), f"{short}-paged64": mla(kv_pages, table),
+                          "e4m3": mla(kv8, None, kv_descale),
+                          "e4m3-paged64": mla(kv8_pages, table, kv_descale)}
+                peers = {"ptxattn": mla(kv)}
+                if fa3_takes.get("contiguous"):
+                    (tq,) = as_torch(q)
+                    peers["fa3"] = fa3_mla(tq, tkv, tlen)
+                    if fa3_takes.get("paged64"):
+                        peers["fa3-paged64"] = fa3_mla(tq, tkv_pages, tlen, ttable)
+                    if fa3_takes.get("e4m3"):
+                        q8, q_descale = e4m3_cache(q)
+                        (tq8,) = as_torch(q8)
+                        peers["fa3-e4m3"] = fa3_mla(
+                            tq8, tkv8, tlen, q_descale=fa3_descale(q_descale, batch, 1),
+                            kv_descale=fa3_descale(kv_descale, batch, 1))
+                ratios = {"contiguous": ("e4m3", short),
+                          "paged64": ("e4m3-paged64", f"{short}-paged64"),
+                          "fa3": ("fa3-e4m3", "fa3")}
+                flops = mla_flops(batch, seqlen_q, heads, keys)
+                for title, group in (("caches", caches), ("peers", peers)):
+                    ms = time_ms_interleaved(runnable(group), warmup=3, repeats=repeats)
+                    print("  " + cache_read_line(
+                        f"batch {batch:3d} seqlen_k {keys:6d} heads {heads:3d} seqlen_q "
+                        f"{seqlen_q}, {title}", ms, cache_bytes, copy_gbs, flops, ratios))
+                del q, caches, peers
+            del kv, kv_pages, kv8, kv8_pages, table, lengths
+            if fa3 is not None:
+                del tkv, tkv_pages, tkv8, ttable, tlen
+
+    if "fp8-cache" in sections:
+        batch, seqlen, heads, heads_kv = 64, 8192, 32, 8
+        print(f"e4m3 KV cache against {short}, decode, {heads}/{heads_kv} heads, head_dim 128, "
+              "one new token, one descale for each of K and V: GB/s of K/V read (fraction of "
+              "copy bandwidth); FlashAttention-3's e4m3 takes e4m3 queries too")
+        q = device_normal((batch, 1, heads, 128), 300)
+        k = device_normal((batch, seqlen, heads_kv, 128), 301)
+        v = device_normal((batch, seqlen, heads_kv, 128), 302)
+        lengths = cupy.full(batch, seqlen, dtype=cupy.int32)
+        kp, vp, table = paged(k, v, page_size=64)
+        (k8, k_descale), (v8, v_descale) = e4m3_cache(k), e4m3_cache(v)
+        (kp8, _), (vp8, _) = e4m3_cache(kp), e4m3_cache(vp)
+
+        def kvcache(k_cache, v_cache, block_table=None, descales=None):
+            scales = {} if descales is None else dict(k_descale=descales[0],
+                                                      v_descale=descales[1])
+            return lambda: ptxattn.attention_with_kvcache(
+                q, k_cache, v_cache, cache_seqlens=lengths, block_table=block_table,
+                check_contents=False, **scales)
+
+        descales = (k_descale, v_descale)
+        caches = {short: kvcache(k, v), f"{short}-paged64": kvcache(kp, vp, table),
+                  "e4m3": kvcache(k8, v8, None, descales),
+                  "e4m3-paged64": kvcache(kp8, vp8, table, descales)}
+        peers = {"ptxattn": kvcache(k, v), "ptxattn-e4m3": kvcache(k8, v8, None, descales)}
+        if fa3 is not None:
+            tq, tk, tv, tk8, tv8, tlen = as_torch(q, k, v, k8, v8, lengths)
+            q8, q_descale = e4m3_cache(q)
+            (tq8,) = as_torch(q8)
+            fa3_scales = {name: fa3_descale(d, batch, heads_kv) for name, d in
+                          (("q_descale", q_descale), ("k_descale", k_descale),
+                           ("v_descale", v_descale))}
+            peers["fa3"] = lambda: fa3.flash_attn_with_kvcache(tq, tk, tv, cache_seqlens=tlen,
+                                                               causal=True)
+            peers["fa3-e4m3"] = lambda: fa3.flash_attn_with_kvcache(
+                tq8, tk8, tv8, cache_seqlens=tlen, causal=True, **fa3_scales)
+        cache_bytes = collections.defaultdict(lambda: 2 * k.nbytes)
+        cache_bytes.update({name: 2 * k8.bytes.nbytes for name in
+                            ("e4m3", "e4m3-paged64", "ptxattn-e4m3", "fa3-e4m3")})
+        ratios = {"contiguous": ("e4m3", short),
+                  "paged64": ("e4m3-paged64", f"{short}-paged64"),
+                  "ptxattn": ("ptxattn-e4m3", "ptxattn"), "fa3": ("fa3-e4m3", "fa3")}
+        for title, group in (("caches", caches), ("peers", peers)):
+            ms = time_ms_interleaved(runnable(group), warmup=3, repeats=repeats)
+            print("  " + cache_read_line(f"batch {batch:3d} seqlen_k {seqlen:6d}, {title}", ms,
+                                         cache_bytes, copy_gbs, ratios=ratios))
     return 0
 
 
@@ -985,7 +1254,14 @@ def main(argv=None) -> int:
                         help="the backward of varlen, sliding-window, softcap and sinks calls "
                              "beside the plain call each stands for")
     parser.add_argument("--serving", action="store_true",
-                        help="decode (GB/s), paged, varlen, chunked and sliding-window prefill")
+                        help="decode (GB/s), paged, varlen, chunked and sliding-window prefill, "
+                             "MLA decode and e4m3 caches")
+    parser.add_argument("--mla", action="store_true",
+                        help="with --serving: its MLA decode rows alone (16-bit and e4m3 "
+                             "caches, contiguous and paged)")
+    parser.add_argument("--fp8-cache", action="store_true",
+                        help="with --serving: its e4m3 KV cache rows alone (beside 16-bit "
+                             "caches); with --mla, both")
     parser.add_argument("--head-dims", action="store_true",
                         help="forward and backward at head dims beyond 64/128/256 (80, 96, 192, "
                              "192 with 128-wide values, ...) beside FlashAttention-3 and cuDNN")
@@ -1016,6 +1292,8 @@ def main(argv=None) -> int:
                                        ("--head-dims", args.head_dims)) if chosen]
     if len(modes) > 1:
         parser.error(f"{' and '.join(modes)} are runs of their own: one at a time")
+    if (args.mla or args.fp8_cache) and not args.serving:
+        parser.error("--mla and --fp8-cache pick rows of --serving: add --serving")
     if args.energy and modes:
         parser.error("--energy measures the forward rows: not with --backward, "
                      "--backward-features or --serving")
