@@ -71,3 +71,28 @@ def test_the_register_check_fails_on_a_wrong_count(monkeypatch):
     with pytest.raises(runtime.CompileError, match="kFragmentRegs is not 1"):
         runtime.check_source(hopper_forward.register_check_source(configs),
                              "sm90_register_check.cu", "sm_90a")
+
+
+def _serving_configs():
+    """(spec, the header declaring its config, an arch it is built for) of every decode and MLA
+    variant."""
+    for spec in portable_decode.variants():
+        yield spec, "mainloops/decode_mma_sync.cuh", spec.archs[0]
+    for spec in portable_mla.variants():
+        yield spec, "mainloops/mla_mma_sync.cuh", spec.archs[0]
+
+
+def test_serving_launchers_request_the_shared_memory_their_kernels_lay_out():
+    """The decode and MLA launchers compute their variants' shared memory in Python
+    (DecodeTile.smem_bytes, MlaTile.smem_bytes); each must equal the config's kSmemBytes, or
+    a kernel would address past its allocation."""
+    by_arch = {}
+    for spec, header, arch in _serving_configs():
+        config = spec.entry[spec.entry.index("<") + 1:spec.entry.rindex(">")]
+        by_arch.setdefault(arch, {}).setdefault(header, []).append(
+            f"static_assert({config}::kSmemBytes == {spec.smem_bytes}, "
+            f"\"{spec.name}: the launcher requests {spec.smem_bytes} bytes\");")
+    for arch, headers in by_arch.items():
+        source = "".join(f'#include "{header}"\n' + "\n".join(lines) + "\n"
+                         for header, lines in headers.items())
+        runtime.check_source(source, "serving_smem_check.cu", arch)

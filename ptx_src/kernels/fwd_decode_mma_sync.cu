@@ -31,7 +31,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
 attn_fwd_decode(const __grid_constant__ FwdParams p) {
     using Mainloop = MmaSyncMainloop<Cfg>;
     using Loader = DecodeMainloop<Cfg>;
-    using E4m3Gemms = DecodeE4m3Gemms<Cfg>;
+    using Fp8Gemms = E4m3Gemms<Cfg>;
     constexpr int kBlockN = Cfg::kBlockN;
     constexpr int kStages = Cfg::kStages;
     constexpr int kRows = Cfg::kRows;
@@ -107,17 +107,16 @@ attn_fwd_decode(const __grid_constant__ FwdParams p) {
         const int row = first_row + r;
         return q_seq + packed.token(row) * p.q_stride_s + packed.head(row) * p.q_stride_h;
     }, tid);
-    if (kv.pages != nullptr) {  // the pages of the prologue's stages, before their copies
-#pragma unroll
-        for (int iter = 0; iter < kStages - 1 && iter < n_blocks; ++iter) {
-            pages.prefetch(kv, iter, (n_begin + iter) * kBlockN, seqlen_k, tid);
-        }
-        cp_async_commit();
-        cp_async_wait<0>();
-        __syncthreads();
-    }
+    pages.prefetch_prologue(kv, n_begin, n_blocks, seqlen_k, tid);
 #pragma unroll
     for (int iter = 0; iter < kStages - 1; ++iter) load_stage(iter);
+
+    float q_row_scale[Cfg::kMTiles][2];  // e4m3 caches, bf16 queries (e4m3_gemms.cuh)
+    if constexpr (Cfg::kKvFp8) {
+        Fp8Gemms::template ready_q<kStages>(q_row_scale, smem,
+                                            reinterpret_cast<float*>(smem + Cfg::kRowScaleOffset),
+                                            warp, lane);
+    }
 
     const auto q_lane = Mainloop::a_frag_lane(lane);
     const auto k_lane = Mainloop::k_frag_lane(lane);
@@ -141,7 +140,8 @@ attn_fwd_decode(const __grid_constant__ FwdParams p) {
         const uint32_t k_tile =
             Cfg::stage(ring, iter) + warp_key0 * (Cfg::kKvFp8 ? Cfg::kHeadDim : Cfg::kRowBytes);
         if constexpr (Cfg::kKvFp8) {
-            E4m3Gemms::gemm_qk(s, q_tile, k_tile, lane);
+            Fp8Gemms::gemm_qk(s, q_tile, k_tile, lane);
+            Fp8Gemms::unscale_scores(s, q_row_scale);
         } else {
             Mainloop::gemm_qk(s, q_tile, k_tile, 0, q_lane, k_lane);
         }
@@ -154,9 +154,13 @@ attn_fwd_decode(const __grid_constant__ FwdParams p) {
         float rescale[Cfg::kMTiles][2];
         if (softmax.update(s, scale_log2, rescale)) scale_rows(o, rescale);
         uint32_t pa[Cfg::kMTiles][Cfg::kPSteps][4];
-        Mainloop::pack_probabilities(pa, s);
         if constexpr (Cfg::kKvFp8) {
-            E4m3Gemms::gemm_pv(o, pa, k_tile + Cfg::kFp8TileBytes, lane);
+            Fp8Gemms::pack_probabilities(pa, s);
+        } else {
+            Mainloop::pack_probabilities(pa, s);
+        }
+        if constexpr (Cfg::kKvFp8) {
+            Fp8Gemms::gemm_pv(o, pa, k_tile + Cfg::kFp8TileBytes, 0, lane);
         } else {
             Mainloop::gemm_pv(o, pa, k_tile + Cfg::kKVTileBytes, v_lane);
         }

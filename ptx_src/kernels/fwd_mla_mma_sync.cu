@@ -14,7 +14,8 @@
 // Every runtime argument is in FwdParams (params.cuh): q (batch, seqlen_q, heads_q, kHeadDim);
 // the cache as k (kv_cache.cuh's layouts, one head; v is not read: V is the first kHeadDimV
 // columns of the same rows); out (batch, seqlen_q, heads_q, kHeadDimV). An e4m3 cache's descale
-// (k_descale, per tensor or per sequence) scales the scores and the output.
+// (k_descale, per tensor or per sequence) scales the scores and the output; its rows are
+// dequantized in registers by the f16 GEMMs of e4m3_gemms.cuh.
 #include "roles/block_info.cuh"
 #include "roles/epilogue.cuh"
 #include "roles/kv_cache.cuh"
@@ -25,11 +26,33 @@
 
 namespace ptxattn {
 
+// Row h of an accumulator in E4m3Gemms' column order, times `factor`, into `dst` (the warp's
+// first column of a float32 partial row, or of a 16-bit output row), one value at a time.
+template <class Cfg, class Element>
+__device__ __forceinline__ void store_permuted_row(Element* dst,
+                                                   const float (&o)[Cfg::kOTiles][4], int h,
+                                                   float factor, int lane) {
+#pragma unroll
+    for (int j = 0; j < Cfg::kOTiles; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float value = o[j][2 * h + e] * factor;
+            const int col = E4m3Gemms<Cfg>::output_column(j, 2 * (lane & 3) + e);
+            if constexpr (sizeof(Element) == 4) {
+                dst[col] = value;
+            } else {
+                dst[col] = static_cast<uint16_t>(pack_f32x2<Cfg::kBf16>(value, 0.0f) & 0xffff);
+            }
+        }
+    }
+}
+
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
 attn_fwd_mla(const __grid_constant__ FwdParams p) {
     using Gemms = MmaSyncMainloop<Cfg>;
     using Loader = MlaMainloop<Cfg>;
+    using Fp8Gemms = E4m3Gemms<Cfg>;
     constexpr int kBlockN = Cfg::kBlockN;
     constexpr int kStages = Cfg::kStages;
     constexpr int kRows = Cfg::kRows;
@@ -79,12 +102,13 @@ attn_fwd_mla(const __grid_constant__ FwdParams p) {
     const auto load_stage = [&](int iter) {
         const int key0 = (n_begin + iter) * kBlockN;
         if (iter < n_blocks) {
+            const uint32_t stage = ring + (iter % kStages) * Cfg::kStageBytes;
             if constexpr (Cfg::kKvFp8) {
-                Loader::load_kv(Cfg::landing(ring, iter), p, kv, pages.slot(iter),
-                                static_cast<const uint8_t*>(p.k), key0, seqlen_k, warp, lane);
+                Loader::load_kv(stage, p, kv, pages.slot(iter), static_cast<const uint8_t*>(p.k),
+                                key0, seqlen_k, warp, lane);
             } else {
-                Loader::load_kv(Cfg::landing(ring, iter), p, kv, pages.slot(iter),
-                                static_cast<const uint16_t*>(p.k), key0, seqlen_k, warp, lane);
+                Loader::load_kv(stage, p, kv, pages.slot(iter), static_cast<const uint16_t*>(p.k),
+                                key0, seqlen_k, warp, lane);
             }
         }
         if (iter + kStages - 1 < n_blocks) {
@@ -96,17 +120,16 @@ attn_fwd_mla(const __grid_constant__ FwdParams p) {
         const int row = first_row + r;
         return q_seq + packed.token(row) * p.q_stride_s + packed.head(row) * p.q_stride_h;
     }, tid);
-    if (kv.pages != nullptr) {  // the pages of the prologue's stages, before their copies
-#pragma unroll
-        for (int iter = 0; iter < kStages - 1 && iter < n_blocks; ++iter) {
-            pages.prefetch(kv, iter, (n_begin + iter) * kBlockN, seqlen_k, tid);
-        }
-        cp_async_commit();
-        cp_async_wait<0>();
-        __syncthreads();
-    }
+    pages.prefetch_prologue(kv, n_begin, n_blocks, seqlen_k, tid);
 #pragma unroll
     for (int iter = 0; iter < kStages - 1; ++iter) load_stage(iter);
+
+    float q_row_scale[Cfg::kMTiles][2];  // e4m3 caches, bf16 queries (e4m3_gemms.cuh)
+    if constexpr (Cfg::kKvFp8) {
+        Fp8Gemms::template ready_q<kStages>(q_row_scale, smem,
+                                            reinterpret_cast<float*>(smem + Cfg::kRowScaleOffset),
+                                            warp, lane);
+    }
 
     const auto q_lane = Gemms::a_frag_lane(lane);
     const auto k_lane = Gemms::k_frag_lane(lane);
@@ -125,15 +148,16 @@ attn_fwd_mla(const __grid_constant__ FwdParams p) {
         cp_async_wait<kStages - 2>();
         __syncthreads();  // the stage has landed; every warp is done with iter - 1's tiles
         load_stage(iter + kStages - 1);
-        if constexpr (Cfg::kKvFp8) {
-            Loader::dequantize_stage(Cfg::kv_tile(ring, iter), Cfg::landing(ring, iter), tid);
-            __syncthreads();
-        }
-        const uint32_t kv_tile = Cfg::kv_tile(ring, iter);
+        const uint32_t kv_tile = ring + (iter % kStages) * Cfg::kStageBytes;
         const int n_block = n_begin + iter;
 
         float s[Cfg::kMTiles][Cfg::kSTiles][4];
-        Gemms::gemm_qk(s, q_tile, kv_tile + warp_key0 * Cfg::kRowBytes, 0, q_lane, k_lane);
+        if constexpr (Cfg::kKvFp8) {
+            Fp8Gemms::gemm_qk(s, q_tile, kv_tile + warp_key0 * Cfg::kFp8RowBytes, lane);
+            Fp8Gemms::unscale_scores(s, q_row_scale);
+        } else {
+            Gemms::gemm_qk(s, q_tile, kv_tile + warp_key0 * Cfg::kRowBytes, 0, q_lane, k_lane);
+        }
         if (n_block >= blocks.right_masked) {
             apply_mask<16>(s, mask, first_row + (lane >> 2),
                            n_block * kBlockN + warp_key0 + 2 * (lane & 3), AccumulatorColumns{},
@@ -150,7 +174,11 @@ attn_fwd_mla(const __grid_constant__ FwdParams p) {
 
         uint32_t pa[Cfg::kMTiles][Cfg::kPSteps][4];
         Loader::load_probabilities(pa, p_tile, p_lane);
-        Gemms::gemm_pv(o, pa, kv_tile + warp_v_cols, v_lane);
+        if constexpr (Cfg::kKvFp8) {
+            Fp8Gemms::gemm_pv(o, pa, kv_tile, warp * Cfg::kWarpCols / 16, lane);
+        } else {
+            Gemms::gemm_pv(o, pa, kv_tile + warp_v_cols, v_lane);
+        }
     }
     cp_async_wait<0>();
 
@@ -186,14 +214,22 @@ attn_fwd_mla(const __grid_constant__ FwdParams p) {
             if (partial) {
                 float* dst = partial_out_row(p, split, global_token0 + token, head,
                                              Cfg::kHeadDimV) + warp * Cfg::kWarpCols;
-                store_accumulator_row_f32(dst, o[m], h, factor, lane, Cfg::kWarpCols);
+                if constexpr (Cfg::kKvFp8) {
+                    store_permuted_row<Cfg>(dst, o[m], h, factor, lane);
+                } else {
+                    store_accumulator_row_f32(dst, o[m], h, factor, lane, Cfg::kWarpCols);
+                }
                 if (warp == 0 && (lane & 3) == 0) {
                     partial_lse(p, split, global_token0 + token, head) = lse;
                 }
                 continue;
             }
             uint16_t* dst = out_row(p, batch, head, lens.offset_q + token) + warp * Cfg::kWarpCols;
-            store_accumulator_row<Cfg::kBf16>(dst, o[m], h, factor, lane, Cfg::kWarpCols);
+            if constexpr (Cfg::kKvFp8) {
+                store_permuted_row<Cfg>(dst, o[m], h, factor, lane);
+            } else {
+                store_accumulator_row<Cfg::kBf16>(dst, o[m], h, factor, lane, Cfg::kWarpCols);
+            }
             if (warp == 0 && (lane & 3) == 0) {
                 write_lse(p, batch, head, lens.offset_q + token, lse);
             }

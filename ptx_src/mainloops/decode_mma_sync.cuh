@@ -13,17 +13,15 @@
 // loop the ring holds the merge's per-warp row statistics and output slabs.
 //
 // An e4m3 cache (kKvFp8) lands in a ring of e4m3 rows (E4m3Tile: half the bytes of a 16-bit
-// stage, so the ring is twice as deep) and the GEMMs read their B fragments from it as 4-byte
-// words, dequantized in registers (DecodeE4m3Gemms): [Q][e4m3 stage 0][e4m3 stage 1]...[pages].
-// The conversion is exact (e4m3x4_to_16bit); the cache's descales scale the scores and the
-// output (fwd_decode_mma_sync.cu), never the data. (Dequantizing each stage into a 16-bit stage
-// for the 16-bit GEMMs instead moved 6 bytes of shared memory per cache byte, and read a cache
-// at 0.43 of copy bandwidth, below a bf16 cache's rate in tokens; H200, 2026-12-02.)
+// stage, so the ring is twice as deep), which the f16 GEMMs of mainloops/e4m3_gemms.cuh read and
+// dequantize in registers: [Q][e4m3 stage 0][e4m3 stage 1]...[pages][bf16 queries: Q's row
+// scales]. The cache's descales scale the scores and the output (fwd_decode_mma_sync.cu), never
+// the data; what was tried first is in docs/design/serving.md#fp8-caches.
 #pragma once
 #include "ptx/common.cuh"
 #include "ptx/cp_async.cuh"
-#include "ptx/e4m3.cuh"
 #include "roles/kv_cache.cuh"
+#include "mainloops/e4m3_gemms.cuh"
 #include "mainloops/fwd_mma_sync.cuh"
 #include "roles/params.cuh"
 #include "roles/smem_tile.cuh"
@@ -63,6 +61,7 @@ struct DecodeConfig {
     // block's threads spans at most 16 rows (one page step, kv_cache.cuh)
     static constexpr int kFp8ChunkBytes = kHeadDim >= 128 ? 16 : 8;
     static constexpr int kFp8ChunksPerRow = kHeadDim / kFp8ChunkBytes;
+    static constexpr int kFp8RowBytes = kHeadDim;
     static constexpr int kFp8TileBytes = kBlockN * kHeadDim;
     static constexpr int kFp8StageBytes = 2 * kFp8TileBytes;
     static constexpr int kRingBytes = kStages * (kKvFp8 ? kFp8StageBytes : kStageBytes);
@@ -72,7 +71,9 @@ struct DecodeConfig {
     using Pages = StagedPages<kBlockN, kStages>;
     static constexpr int kPagesOffset =
         kQTileBytes + (kRingBytes > kMergeBytes ? kRingBytes : kMergeBytes);
-    static constexpr int kSmemBytes = kPagesOffset + Pages::kBytes;
+    // e4m3 caches with bf16 queries: each Q row's power-of-two scale (E4m3Gemms, e4m3_gemms.cuh)
+    static constexpr int kRowScaleOffset = kPagesOffset + Pages::kBytes;
+    static constexpr int kSmemBytes = kRowScaleOffset + (kKvFp8 && kBf16 ? kRows * 4 : 0);
 
     static_assert(kWarpKeys % 16 == 0, "a warp's keys are whole P V k steps");
     static_assert(kHeadDim % 64 == 0, "the swizzle permutes 8 chunks of 16 bytes: head_dim >= 64");
@@ -98,7 +99,7 @@ struct DecodeMainloop {
     static constexpr int kRowsPerPass = kThreads / kChunksPerRow;
     static_assert(kRowsPerPass <= 16, "a thread's rows step at most one page (16 rows or more)");
     using Tile = SwizzledTile<Cfg::kRowBytes>;
-    using Fp8Tile = E4m3Tile<Cfg::kHeadDim>;
+    using Fp8Tile = E4m3Tile<Cfg::kFp8RowBytes>;
 
     // The packed Q tile: row r (< rows) from q_row(r), a pointer to its first element; rows past
     // `rows` and columns past `head_dim` zero-filled.
@@ -185,122 +186,6 @@ struct DecodeMainloop {
     }
 };
 
-// The GEMMs over an e4m3 stage (a warp's keys of it, rows from a multiple of 16), B fragments
-// read as 4-byte words and dequantized in registers (e4m3x4_to_16bit); Q's A fragments come from
-// the 16-bit Q tile. Fragment layouts: mma_sync.cuh; g = lane / 4, t = lane % 4.
-//   S = Q K^T: a k step's 16 columns are summed in any order, so logical k = 2t, 2t+1 (b0) and
-//     2t+8, 2t+9 (b1) are taken as columns 4t .. 4t+3 of the step: one word of K row g, one
-//     8-byte load of each Q row for (a0, a2) and (a1, a3).
-//   O += P V: P is S's accumulator as in the 16-bit kernel (keys 2t, 2t+1, 2t+8, 2t+9 of a
-//     16-key step); thread (g, t) loads the word of columns 4g .. 4g+3 of a 32-column group in
-//     each of those four keys' rows and transposes the 4 x 4 bytes (prmt) into the B fragments of
-//     four 8-column tiles, so that tile 4c + q, column n of O holds V's column 32c + 4n + q.
-//     output_column() maps an accumulator column back.
-template <class Cfg>
-struct DecodeE4m3Gemms {
-    using QTile = SwizzledTile<Cfg::kRowBytes>;
-    using Fp8Tile = E4m3Tile<Cfg::kHeadDim>;
-
-    // Every load is issued before the conversions and MMAs that use it: ld.shared, like the
-    // MMAs, is volatile asm, kept in program order, so a load placed after an MMA would wait for
-    // that MMA's operands and each k step would pay a load's latency.
-    static __device__ __forceinline__ uint32_t load_word(uint32_t addr) {
-        uint32_t word;
-        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(word) : "r"(addr));
-        return word;
-    }
-
-    // Q's A fragments of k step ks: columns 4t .. 4t+3 of the step in rows g, g + 8.
-    static __device__ __forceinline__ void load_q(uint32_t (&a)[Cfg::kMTiles][4], uint32_t q_tile,
-                                                  int ks, int lane) {
-#pragma unroll
-        for (int m = 0; m < Cfg::kMTiles; ++m) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const uint32_t at = q_tile + QTile::element_offset(16 * m + (lane >> 2) + 8 * h,
-                                                                   16 * ks + 4 * (lane & 3));
-                asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];"
-                             : "=r"(a[m][h]), "=r"(a[m][h + 2]) : "r"(at));
-            }
-        }
-    }
-
-    static __device__ __forceinline__ void gemm_qk(float (&s)[Cfg::kMTiles][Cfg::kSTiles][4],
-                                                   uint32_t q_tile, uint32_t k_tile, int lane) {
-        const int g = lane >> 2;
-        const int t = lane & 3;
-        uint32_t k_words[Cfg::kKSteps][Cfg::kSTiles];  // this warp's keys, all k steps
-#pragma unroll
-        for (int ks = 0; ks < Cfg::kKSteps; ++ks) {
-#pragma unroll
-            for (int j = 0; j < Cfg::kSTiles; ++j) {
-                k_words[ks][j] = load_word(k_tile + Fp8Tile::offset(8 * j + g, ks) + 4 * t);
-            }
-        }
-        zero_fill(s);
-        uint32_t a[2][Cfg::kMTiles][4];  // k steps ks and ks + 1
-        load_q(a[0], q_tile, 0, lane);
-#pragma unroll
-        for (int ks = 0; ks < Cfg::kKSteps; ++ks) {
-            if (ks + 1 < Cfg::kKSteps) load_q(a[(ks + 1) % 2], q_tile, ks + 1, lane);
-#pragma unroll
-            for (int j = 0; j < Cfg::kSTiles; ++j) {
-                const uint2 b = e4m3x4_to_16bit<Cfg::kBf16>(k_words[ks][j]);
-                const uint32_t b_frag[2] = {b.x, b.y};
-#pragma unroll
-                for (int m = 0; m < Cfg::kMTiles; ++m) {
-                    mma_m16n8k16<Cfg::kBf16>(s[m][j], a[ks % 2][m], b_frag);
-                }
-            }
-        }
-    }
-
-    static __device__ __forceinline__ void gemm_pv(float (&o)[Cfg::kMTiles][Cfg::kOTiles][4],
-                                                   const uint32_t (&p)[Cfg::kMTiles][Cfg::kPSteps][4],
-                                                   uint32_t v_tile, int lane) {
-        const int g = lane >> 2;
-        const int t = lane & 3;
-#pragma unroll
-        for (int ks = 0; ks < Cfg::kPSteps; ++ks) {
-            // columns 32c + 4g .. + 3 of keys 16ks + 2t, +1, +8, +9, every group c
-            uint32_t w[Cfg::kOTiles / 4][4];
-#pragma unroll
-            for (int c = 0; c < Cfg::kOTiles / 4; ++c) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int row = 16 * ks + 2 * t + (i & 1) + 8 * (i >> 1);
-                    w[c][i] = load_word(v_tile + Fp8Tile::offset(row, 2 * c + (g >> 2)) +
-                                        4 * (g & 3));
-                }
-            }
-#pragma unroll
-            for (int c = 0; c < Cfg::kOTiles / 4; ++c) {
-                const uint32_t lo01 = __byte_perm(w[c][0], w[c][1], 0x5140);
-                const uint32_t hi01 = __byte_perm(w[c][0], w[c][1], 0x7362);
-                const uint32_t lo23 = __byte_perm(w[c][2], w[c][3], 0x5140);
-                const uint32_t hi23 = __byte_perm(w[c][2], w[c][3], 0x7362);
-                const uint32_t column[4] = {
-                    __byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
-                    __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
-#pragma unroll
-                for (int q = 0; q < 4; ++q) {
-                    const uint2 b = e4m3x4_to_16bit<Cfg::kBf16>(column[q]);
-                    const uint32_t b_frag[2] = {b.x, b.y};
-#pragma unroll
-                    for (int m = 0; m < Cfg::kMTiles; ++m) {
-                        mma_m16n8k16<Cfg::kBf16>(o[m][4 * c + q], p[m][ks], b_frag);
-                    }
-                }
-            }
-        }
-    }
-
-    // V's column of accumulator tile j, column `col` (< 8).
-    static __device__ __forceinline__ constexpr int output_column(int j, int col) {
-        return 32 * (j >> 2) + 4 * col + (j & 3);
-    }
-};
-
 // The merge of the warps' softmax states (every warp saw other keys of the same rows): with
 // m_w a warp's reference max and l_w its row sum, M = max_w m_w and L = sum_w l_w 2^(m_w - M);
 // the output is sum_w o_w 2^(m_w - M) / L, summed in warp order so that it is deterministic,
@@ -354,8 +239,8 @@ __device__ __forceinline__ const float* merge_warps(float (&o)[Cfg::kMTiles][Cfg
 #pragma unroll
             for (int j = 0; j < Cfg::kOTiles; ++j) {
                 const int col = 2 * (lane & 3);
-                if constexpr (Cfg::kKvFp8) {  // DecodeE4m3Gemms' column order
-                    using Gemms = DecodeE4m3Gemms<Cfg>;
+                if constexpr (Cfg::kKvFp8) {  // E4m3Gemms' column order
+                    using Gemms = E4m3Gemms<Cfg>;
                     slab_row[Gemms::output_column(j, col)] = o[m][j][2 * h] * factor;
                     slab_row[Gemms::output_column(j, col + 1)] = o[m][j][2 * h + 1] * factor;
                 } else {

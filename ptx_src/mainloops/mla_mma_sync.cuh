@@ -16,13 +16,14 @@
 //      keys, P read back from shared memory and V from the stage.
 // Each warp's row sums cover its keys; the epilogue adds them up across warps.
 //
-// Shared memory: [Q: kRows rows][P tile][row exchange][staged pages][ring], tiles of rows of
-// kHeadDim 16-bit values swizzled as the forward's (smem_tile.cuh). An e4m3 cache lands in a
-// ring of raw rows and each stage is dequantized into one 16-bit stage (as decode_mma_sync.cuh).
+// Shared memory: [Q: kRows rows][P tile][row exchange][staged pages][Q row scales][ring], tiles
+// of rows of kHeadDim 16-bit values swizzled as the forward's (smem_tile.cuh). An e4m3 cache
+// lands in a ring of e4m3 rows (E4m3Tile, rows padded to 640 bytes for its swizzle), which the f16
+// GEMMs of e4m3_gemms.cuh read and dequantize in registers; P is then f16 too.
 #pragma once
 #include "ptx/common.cuh"
 #include "ptx/cp_async.cuh"
-#include "ptx/e4m3.cuh"
+#include "mainloops/e4m3_gemms.cuh"
 #include "mainloops/fwd_mma_sync.cuh"
 #include "roles/kv_cache.cuh"
 #include "roles/params.cuh"
@@ -65,33 +66,29 @@ struct MlaConfig {
     static constexpr int kPTileBytes = kRows * kPRowBytes;
     static constexpr int kExchangeBytes = kWarps * kRows * 4;
     static constexpr int kFp8ChunksPerRow = kHeadDim / 16;
-    static constexpr int kFp8StageBytes = kBlockN * kHeadDim;
-    static constexpr int kRingBytes =
-        kKvFp8 ? kKVTileBytes + kStages * kFp8StageBytes : kStages * kKVTileBytes;
+    static constexpr int kFp8RowBytes = (kHeadDim + 127) / 128 * 128;
+    static constexpr int kFp8StageBytes = kBlockN * kFp8RowBytes;
+    static constexpr int kStageBytes = kKvFp8 ? kFp8StageBytes : kKVTileBytes;
+    static constexpr int kRingBytes = kStages * kStageBytes;
     using Pages = StagedPages<kBlockN, kStages>;
     static constexpr int kPTileOffset = kQTileBytes;
     static constexpr int kExchangeOffset = kPTileOffset + kPTileBytes;
     static constexpr int kPagesOffset = kExchangeOffset + kExchangeBytes;
-    static constexpr int kRingOffset = (kPagesOffset + Pages::kBytes + 127) / 128 * 128;
+    static constexpr int kRowScaleOffset = kPagesOffset + Pages::kBytes;
+    static constexpr int kRingOffset =
+        (kRowScaleOffset + (kKvFp8 && kBf16 ? kRows * 4 : 0) + 127) / 128 * 128;
     static constexpr int kSmemBytes = kRingOffset + kRingBytes;
+    // P's 16-bit format: the queries' for the 16-bit GEMMs, f16 for the e4m3 ones
+    static constexpr bool kPBf16 = kBf16 && !kKvFp8;
 
     static_assert(kSTiles % 2 == 0 && kOTiles % 2 == 0,
                   "the GEMMs load B fragments of two 8-column tiles at a time");
     static_assert(kPRowBytes % 128 == 0, "the P tile's swizzle permutes 8 chunks of 16 bytes");
     static_assert(kHeadDim % 64 == 0 && kHeadDimV <= kHeadDim, "V is a prefix of K's rows");
     static_assert(kWarps <= 16, "a warp's first row of a stage is within one page step");
-    static_assert((kBlockN * kFp8ChunksPerRow) % kThreads == 0,
-                  "every thread dequantizes the same number of chunks");
     static_assert(kStages >= 2, "the ring needs a stage in flight while one is computed");
 
-    // Where ring stage `iter`'s loads land, and where the GEMMs read its rows.
-    static __device__ __forceinline__ uint32_t landing(uint32_t ring, int iter) {
-        return ring + (kKvFp8 ? kKVTileBytes + (iter % kStages) * kFp8StageBytes
-                              : (iter % kStages) * kKVTileBytes);
-    }
-    static __device__ __forceinline__ uint32_t kv_tile(uint32_t ring, int iter) {
-        return kKvFp8 ? ring : ring + (iter % kStages) * kKVTileBytes;
-    }
+    static_assert(!kKvFp8 || kWarpCols % 32 == 0, "e4m3 V columns come 32 at a time");
 };
 
 template <class Cfg>
@@ -100,6 +97,7 @@ struct MlaMainloop {
     static constexpr int kChunksPerRow = Cfg::kChunksPerRow;
     using Tile = SwizzledTile<Cfg::kRowBytes>;
     using PTile = SwizzledTile<Cfg::kPRowBytes>;
+    using Fp8Tile = E4m3Tile<Cfg::kFp8RowBytes>;
 
     // The packed Q tile: row r (< rows) from q_row(r), a pointer to its first element; rows past
     // `rows` zero-filled.
@@ -117,7 +115,7 @@ struct MlaMainloop {
     // One ring stage: the cache rows of keys key0 .. key0 + kBlockN (located by `kv` from the
     // stage's staged pages; `cache` is row 0 of slot 0), zero-filled from `keys` on. Warp w
     // copies rows w, w + kWarps, ..., its lanes a row's 16-byte chunks; an e4m3 cache's rows
-    // land as raw bytes, row r at r * kHeadDim.
+    // land in an E4m3Tile.
     template <class Element>
     static __device__ __forceinline__ void load_kv(uint32_t stage, const FwdParams& p,
                                                    const KvRows& kv, const int* staged,
@@ -136,36 +134,11 @@ struct MlaMainloop {
             }
 #pragma unroll
             for (int chunk = lane; chunk < kChunks; chunk += 32) {
-                const uint32_t dst = Cfg::kKvFp8 ? stage + row * Cfg::kHeadDim + chunk * 16
+                const uint32_t dst = Cfg::kKvFp8 ? stage + Fp8Tile::offset(row, chunk)
                                                  : stage + Tile::offset(row, chunk);
                 cp_async_16(dst, src + chunk * kPerChunk, valid);
             }
             rows.advance(Cfg::kWarps);
-        }
-    }
-
-    // An e4m3 stage (every copy landed and visible to the block) into the 16-bit stage at
-    // `tile`, exactly: 16 bytes into two 16-byte chunks of a swizzled row at a time.
-    static __device__ __forceinline__ void dequantize_stage(uint32_t tile, uint32_t stage,
-                                                            int tid) {
-        constexpr int kChunks = Cfg::kFp8ChunksPerRow;
-#pragma unroll
-        for (int unit = tid; unit < Cfg::kBlockN * kChunks; unit += kThreads) {
-            const int row = unit / kChunks;
-            const int chunk = unit % kChunks;
-            uint32_t w[4];
-            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-                         : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
-                         : "r"(stage + unit * 16));
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const uint2 lo = e4m3x4_to_16bit<Cfg::kBf16>(w[2 * half]);
-                const uint2 hi = e4m3x4_to_16bit<Cfg::kBf16>(w[2 * half + 1]);
-                asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};"
-                             ::"r"(tile + Tile::offset(row, 2 * chunk + half)), "r"(lo.x),
-                             "r"(lo.y), "r"(hi.x), "r"(hi.y)
-                             : "memory");
-            }
         }
     }
 
@@ -212,7 +185,7 @@ struct MlaMainloop {
                 for (int j = 0; j < Cfg::kSTiles; ++j) {
                     const int col = warp * Cfg::kWarpKeys + 8 * j + 2 * (lane & 3);
                     st_shared_b32(p_tile + PTile::element_offset(row, col),
-                                  pack_f32x2<Cfg::kBf16>(s[m][j][2 * h], s[m][j][2 * h + 1]));
+                                  pack_f32x2<Cfg::kPBf16>(s[m][j][2 * h], s[m][j][2 * h + 1]));
                 }
             }
         }

@@ -44,16 +44,30 @@ __device__ __forceinline__ float e4m3_to_float(uint32_t byte) {
 }
 
 // Four e4m3 bytes (b0 the lowest) -> four bf16 (kBf16) or f16 values as two b32 pairs, b0 in the
-// low half of .x: exact, every e4m3 value being both an f16 and a bf16 value. With integer
-// instructions and one multiply, not cvt: cvt.rn.f16x2.e4m3x2 and the f16 -> f32 -> bf16 steps
-// after it cost four conversions a pair, and at 16 a clock an SM the conversions alone held an
-// e4m3 cache's decode to half of a bf16 cache's rate in bytes (H200, 2026-12-02). A byte's
-// exponent and mantissa bits moved into place in a 16-bit half (sign kept, prmt and a shift)
-// read as a value times 2^-8 (f16: exponent bias 15 against e4m3's 7) or 2^-120 (bf16: bias
-// 127), subnormals alike; fma.rn by 2^8 or 2^120 (plus -0, which keeps a zero's sign) makes it
-// exact. The NaN bytes 0x7f, 0xff become +-480, which a quantizer never writes.
+// low half of .x: exact, every e4m3 value being both an f16 and a bf16 value. f16 on sm_89+:
+// cvt.rn.f16x2.e4m3x2, one instruction a pair. Otherwise integer instructions and one multiply
+// (bf16 has no such cvt, and f16 -> f32 -> bf16 after it costs four conversions a pair, at 16 a
+// clock an SM): a byte's exponent and mantissa bits moved into place in a 16-bit half (sign
+// kept, prmt and a shift) read as the value times 2^-8 (f16: exponent bias 15 against e4m3's 7)
+// or 2^-120 (bf16: bias 127), subnormals alike, and fma.rn by 2^8 or 2^120 (plus -0, which
+// keeps a zero's sign) makes it exact. The NaN bytes 0x7f, 0xff become +-480 there, which a
+// quantizer never writes.
 template <bool kBf16>
 __device__ __forceinline__ uint2 e4m3x4_to_16bit(uint32_t bytes) {
+#if __CUDA_ARCH__ >= 890
+    if constexpr (!kBf16) {
+        uint2 halves;
+        asm("{\n"
+            ".reg .b16 lo, hi;\n"
+            "mov.b32 {lo, hi}, %2;\n"
+            "cvt.rn.f16x2.e4m3x2 %0, lo;\n"
+            "cvt.rn.f16x2.e4m3x2 %1, hi;\n"
+            "}\n"
+            : "=r"(halves.x), "=r"(halves.y)
+            : "r"(bytes));
+        return halves;
+    }
+#endif
     constexpr int kShift = kBf16 ? 4 : 1;  // the byte's bit 6 to the half's exponent bit 3
     constexpr uint32_t kScale = kBf16 ? 0x7b807b80u : 0x5c005c00u;  // 2^120, 2^8
     const uint32_t magnitude = bytes & 0x7f7f7f7fu;

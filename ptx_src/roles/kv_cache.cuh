@@ -88,6 +88,21 @@ struct StagedPages {
         return slots + (stage % kSlots) * kPerStage;
     }
 
+    // The pages of the ring's first kStages - 1 stages (the split's key blocks from n_begin, of
+    // kBlockN keys), landed and visible to the block before the prologue issues their copies;
+    // nothing for a contiguous cache.
+    __device__ __forceinline__ void prefetch_prologue(const KvRows& kv, int n_begin, int n_blocks,
+                                                      int keys, int tid) const {
+        if (kv.pages == nullptr) return;
+#pragma unroll
+        for (int iter = 0; iter < kStages - 1 && iter < n_blocks; ++iter) {
+            prefetch(kv, iter, (n_begin + iter) * kBlockN, keys, tid);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+    }
+
     // cp.async (not committed) the pages of ring stage `stage`, whose keys start at key0, of a
     // sequence of `keys` keys: threads 0 .. kPerStage - 1 one word each, pages past the
     // sequence's last zero-filled. Nothing for a contiguous cache.

@@ -8,13 +8,14 @@ hopper_forward          kernels/fwd_sm90.cu: 16-bit and FP8 forward, and its ser
 hopper_backward         kernels/bwd_sm90.cu: the Hopper backward
 portable_forward        kernels/fwd_mma_sync.cu: the mma.sync forward (sm_80+)
 portable_backward       kernels/bwd_mma_sync.cu: the mma.sync backward (sm_80+)
-portable_decode         kernels/fwd_decode_mma_sync.cu: decoding, paged caches, softcap
+portable_decode         kernels/fwd_decode_mma_sync.cu: decoding, paged and FP8 caches, softcap
+portable_mla            kernels/fwd_mla_mma_sync.cu: multi-head latent attention decoding
 backward_prepost        kernels/bwd_prepost.cu: what every backward runs around its main kernel
 split_kv                kernels/combine.cu: the merge of split-KV partial states
 blockscaled             kernels/fwd_blockscaled.cu: MXFP8 / NVFP4 (sm_120a, emulated on sm_90a)
 ======================  ===================================================================
 
-Each of the first five and ``blockscaled`` is a :class:`Launcher`; ptxattn/dispatch.py's table
+Each of the first six and ``blockscaled`` is a :class:`Launcher`; ptxattn/dispatch.py's table
 names the launcher and the call of each route. ``tune_table`` holds the Hopper forward's tuned
 schedules.
 """

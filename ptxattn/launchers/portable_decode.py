@@ -39,11 +39,12 @@ class DecodeTile:
     def rows(self) -> int:
         return 16 * self.m_tiles
 
-    def smem_bytes(self, head_dim: int, kv_fp8: bool = False) -> int:
+    def smem_bytes(self, head_dim: int, kv_fp8: bool = False, bf16: bool = True) -> int:
         ring = self.stages * 2 * self.block_n * head_dim * (1 if kv_fp8 else 2)
         merge = 2 * self.warps * self.rows * 4 + self.warps * self.rows * head_dim * 4
         staged_pages = 2 * self.stages * (self.block_n // 16 + 1) * 4  # kv_cache.cuh StagedPages
-        return self.rows * head_dim * 2 + max(ring, merge) + staged_pages
+        row_scales = self.rows * 4 if kv_fp8 and bf16 else 0  # decode_mma_sync.cuh
+        return self.rows * head_dim * 2 + max(ring, merge) + staged_pages + row_scales
 
     def label(self) -> str:
         return (f"m{self.m_tiles}_n{self.block_n}_w{self.warps}_s{self.stages}"
@@ -82,8 +83,8 @@ TILES: dict[int, list[tuple[tuple[str, ...], DecodeTile]]] = {
 
 
 # e4m3 caches: an e4m3 stage is half a 16-bit one, so the same shared memory holds a ring twice
-# as deep. (Three blocks an SM of three stages each read no faster at head_dim 128: the kernel
-# is bound by its dequantizing instructions there; docs/design/serving.md#fp8-caches.)
+# as deep. (Three blocks an SM of four stages each read within the noise of this at head_dim
+# 128: 2971 against 2850 GB/s; docs/design/serving.md#fp8-caches.)
 FP8_TILES: dict[int, list[tuple[tuple[str, ...], DecodeTile]]] = {
     head_dim: [(tile_archs, dataclasses.replace(tile, stages=2 * tile.stages))
                for tile_archs, tile in tiles]
@@ -111,7 +112,7 @@ def spec(dtype: str, head_dim: int, tile: DecodeTile, archs: tuple[str, ...] = A
         source=SOURCE,
         entry=f"ptxattn::attn_fwd_decode<ptxattn::DecodeConfig<"
               f"{runtime.template_arguments(config)}>>",
-        smem_bytes=tile.smem_bytes(head_dim, kv_fp8),
+        smem_bytes=tile.smem_bytes(head_dim, kv_fp8, config.bf16),
         archs=archs,
     )
 

@@ -6,8 +6,8 @@ queries' dtype or e4m3, with the keys split over blocks as the decode kernel's a
 
 A tile is 16 or 32 packed (token, head) rows of one sequence; its four warps split a stage's
 keys for the scores and the 512 value columns for the output (mainloops/mla_mma_sync.cuh). A
-stage of 64 latent rows is 72 KB and the ring holds two or three, so the kernel runs where a
-block may have 200 KB of shared memory or more (``ARCHS``).
+stage of 64 latent rows is 72 KB (e4m3: 40 KB) and the ring holds two (four), so the kernel runs
+where a block may have 200 KB of shared memory or more (``ARCHS``).
 """
 
 from __future__ import annotations
@@ -44,16 +44,17 @@ class MlaTile:
     def rows(self) -> int:
         return 16 * self.m_tiles
 
-    def smem_bytes(self, kv_fp8: bool) -> int:
+    def smem_bytes(self, kv_fp8: bool, bf16: bool = True) -> int:
         row_bytes = HEAD_DIM * 2
         q_tile = self.rows * row_bytes
         p_tile = self.rows * self.block_n * 2
         exchange = self.warps * self.rows * 4
         staged_pages = 2 * self.stages * (self.block_n // 16 + 1) * 4  # kv_cache.cuh StagedPages
-        ring_offset = -(-(q_tile + p_tile + exchange + staged_pages) // 128) * 128
-        stage = self.block_n * row_bytes
-        ring = stage + self.stages * stage // 2 if kv_fp8 else self.stages * stage
-        return ring_offset + ring
+        row_scales = self.rows * 4 if kv_fp8 and bf16 else 0
+        ring_offset = -(-(q_tile + p_tile + exchange + staged_pages + row_scales) // 128) * 128
+        # an e4m3 row padded to whole 128-byte spans (smem_tile.cuh's E4m3Tile)
+        row = -(-HEAD_DIM // 128) * 128 if kv_fp8 else row_bytes
+        return ring_offset + self.stages * self.block_n * row
 
     def label(self) -> str:
         return f"m{self.m_tiles}_n{self.block_n}_w{self.warps}_s{self.stages}_b{self.min_blocks}"
@@ -75,11 +76,10 @@ class MlaConfig:
 
 
 # (kv_fp8, m_tiles) -> tile: a 16-bit ring holds two 72 KB stages of 64 keys next to the Q
-# tile, an e4m3 ring three 36 KB stages and the 16-bit stage they are dequantized into. (Stages
-# of 32 keys, five of them, read 16 heads' cache at 0.48-0.56 of copy bandwidth against 0.60-0.70
-# with these; H200, 2026-12-02.)
+# tile, an e4m3 ring four 40 KB ones. (Stages of 32 keys, five of them, read 16 heads' 16-bit
+# cache at 0.48-0.56 of copy bandwidth against 0.60-0.70 with these; H200, 2026-12-02.)
 TILES = {(False, 1): MlaTile(1, 2), (False, 2): MlaTile(2, 2),
-         (True, 1): MlaTile(1, 3), (True, 2): MlaTile(2, 3)}
+         (True, 1): MlaTile(1, 4), (True, 2): MlaTile(2, 4)}
 
 
 def tile_for(rows: int, kv_fp8: bool) -> MlaTile:
@@ -97,7 +97,7 @@ def spec(dtype: str, tile: MlaTile, kv_fp8: bool,
         source=SOURCE,
         entry=f"ptxattn::attn_fwd_mla<ptxattn::MlaConfig<"
               f"{runtime.template_arguments(config)}>>",
-        smem_bytes=tile.smem_bytes(kv_fp8),
+        smem_bytes=tile.smem_bytes(kv_fp8, config.bf16),
         archs=archs,
     )
 
