@@ -133,7 +133,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table=No
         or head_dim_v outside the rule above; ``k_new`` without ``v_new``; lengths beyond the
         cache's capacity (with ``check_contents``, also per sequence, and pages outside
         [0, num_pages)); ``num_splits`` outside [0, 128]; descales for a 16-bit cache, or of
-        another shape; a bad ``softmax_scale``, ``window``
+        another shape; ``k_new`` into an e4m3 cache on a GPU below sm_89; a bad ``softmax_scale``, ``window``
         or ``softcap``; arrays on different devices; ``out`` overlapping an input; an unknown
         ``backend``, or a GPU on which no kernel runs the call.
 
@@ -242,7 +242,8 @@ def attention_mla_decode(q, kv_cache, *, cache_seqlens, block_table=None, head_d
         q's or kv_cache's last axis not 576, kv_cache with more than one head, head_dim_v other
         than 512, ``kv_descale`` for a 16-bit cache or of another shape, and
         attention_with_kvcache's layout, length and page checks; a GPU without the shared
-        memory the kernel needs (200 KB a block: sm_90a, sm_100a, sm_103a).
+        memory the kernel needs (201 KB a block: sm_90a, sm_100a, sm_103a), or kv_new into an
+        e4m3 cache on a GPU below sm_89.
 
     Examples
     --------
@@ -279,13 +280,19 @@ def _serve_cache(problem, backend, q, k_cache, v_cache, *, cache_seqlens, block_
     import cupy
 
     from . import dispatch, runtime
-    from .quant.fp8 import descale_operand
+    from .quant.fp8 import QUANTIZER_ARCHS, descale_operand
 
-    route = dispatch.select(runtime.device_arch(problem.device), problem.format,
-                            problem.head_dim, head_dim_v=problem.head_dim_v,
-                            features=problem.features, backend=backend)
+    arch = runtime.device_arch(problem.device)
+    route = dispatch.select(arch, problem.format, problem.head_dim,
+                            head_dim_v=problem.head_dim_v, features=problem.features,
+                            backend=backend)
     seqlen_new = 0 if k_new is None else k_new.shape[1]
     fp8 = problem.kv_format == "e4m3"
+    if fp8 and k_new is not None and arch not in QUANTIZER_ARCHS:
+        raise ValueError(f"{'kv_new' if 'mla' in problem.layouts else 'k_new'}: appending into an "
+                         f"e4m3 cache quantizes on the GPU, which needs one of "
+                         f"{list(QUANTIZER_ARCHS)}; this GPU is {arch}. Quantize the new rows "
+                         "on the host, write them into the cache and pass cache_seqlens past them")
     with cupy.cuda.Device(problem.device):
         if check_contents:
             check_kvcache_contents(problem, cache_seqlens, block_table, k_cache.shape[0],

@@ -545,7 +545,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     and v_new are given). It has no backward yet: a backward through it raises torch's "no
     autograd formula" error. Runs on torch's current stream; the output comes from torch's
     caching allocator, the lse from CuPy's pool. Every option is
-    ``ptxattn.attention_with_kvcache``'s, with its rules; there is no ``out``.
+    ``ptxattn.attention_with_kvcache``'s, with its rules, but for e4m3 caches (no ``k_descale``
+    or ``v_descale``: call ``ptxattn.attention_with_kvcache`` on the tensors for those, and
+    ``ptxattn.attention_mla_decode`` for MLA); there is no ``out``.
 
     Parameters
     ----------

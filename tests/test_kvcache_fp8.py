@@ -159,6 +159,29 @@ def test_host_descales_are_a_type_error():
         _call(v_descale=host)
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86"])
+def test_appends_into_e4m3_caches_need_the_gpu_quantizer(monkeypatch, arch):
+    """The quantizer behind k_new (cvt.rn.satfinite.e4m3x2.f32) is sm_89+: below, an append is
+    refused, naming k_new, before anything is written or launched."""
+    from ptxattn import runtime
+    from ptxattn.quant.fp8 import QUANTIZER_ARCHS
+
+    assert arch not in QUANTIZER_ARCHS
+    monkeypatch.setattr(runtime, "device_arch", lambda device=None: arch)
+    new = dict(k_new=_at(7, (2, 1, 2, 64)), v_new=_at(8, (2, 1, 2, 64)))
+    with pytest.raises(ValueError, match=r"k_new: appending into an e4m3 cache .*'sm_89'"):
+        _call(check_contents=False, **new)
+
+
+def test_the_quantizer_runs_wherever_e4m3_conversion_does():
+    from ptxattn import archs
+    from ptxattn.quant.fp8 import QUANTIZER_ARCHS
+
+    assert set(QUANTIZER_ARCHS) == {name for name, arch in archs.ARCHS.items()
+                                    if arch.capability >= (8, 9)}
+    assert {"sm_100a", "sm_103a", "sm_121a"} <= set(QUANTIZER_ARCHS)
+
+
 def test_descales_are_exact_in_16_bits():
     """The GPU tests' premise: every e4m3 value times every descale is a bf16 and an fp16
     value."""
@@ -332,6 +355,24 @@ def test_decode_contiguous(heads, head_dim, seqlen_q, scales, rng):
     lengths = [300, 0, 1, 157]
     caches = _Caches((len(lengths), 300, heads_kv, head_dim), rng, scales=scales)
     q = _random((len(lengths), seqlen_q, heads_q, head_dim), rng)
+    out, lse = _attend(q, caches, lengths)
+    _check(q, caches, lengths, out, lse, causal=True)
+
+
+@gpu
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_query_rows_of_any_magnitude(head_dim, rng):
+    """bf16 queries run as f16 rows scaled by powers of two (e4m3_gemms.cuh's prepare_q): rows
+    from 2^-24 to 2^24 times standard normal (beyond f16's range), and a row of zeros, in one
+    tile."""
+    import cupy
+
+    lengths = [96, 33]
+    caches = _Caches((len(lengths), 96, 1, head_dim), rng, scales="tensor0")
+    q = rng.standard_normal((len(lengths), 1, 8, head_dim), dtype=np.float32)
+    q *= np.array([2.0 ** -24, 2.0 ** -12, 1.0, 2.0 ** 12, 2.0 ** 24, 0.0, 2.0 ** 6, 2.0 ** -6],
+                  dtype=np.float32)[None, None, :, None]
+    q = cupy.asarray(q).astype("bfloat16")
     out, lse = _attend(q, caches, lengths)
     _check(q, caches, lengths, out, lse, causal=True)
 

@@ -386,6 +386,20 @@ def test_contiguous_cache(heads_q, seqlen_q, dtype, rng):
 
 
 @gpu
+@pytest.mark.parametrize("layout, scales", [("contiguous", None), ("paged64", "batch")])
+@pytest.mark.parametrize("seqlen_q", [1, 3])
+@pytest.mark.parametrize("heads_q", [1, 8, 20])
+def test_partial_tiles(heads_q, seqlen_q, layout, scales, rng):
+    """Packed rows (seqlen_q x heads_q) that fill no whole 16- or 32-row tile: the tile's last
+    rows are zero-filled queries whose results are dropped."""
+    lengths = [130, 1, 64]
+    cache = _Cache(len(lengths), 192, "bfloat16", rng, layout, scales)
+    q = _random((len(lengths), seqlen_q, heads_q, HEAD_DIM), rng, "bfloat16")
+    out, lse = _decode(q, cache, lengths)
+    _check(q, cache.real, lengths, out, lse)
+
+
+@gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("heads_q, seqlen_q", [(16, 1), (128, 2), (64, 4)])
 @pytest.mark.parametrize("page_size", [16, 64, 256])

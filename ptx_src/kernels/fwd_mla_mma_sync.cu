@@ -50,8 +50,8 @@ __device__ __forceinline__ void store_permuted_row(Element* dst,
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocksPerSm)
 attn_fwd_mla(const __grid_constant__ FwdParams p) {
-    using Gemms = MmaSyncMainloop<Cfg>;
-    using Loader = MlaMainloop<Cfg>;
+    using Mainloop = MmaSyncMainloop<Cfg>;
+    using Mla = MlaMainloop<Cfg>;
     using Fp8Gemms = E4m3Gemms<Cfg>;
     constexpr int kBlockN = Cfg::kBlockN;
     constexpr int kStages = Cfg::kStages;
@@ -104,10 +104,10 @@ attn_fwd_mla(const __grid_constant__ FwdParams p) {
         if (iter < n_blocks) {
             const uint32_t stage = ring + (iter % kStages) * Cfg::kStageBytes;
             if constexpr (Cfg::kKvFp8) {
-                Loader::load_kv(stage, p, kv, pages.slot(iter), static_cast<const uint8_t*>(p.k),
+                Mla::load_kv(stage, p, kv, pages.slot(iter), static_cast<const uint8_t*>(p.k),
                                 key0, seqlen_k, warp, lane);
             } else {
-                Loader::load_kv(stage, p, kv, pages.slot(iter), static_cast<const uint16_t*>(p.k),
+                Mla::load_kv(stage, p, kv, pages.slot(iter), static_cast<const uint16_t*>(p.k),
                                 key0, seqlen_k, warp, lane);
             }
         }
@@ -116,7 +116,7 @@ attn_fwd_mla(const __grid_constant__ FwdParams p) {
         }
         cp_async_commit();
     };
-    Loader::load_q(q_tile, tile_rows, [&](int r) {
+    Mla::load_q(q_tile, tile_rows, [&](int r) {
         const int row = first_row + r;
         return q_seq + packed.token(row) * p.q_stride_s + packed.head(row) * p.q_stride_h;
     }, tid);
@@ -131,10 +131,10 @@ attn_fwd_mla(const __grid_constant__ FwdParams p) {
                                             warp, lane);
     }
 
-    const auto q_lane = Gemms::a_frag_lane(lane);
-    const auto k_lane = Gemms::k_frag_lane(lane);
-    const auto v_lane = Gemms::a_frag_lane(lane);
-    const auto p_lane = Loader::PTile::rows_then_chunks(lane);
+    const auto q_lane = Mainloop::a_frag_lane(lane);
+    const auto k_lane = Mainloop::k_frag_lane(lane);
+    const auto v_lane = Mainloop::a_frag_lane(lane);
+    const auto p_lane = Mla::PTile::rows_then_chunks(lane);
     const int warp_key0 = warp * Cfg::kWarpKeys;
     const uint32_t warp_v_cols = warp * Cfg::kWarpCols * 2;  // bytes into a row
 
@@ -156,28 +156,28 @@ attn_fwd_mla(const __grid_constant__ FwdParams p) {
             Fp8Gemms::gemm_qk(s, q_tile, kv_tile + warp_key0 * Cfg::kFp8RowBytes, lane);
             Fp8Gemms::unscale_scores(s, q_row_scale);
         } else {
-            Gemms::gemm_qk(s, q_tile, kv_tile + warp_key0 * Cfg::kRowBytes, 0, q_lane, k_lane);
+            Mainloop::gemm_qk(s, q_tile, kv_tile + warp_key0 * Cfg::kRowBytes, 0, q_lane, k_lane);
         }
         if (n_block >= blocks.right_masked) {
             apply_mask<16>(s, mask, first_row + (lane >> 2),
                            n_block * kBlockN + warp_key0 + 2 * (lane & 3), AccumulatorColumns{},
                            p.q_per_kv);
         }
-        Loader::share_row_max(exchange, s, warp, lane);
+        Mla::share_row_max(exchange, s, warp, lane);
         __syncthreads();  // every warp's maxima are in
         float block_max[Cfg::kMTiles][2];
-        Loader::combine_rows(block_max, exchange, lane, Max{});
+        Mla::combine_rows(block_max, exchange, lane, Max{});
         float rescale[Cfg::kMTiles][2];
         if (softmax.update_with_max(s, scale_log2, block_max, rescale)) scale_rows(o, rescale);
-        Loader::store_probabilities(p_tile, s, warp, lane);
+        Mla::store_probabilities(p_tile, s, warp, lane);
         __syncthreads();  // the P tile is whole (and every warp has read the maxima)
 
         uint32_t pa[Cfg::kMTiles][Cfg::kPSteps][4];
-        Loader::load_probabilities(pa, p_tile, p_lane);
+        Mla::load_probabilities(pa, p_tile, p_lane);
         if constexpr (Cfg::kKvFp8) {
             Fp8Gemms::gemm_pv(o, pa, kv_tile, warp * Cfg::kWarpCols / 16, lane);
         } else {
-            Gemms::gemm_pv(o, pa, kv_tile + warp_v_cols, v_lane);
+            Mainloop::gemm_pv(o, pa, kv_tile + warp_v_cols, v_lane);
         }
     }
     cp_async_wait<0>();
@@ -194,7 +194,7 @@ attn_fwd_mla(const __grid_constant__ FwdParams p) {
     }
     __syncthreads();
     float total[Cfg::kMTiles][2];
-    Loader::combine_rows(total, exchange, lane, Sum{});
+    Mla::combine_rows(total, exchange, lane, Sum{});
 
     constexpr float kLn2 = 0.693147180559945309f;
     const bool partial = p.num_splits > 1;

@@ -3,8 +3,8 @@
 // Decoding has few query rows per kv head (one token times the GQA group) and many keys, so the
 // warps split the keys instead of the rows: every warp holds all kRows (GQA-packed) query rows
 // and scores its own kWarpKeys of each kBlockN-key stage, with a softmax state of its own. The
-// GEMMs are the forward's (mainloops/fwd_mma_sync.cuh), run on the warp's slice of the stage; at the
-// end the warps' states are merged through shared memory (merge_warps). The kernel is bound by
+// GEMMs are the forward's (mainloops/fwd_mma_sync.cuh), run on the warp's slice of the stage; at
+// the end the warps' states are merged through shared memory (merge_warps). The kernel is bound by
 // reading K and V, so the ring is deep and a thread steps through its rows of a stage, from the
 // stage's staged page-table entries for a paged cache (kv_cache.cuh).
 //
@@ -82,6 +82,9 @@ struct DecodeConfig {
     static_assert(kStages >= 2, "the ring needs a stage in flight while one is computed");
     static_assert(!kKvFp8 || kThreads / kFp8ChunksPerRow <= 16,
                   "an e4m3 load pass steps at most one page (16 rows or more)");
+    static_assert(!kKvFp8 || (kThreads % kFp8ChunksPerRow == 0 &&
+                              kBlockN % (kThreads / kFp8ChunksPerRow) == 0),
+                  "e4m3 stage loads give every thread the same number of whole chunks");
 
     static_assert(!kKvFp8 || (kOTiles % 4 == 0 && kSTiles % 2 == 0),
                   "e4m3 V fragments come four 8-column tiles at a time");

@@ -5,8 +5,9 @@
 //
 // f16 whatever the queries' dtype: bf16 queries are converted to f16 in the Q tile first
 // (prepare_q), each row scaled by a power of two that brings its largest value to [2^14, 2^15),
-// and the scores scaled back (unscale_scores): f16 holds a bf16 value of the row's top 38 binades
-// exactly, and P in f16 is more precise than in bf16. A bf16 GEMM would need bf16 B fragments,
+// and the scores scaled back (unscale_scores): f16 holds a bf16 value of the row's top 32 binades
+// exactly (smaller ones lose bits as f16 subnormals, below 2^-24 of the scaled max they flush),
+// and P in f16 is more precise than in bf16. A bf16 GEMM would need bf16 B fragments,
 // which no instruction converts e4m3 to in one step (e4m3x4_to_16bit's integer path), and those
 // instructions set the kernel's pace (docs/design/serving.md#fp8-caches).
 //
@@ -72,8 +73,9 @@ struct E4m3Gemms {
                 for (int bit = 16; bit >= 1; bit /= 2) {
                     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, bit));
                 }
-                // floor(log2 amax) - 14 from the exponent field (at least -100, so that 2^-e is a
-                // normal float: such rows are below f16's range either way); a zero row keeps 1
+                // floor(log2 amax) - 14 from the exponent field, at least -100 (2^e and 2^-e stay
+                // normal floats; a row whose max is below 2^-86 keeps less headroom in f16); a
+                // zero row keeps 1
                 const int e = amax > 0.0f
                                   ? max(((__float_as_int(amax) >> 23) & 0xff) - 127 - 14, -100)
                                   : 0;

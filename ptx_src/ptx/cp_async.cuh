@@ -1,10 +1,10 @@
 // cp.async: per-thread asynchronous global -> shared copies (PTX ISA 9.7.9.3), sm_80+.
 //
-// Wraps cp.async.cg.shared.global with a 16-byte size (and cp.async.ca with 8 and 4 bytes, for
-// narrow rows and single words) and a run-time source size: a source size of 0 copies nothing and zero-fills the
-// destination bytes, which is how rows past a sequence's end are loaded without reading out of
-// bounds. Copies are grouped with commit_group and retired with wait_group N (at most N groups
-// still in flight).
+// Wraps cp.async.cg.shared.global with a 16-byte size (and cp.async.ca with 8 and 4 bytes,
+// for narrow rows and single words) and a run-time source size: a source size of 0 copies
+// nothing and zero-fills the destination bytes, which is how rows past a sequence's end are
+// loaded without reading out of bounds. Copies are grouped with commit_group and retired with
+// wait_group N (at most N groups still in flight).
 #pragma once
 #include "ptx/common.cuh"
 

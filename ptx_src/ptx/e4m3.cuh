@@ -50,8 +50,8 @@ __device__ __forceinline__ float e4m3_to_float(uint32_t byte) {
 // clock an SM): a byte's exponent and mantissa bits moved into place in a 16-bit half (sign
 // kept, prmt and a shift) read as the value times 2^-8 (f16: exponent bias 15 against e4m3's 7)
 // or 2^-120 (bf16: bias 127), subnormals alike, and fma.rn by 2^8 or 2^120 (plus -0, which
-// keeps a zero's sign) makes it exact. The NaN bytes 0x7f, 0xff become +-480 there, which a
-// quantizer never writes.
+// keeps a zero's sign) makes it exact. The NaN bytes 0x7f, 0xff (written only for NaN input:
+// .satfinite keeps NaN) become +-480 there, where cvt keeps them NaN.
 template <bool kBf16>
 __device__ __forceinline__ uint2 e4m3x4_to_16bit(uint32_t bytes) {
 #if __CUDA_ARCH__ >= 890

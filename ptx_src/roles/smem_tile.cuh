@@ -131,10 +131,10 @@ struct SwizzledTile {
 
 // Rows of kRowBytes e4m3 bytes (64 or a multiple of 128), their 16-byte units XOR-swizzled by
 // row: unit u of row r at r * kRowBytes + ((u ^ swizzle(r)) << 4), swizzle(r) = r % 8 for rows
-// of 128 bytes or more and (r / 2) % 4 for 64-byte rows (two to a 128-byte span). The decode
-// kernels read an e4m3 cache's fragments from such tiles (mainloops/e4m3_gemms.cuh): a 4-byte word of
-// one unit in eight consecutive rows (K), and 4-byte words of one 32-byte column group in rows
-// 2t + c (t < 4, one c a load; V). With 128-byte rows or wider both fall into 32 different
+// of 128 bytes or more and (r / 2) % 4 for 64-byte rows (two to a 128-byte span). The serving
+// kernels read an e4m3 cache's fragments from such tiles (mainloops/e4m3_gemms.cuh): a 4-byte
+// word of one unit in eight consecutive rows (K), and 4-byte words of one 32-byte column group in
+// rows 2t + c (t < 4, one c a load; V). With 128-byte rows or wider both fall into 32 different
 // banks; 64-byte rows leave V's loads two-way conflicted. The swizzle depends on the row mod 16
 // alone, so a tile's rows offset by a multiple of 16 keep it.
 template <int kRowBytes>

@@ -7,7 +7,7 @@ queries' dtype or e4m3, with the keys split over blocks as the decode kernel's a
 A tile is 16 or 32 packed (token, head) rows of one sequence; its four warps split a stage's
 keys for the scores and the 512 value columns for the output (mainloops/mla_mma_sync.cuh). A
 stage of 64 latent rows is 72 KB (e4m3: 40 KB) and the ring holds two (four), so the kernel runs
-where a block may have 200 KB of shared memory or more (``ARCHS``).
+where a block may have 201 KB of shared memory (``SMEM_PER_BLOCK``, ``ARCHS``).
 """
 
 from __future__ import annotations
@@ -24,10 +24,6 @@ HEAD_DIM_V = 512
 HEAD_DIMS = (HEAD_DIM,)
 DTYPES = {"bfloat16": 1, "float16": 0}
 SOURCE = "kernels/fwd_mla_mma_sync.cu"
-# The shared memory a block needs (every tile's smem_bytes below is 164 KB or more).
-SMEM_PER_BLOCK = 200 * 1024
-ARCHS = tuple(a for a in archs.running("portable")
-              if archs.get(a).smem_per_block >= SMEM_PER_BLOCK)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +78,14 @@ TILES = {(False, 1): MlaTile(1, 2), (False, 2): MlaTile(2, 2),
          (True, 1): MlaTile(1, 4), (True, 2): MlaTile(2, 4)}
 
 
+# The shared memory a block needs: the largest tile's (201 KB), which rules out the 163 KB and
+# 99 KB parts.
+SMEM_PER_BLOCK = max(tile.smem_bytes(kv_fp8, bf16) for (kv_fp8, _), tile in TILES.items()
+                     for bf16 in (True, False))
+ARCHS = tuple(a for a in archs.running("portable")
+              if archs.get(a).smem_per_block >= SMEM_PER_BLOCK)
+
+
 def tile_for(rows: int, kv_fp8: bool) -> MlaTile:
     """The tile for a sequence of ``rows`` packed query rows (seqlen_q x heads_q): 16-row tiles
     only where one holds them all, so that more rows share each stage."""
@@ -114,10 +118,8 @@ def serve(problem, q, k, v, out, lse, *, seqused_k=None, block_table=None, cu_se
     block_table; of q's dtype, or uint8 e4m3 bytes with ``k_descale``, a quant.fp8.Descale per
     tensor or per sequence), v its first 512 columns (not read: the kernel takes V from k's
     rows), out (batch, seqlen_q, heads_q, 512). Prepared once per set of arrays and stream, as
-    portable_decode.serve's launches are."""
-    if cu_seqlens_q is not None or cu_seqlens_k is not None or sinks is not None:
-        raise runtime.PtxattnError("the MLA decode kernel takes neither packed sequences nor "
-                                   "sinks")
+    portable_decode.serve's launches are. Dispatch sends no packed sequences or sinks here
+    (dispatch.MLA); the arguments exist for the Launcher protocol."""
     descale = k_descale.array if k_descale is not None else None
     optional = (seqused_k, block_table, descale)
     key = runtime.launch_key(

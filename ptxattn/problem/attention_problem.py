@@ -27,6 +27,8 @@ import threading
 import numpy as np
 
 from .. import dispatch
+from ..launchers.portable_mla import HEAD_DIM as MLA_HEAD_DIM
+from ..launchers.portable_mla import HEAD_DIM_V as MLA_HEAD_DIM_V
 from ..quant.blockscaled import padded_seqlen
 from .checks import (ALIGN_BYTES, E4M3, FP8_OUT_DTYPES, check_16bit, check_causal, check_descale,
                      check_device, check_e4m3, check_head_dim, check_int32, check_last_axis,
@@ -155,8 +157,6 @@ class AttentionProblem:
             needs.add("sinks")
         if self.kv_format == "e4m3":
             needs.add("fp8_kv")
-        if "mla" in self.layouts:
-            needs.add("decode")
         # a call that runs on a serving build (a layout of its own, or an option the
         # fixed-length kernels lack) with few query rows a sequence is a decode step
         if (self.layouts or needs & dispatch.SERVING_OPTIONS) and self.seqlen_q < DECODE_QUERIES:
@@ -379,7 +379,10 @@ class AttentionProblem:
         kv_format = _cache_format({"k_cache": k_cache, "v_cache": v_cache}, q.dtype)
         for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
             if not mla:
-                check_last_axis(name, x, kv_format if name != "q" and kv_format else fmt)
+                if name != "q" and kv_format:
+                    _check_e4m3_cache_dim(name, x)
+                else:
+                    check_last_axis(name, x, fmt)
             check_rows(name, x)
         batch, seqlen_q, heads_q, head_dim = q.shape
         if k_cache.shape[:-1] != v_cache.shape[:-1]:
@@ -485,18 +488,23 @@ class AttentionProblem:
         head_dim_v), shared by every query head. The problem is that of
         attention_with_kvcache over k_cache = kv_cache, v_cache = kv_cache[..., :head_dim_v],
         with the layout "mla"."""
-        for name, x in (("q", q), ("kv_cache", kv_cache)):
-            if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        check_16bit("q", q)
+        for name, x in (("kv_cache", kv_cache), ("kv_new", kv_new)):
+            if x is not None:
                 dtype_of(name, x)  # the TypeError for a non-array
-        if q.ndim == 4 and q.shape[3] != MLA_HEAD_DIM:
+        for name, x in (("q", q), ("kv_cache", kv_cache)):
+            if x.ndim != 4:
+                raise ValueError(f"{name} must have 4 dimensions, got shape {tuple(x.shape)}")
+        if q.shape[3] != MLA_HEAD_DIM:
             raise ValueError(f"q's head_dim must be {MLA_HEAD_DIM} (a {MLA_HEAD_DIM_V}-column "
                              f"latent and {MLA_HEAD_DIM - MLA_HEAD_DIM_V} rotary columns), "
                              f"got {q.shape[3]}")
-        if kv_cache.ndim == 4 and kv_cache.shape[2:] != (1, MLA_HEAD_DIM):
+        if kv_cache.shape[2:] != (1, MLA_HEAD_DIM):
             raise ValueError(f"kv_cache must have one head of q's head_dim {MLA_HEAD_DIM}: "
                              f"(batch, seqlen_cache, 1, {MLA_HEAD_DIM}) or (num_pages, "
                              f"page_size, 1, {MLA_HEAD_DIM}), got {tuple(kv_cache.shape)}")
-        if isinstance(head_dim_v, bool) or head_dim_v != MLA_HEAD_DIM_V:
+        if not isinstance(head_dim_v, numbers.Integral) or isinstance(head_dim_v, bool) or (
+                head_dim_v != MLA_HEAD_DIM_V):
             raise ValueError(f"head_dim_v must be {MLA_HEAD_DIM_V} (the latent columns of "
                              f"kv_cache that are also the values), got {head_dim_v!r}")
         if kv_new is not None and kv_new.ndim == 4 and kv_new.shape[2:] != (1, MLA_HEAD_DIM):
@@ -649,10 +657,6 @@ def _check_backward_operands(problem: AttentionProblem, dout, q, k, v, out, lse,
         written[name] = x
 
 
-# Multi-head latent attention (ptxattn.attention_mla_decode): DeepSeek-V3's and Kimi K2's cache
-# rows, a 512-column latent (the values too) and 64 rotary columns.
-MLA_HEAD_DIM = 576
-MLA_HEAD_DIM_V = 512
 # from_kvcache's argument names, as attention_mla_decode's caller knows them
 _MLA_NAMES = (("k_cache", "kv_cache"), ("v_cache", "kv_cache[..., :head_dim_v]"),
               ("k_new", "kv_new"), ("v_new", "kv_new[..., :head_dim_v]"),
@@ -676,6 +680,18 @@ def _cache_format(caches: dict, q_dtype) -> str:
                         f"{', '.join(str(d) for d in (np.dtype(q_dtype), *dtypes))}; an FP8 "
                         "cache is e4m3 throughout (ptxattn.fp8.E4M3Array or float8_e4m3fn)")
     return ""
+
+
+def _check_e4m3_cache_dim(name: str, cache) -> None:
+    """An e4m3 cache's head dim: whole 16-byte pieces up to the decode kernel's largest compiled
+    head dim (launchers/portable_decode.py), whose e4m3 rows land in 16-byte chunks."""
+    from ..launchers import portable_decode
+
+    dim = cache.shape[-1] if getattr(cache, "ndim", 0) else None
+    largest = max(portable_decode.HEAD_DIMS)
+    if dim is not None and not (dispatch.takes_head_dim("e4m3", dim) and dim <= largest):
+        raise ValueError(f"{name}: head_dim must be {dispatch.head_dim_rule('e4m3', largest)} "
+                         f"for an e4m3 cache, got {dim}")
 
 
 def _check_cache_descales(kv_format: str, descales: dict, batch: int, heads_kv: int,

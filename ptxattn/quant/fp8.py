@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import runtime
+from .. import archs, runtime
 from ..interop import CUDA_ARRAY, framework_arrays
 from ..launchers import kernel_head_dim
 from ..problem import E4M3, SCALE_BLOCK_ROWS, check_e4m3, check_rows, descale_shapes
@@ -26,14 +26,16 @@ HEAD_DIMS = (64, 128, 256)
 256 runs on the least that holds it, a Hadamard rotation on these alone."""
 INPUT_DTYPES = {"bfloat16": 1, "float16": 0}
 
-_QUANTIZER_ARCHS = ("sm_89", "sm_90a", "sm_120a")
+# cvt.rn.satfinite.e4m3x2.f32 (ptx/e4m3.cuh) is sm_89+
+QUANTIZER_ARCHS = tuple(name for name, arch in archs.ARCHS.items() if arch.capability >= (8, 9))
+"""The architectures the quantizers (and so appends into an e4m3 cache) run on."""
 _WARPS_PER_BLOCK = 8
 
 
 def quantizer_spec(entry: str, dtype: str, head_dim: int) -> runtime.KernelSpec:
     return runtime.KernelSpec(
         name=f"{entry}_{dtype}_d{head_dim}", source="kernels/quantize_fp8.cu", entry=entry,
-        defines={"HEAD_DIM": head_dim, "IS_BF16": INPUT_DTYPES[dtype]}, archs=_QUANTIZER_ARCHS)
+        defines={"HEAD_DIM": head_dim, "IS_BF16": INPUT_DTYPES[dtype]}, archs=QUANTIZER_ARCHS)
 
 
 def variants() -> list[runtime.KernelSpec]:
@@ -152,10 +154,8 @@ class Descale(NamedTuple):
 
 
 def descale_operand(d, batch: int, heads: int, seqlen: int) -> Descale:
-    import cupy
-
     if not hasattr(d, "shape"):
-        return Descale(cupy.full((1,), d, dtype=cupy.float32), 0, 0, 0)
+        return Descale(_scalar_descale(float(d)), 0, 0, 0)
     granularity = descale_shapes(batch, heads, seqlen, True)[tuple(d.shape)]
     steps = [s // d.itemsize for s in d.strides]
     if granularity == "tensor":
@@ -163,6 +163,21 @@ def descale_operand(d, batch: int, heads: int, seqlen: int) -> Descale:
     if granularity == "head":
         return Descale(d, steps[0], steps[1], 0)
     return Descale(d, steps[0], steps[1], steps[2])
+
+
+_scalar_descales: dict = {}
+
+
+def _scalar_descale(value: float):
+    """A descale given as a number, as a float32 (1,) array on the current device: one per
+    (device, value), so that a decode loop passing the same number allocates and fills nothing
+    per call and its prepared launches find the same address."""
+    import cupy
+
+    key = (cupy.cuda.Device().id, value)
+    if key not in _scalar_descales:
+        _scalar_descales[key] = cupy.full((1,), value, dtype=cupy.float32)
+    return _scalar_descales[key]
 
 
 def descale_rows(d, batch: int, seqlen: int, heads: int):
