@@ -82,3 +82,47 @@ def assert_matches_finite_differences(loss, args, grads, names, eps=1e-6):
             numeric[pos] = (loss(*plus) - loss(*minus)) / (2 * eps)
         np.testing.assert_allclose(cupy.asnumpy(grad), numeric, rtol=1e-4, atol=1e-4,
                                    err_msg=names[index])
+
+
+# The FP8 cache tests (test_kvcache_fp8.py, test_mla_decode.py): the float32 value of every e4m3
+# byte, and descales of at most 3 significant bits, so that e4m3 (4 significant bits) times one
+# is exact in bf16 (8) and fp16 (11, and subnormal steps of 2^-24 below the least product,
+# 2^-18); about amax / 448 of standard normal data, so that some values saturate at 448.
+def e4m3_values():
+    import ml_dtypes
+    import numpy as np
+    return np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+def cache_descales():
+    import numpy as np
+    return np.float32([2.0 ** -6, 3 * 2.0 ** -8, 2.0 ** -5, 5 * 2.0 ** -9])
+
+
+def standard_normal(shape, rng, dtype="bfloat16", scale=1.0):
+    """A CuPy array of standard normal values times ``scale`` in ``dtype``."""
+    import cupy
+    import numpy as np
+    return cupy.asarray(rng.standard_normal(shape, dtype=np.float32) * scale).astype(dtype)
+
+
+def outlying(shape, rng, dtype):
+    """Twice standard normal values but for the first column, of magnitude 1.5 x 448 times the
+    largest of cache_descales(), so that quantizing saturates there."""
+    import cupy
+    import numpy as np
+    x = rng.standard_normal(shape, dtype=np.float32) * 2
+    x[..., 0] = np.where(x[..., 0] < 0, -1.5, 1.5) * 448 * cache_descales().max()
+    return cupy.asarray(x).astype(dtype)
+
+
+def assert_descales_exact_in_16_bits():
+    """The FP8 cache tests' premise: every e4m3 value times every descale is a bf16 and an fp16
+    value."""
+    import ml_dtypes
+    import numpy as np
+    values = e4m3_values()
+    finite = values[np.isfinite(values)]
+    products = (finite[:, None] * cache_descales()[None, :]).ravel()
+    for dtype in (ml_dtypes.bfloat16, np.float16):
+        np.testing.assert_array_equal(products.astype(dtype).astype(np.float32), products)

@@ -23,18 +23,16 @@ import numpy as np
 import pytest
 
 import ptxattn
-from inputs import assert_within_naive_error
+from inputs import (assert_descales_exact_in_16_bits, assert_within_naive_error, cache_descales,
+                    e4m3_values, outlying, standard_normal)
 from meta_array import MetaArray
 from ptxattn import fp8
 
 E4M3 = ml_dtypes.float8_e4m3fn
 E4M3_NAN = 0x7F
 # e4m3's values decoded by ml_dtypes, not by ptxattn: what a byte means
-E4M3_VALUES = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float32)
-# Descales of at most 3 significant bits: e4m3 (4 significant bits) times one is exact in bf16
-# (8) and fp16 (11, and subnormal steps of 2^-24 below the least product, 2^-18); about
-# amax / 448 of standard normal data, so that some values saturate at 448.
-DESCALES = np.float32([2.0 ** -6, 3 * 2.0 ** -8, 2.0 ** -5, 5 * 2.0 ** -9])
+E4M3_VALUES = e4m3_values()
+DESCALES = cache_descales()  # tests/inputs.py: why these
 
 gpu = pytest.mark.gpu
 
@@ -183,30 +181,11 @@ def test_the_quantizer_runs_wherever_e4m3_conversion_does():
 
 
 def test_descales_are_exact_in_16_bits():
-    """The GPU tests' premise: every e4m3 value times every descale is a bf16 and an fp16
-    value."""
-    finite = E4M3_VALUES[np.isfinite(E4M3_VALUES)]
-    products = (finite[:, None] * DESCALES[None, :]).ravel()
-    for dtype in (ml_dtypes.bfloat16, np.float16):
-        np.testing.assert_array_equal(products.astype(dtype).astype(np.float32), products)
+    assert_descales_exact_in_16_bits()
 
 
 # ---------------------------------------------------------------------------------------------
 # GPU helpers
-
-
-def _random(shape, rng, dtype="bfloat16", scale=1.0):
-    import cupy
-    return cupy.asarray(rng.standard_normal(shape, dtype=np.float32) * scale).astype(dtype)
-
-
-def _outlying(shape, rng, dtype):
-    """Twice standard normal values but for the first column, of magnitude 1.5 x 448 times
-    the largest descale of DESCALES, so that quantizing saturates there."""
-    import cupy
-    x = rng.standard_normal(shape, dtype=np.float32) * 2
-    x[..., 0] = np.where(x[..., 0] < 0, -1.5, 1.5) * 448 * DESCALES.max()
-    return cupy.asarray(x).astype(dtype)
 
 
 def _descale(kind, batch, heads_kv, rng):
@@ -354,7 +333,7 @@ def test_decode_contiguous(heads, head_dim, seqlen_q, scales, rng):
     heads_q, heads_kv = heads
     lengths = [300, 0, 1, 157]
     caches = _Caches((len(lengths), 300, heads_kv, head_dim), rng, scales=scales)
-    q = _random((len(lengths), seqlen_q, heads_q, head_dim), rng)
+    q = standard_normal((len(lengths), seqlen_q, heads_q, head_dim), rng)
     out, lse = _attend(q, caches, lengths)
     _check(q, caches, lengths, out, lse, causal=True)
 
@@ -385,7 +364,7 @@ def test_decode_paged(page_size, head_dim, dtype, scales, rng):
     capacity = 512 if page_size == 256 else 320
     lengths = [capacity, 0, 1, 193, capacity - page_size + 5]
     caches = _Caches((len(lengths), capacity, 8, head_dim), rng, f"paged{page_size}", scales)
-    q = _random((len(lengths), 2, 32, head_dim), rng, dtype)
+    q = standard_normal((len(lengths), 2, 32, head_dim), rng, dtype)
     out, lse = _attend(q, caches, lengths)
     _check(q, caches, lengths, out, lse, causal=True)
 
@@ -396,7 +375,7 @@ def test_other_head_dims(head_dim, rng):
     """Multiples of 16 between the compiled head dims, paged."""
     lengths = [256, 77, 1]
     caches = _Caches((len(lengths), 256, 2, head_dim), rng, "paged64")
-    q = _random((len(lengths), 2, 8, head_dim), rng)
+    q = standard_normal((len(lengths), 2, 8, head_dim), rng)
     out, lse = _attend(q, caches, lengths)
     _check(q, caches, lengths, out, lse, causal=True)
 
@@ -406,7 +385,7 @@ def test_other_head_dims(head_dim, rng):
 def test_every_split_count(num_splits, rng):
     lengths = [1500, 701, 1, 0]
     caches = _Caches((len(lengths), 1500, 2, 128), rng, scales="head")
-    q = _random((len(lengths), 1, 16, 128), rng)
+    q = standard_normal((len(lengths), 1, 16, 128), rng)
     out, lse = _attend(q, caches, lengths, num_splits=num_splits)
     _check(q, caches, lengths, out, lse, causal=True)
 
@@ -418,7 +397,7 @@ def test_unfilled_rows_are_not_read(layout, rng):
     output."""
     lengths = [320, 100, 1, 0, 63]
     caches = _Caches((len(lengths), 320, 2, 128), rng, layout, unfilled=lengths)
-    q = _random((len(lengths), 2, 8, 128), rng)
+    q = standard_normal((len(lengths), 2, 8, 128), rng)
     out, lse = _attend(q, caches, lengths)
     _check(q, caches, lengths, out, lse, causal=True)
 
@@ -442,8 +421,8 @@ def test_append_quantizes_into_the_cache(layout, dtype, scales, seqlen_new, rng)
 
     lengths = [0, 63, 250, 15]
     caches = _Caches((len(lengths), 256, 4, 128), rng, layout, scales)
-    q = _random((len(lengths), seqlen_new, 16, 128), rng, dtype)
-    k_new, v_new = (_outlying((len(lengths), seqlen_new, 4, 128), rng, dtype)
+    q = standard_normal((len(lengths), seqlen_new, 16, 128), rng, dtype)
+    k_new, v_new = (outlying((len(lengths), seqlen_new, 4, 128), rng, dtype)
                     for _ in range(2))
     expected = caches.append(k_new, v_new, lengths)
     seqlens = cupy.asarray(np.array(lengths, dtype=np.int32))
@@ -465,7 +444,7 @@ def test_out_buffer(rng):
     import cupy
 
     caches = _Caches((3, 128, 2, 64), rng, "paged16")
-    q = _random((3, 2, 8, 64), rng)
+    q = standard_normal((3, 2, 8, 64), rng)
     out = cupy.full(q.shape, cupy.nan, dtype=q.dtype)
     got, lse = ptxattn.attention_with_kvcache(q, caches.k, caches.v, cache_seqlens=77, out=out,
                                               return_lse=True, num_splits=2, **caches.kwargs())
@@ -494,7 +473,7 @@ def test_masks_softcap_sinks(masks, layout, num_splits, rng):
 
     lengths = [896, 450, 0]
     caches = _Caches((len(lengths), 896, 2, 128), rng, layout)
-    q = _random((len(lengths), 8, 8, 128), rng, scale=2.0)
+    q = standard_normal((len(lengths), 8, 8, 128), rng, scale=2.0)
     masks = dict(masks)
     if masks.pop("sinks", False):
         masks["sinks"] = cupy.asarray(rng.standard_normal(8, dtype=np.float32) * 3)
@@ -521,8 +500,8 @@ def test_bad_contents_are_refused_before_launch(lengths, bad_page, match, rng):
         table = caches.block_table.get()
         table[bad_page[0]] = bad_page[1]
         caches.block_table = cupy.asarray(table)
-    q = _random((2, 2, 8, 64), rng)
-    k_new, v_new = _random((2, 2, 2, 64), rng), _random((2, 2, 2, 64), rng)
+    q = standard_normal((2, 2, 8, 64), rng)
+    k_new, v_new = standard_normal((2, 2, 2, 64), rng), standard_normal((2, 2, 2, 64), rng)
     before = caches.storage()
     with pytest.raises(ValueError, match=match):
         _attend(q, caches, lengths, k_new=k_new, v_new=v_new)

@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 
 import ptxattn
-from inputs import assert_within_naive_error
+from inputs import (assert_descales_exact_in_16_bits, assert_within_naive_error, cache_descales,
+                    e4m3_values, outlying, standard_normal)
 from meta_array import MetaArray
 from ptxattn import fp8
 
@@ -32,11 +33,8 @@ HEAD_DIM, HEAD_DIM_V = 576, 512
 E4M3 = ml_dtypes.float8_e4m3fn
 E4M3_NAN = 0x7F
 # e4m3's values decoded by ml_dtypes, not by ptxattn: what a byte means
-E4M3_VALUES = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float32)
-# Descales of at most 3 significant bits: e4m3 (4 significant bits) times one is exact in bf16
-# (8) and fp16 (11, and subnormal steps of 2^-24 below the least product, 2^-18); about
-# amax / 448 of standard normal data, so that some values saturate at 448.
-DESCALES = np.float32([2.0 ** -6, 3 * 2.0 ** -8, 2.0 ** -5, 5 * 2.0 ** -9])
+E4M3_VALUES = e4m3_values()
+DESCALES = cache_descales()  # tests/inputs.py: why these
 
 gpu = pytest.mark.gpu
 
@@ -200,20 +198,6 @@ def test_host_arrays_are_a_type_error():
 
 # ---------------------------------------------------------------------------------------------
 # GPU helpers
-
-
-def _random(shape, rng, dtype="bfloat16", scale=1.0):
-    import cupy
-    return cupy.asarray(rng.standard_normal(shape, dtype=np.float32) * scale).astype(dtype)
-
-
-def _outlying(shape, rng, dtype):
-    """Twice standard normal values but for the first column, of magnitude 1.5 x 448 times
-    the largest descale of DESCALES, so that quantizing saturates there."""
-    import cupy
-    x = rng.standard_normal(shape, dtype=np.float32) * 2
-    x[..., 0] = np.where(x[..., 0] < 0, -1.5, 1.5) * 448 * DESCALES.max()
-    return cupy.asarray(x).astype(dtype)
 
 
 def _page_size(layout: str):
@@ -380,7 +364,7 @@ def test_contiguous_cache(heads_q, seqlen_q, dtype, rng):
     query rows than keys leave the causal rows above the diagonal empty."""
     lengths = [200, 0, 1, 131]
     cache = _Cache(len(lengths), 200, dtype, rng)
-    q = _random((len(lengths), seqlen_q, heads_q, HEAD_DIM), rng, dtype)
+    q = standard_normal((len(lengths), seqlen_q, heads_q, HEAD_DIM), rng, dtype)
     out, lse = _decode(q, cache, lengths)
     _check(q, cache.real, lengths, out, lse)
 
@@ -394,7 +378,7 @@ def test_partial_tiles(heads_q, seqlen_q, layout, scales, rng):
     rows are zero-filled queries whose results are dropped."""
     lengths = [130, 1, 64]
     cache = _Cache(len(lengths), 192, "bfloat16", rng, layout, scales)
-    q = _random((len(lengths), seqlen_q, heads_q, HEAD_DIM), rng, "bfloat16")
+    q = standard_normal((len(lengths), seqlen_q, heads_q, HEAD_DIM), rng, "bfloat16")
     out, lse = _decode(q, cache, lengths)
     _check(q, cache.real, lengths, out, lse)
 
@@ -407,7 +391,7 @@ def test_paged_cache_with_shuffled_pages(page_size, heads_q, seqlen_q, dtype, rn
     capacity = 2 * page_size if page_size == 256 else 320
     lengths = [capacity, 0, 1, 193, capacity - page_size + 5]
     cache = _Cache(len(lengths), capacity, dtype, rng, f"paged{page_size}")
-    q = _random((len(lengths), seqlen_q, heads_q, HEAD_DIM), rng, dtype)
+    q = standard_normal((len(lengths), seqlen_q, heads_q, HEAD_DIM), rng, dtype)
     out, lse = _decode(q, cache, lengths)
     _check(q, cache.real, lengths, out, lse)
 
@@ -420,7 +404,7 @@ def test_every_split_count(num_splits, layout, rng):
     the automatic choice."""
     lengths = [1024, 577, 1, 0]
     cache = _Cache(len(lengths), 1024, "bfloat16", rng, layout)
-    q = _random((len(lengths), 2, 64, HEAD_DIM), rng)
+    q = standard_normal((len(lengths), 2, 64, HEAD_DIM), rng)
     out, lse = _decode(q, cache, lengths, num_splits=num_splits)
     _check(q, cache.real, lengths, out, lse)
 
@@ -430,7 +414,7 @@ def test_every_split_count(num_splits, layout, rng):
 def test_softmax_scale_and_causal(causal, softmax_scale, rng):
     lengths = [150, 3, 0]
     cache = _Cache(len(lengths), 192, "bfloat16", rng, "paged64")
-    q = _random((len(lengths), 4, 32, HEAD_DIM), rng)
+    q = standard_normal((len(lengths), 4, 32, HEAD_DIM), rng)
     out, lse = _decode(q, cache, lengths, causal=causal, softmax_scale=softmax_scale)
     _check(q, cache.real, lengths, out, lse, causal=causal, softmax_scale=softmax_scale)
 
@@ -442,7 +426,7 @@ def test_unfilled_rows_are_not_read(layout, scales, rng):
     """Rows past each filled length hold NaN (an unwritten cache): none may reach an output."""
     lengths = [320, 100, 1, 0, 63]
     cache = _Cache(len(lengths), 320, "bfloat16", rng, layout, scales, unfilled=lengths)
-    q = _random((len(lengths), 2, 64, HEAD_DIM), rng)
+    q = standard_normal((len(lengths), 2, 64, HEAD_DIM), rng)
     out, lse = _decode(q, cache, lengths)
     _check(q, cache.real, lengths, out, lse)
 
@@ -463,8 +447,8 @@ def test_append_then_attend(layout, seqlen_new, dtype, rng):
 
     lengths = [0, 63, 250, 15]
     cache = _Cache(len(lengths), 256, dtype, rng, layout)
-    q = _random((len(lengths), seqlen_new, 32, HEAD_DIM), rng, dtype)
-    kv_new = _random((len(lengths), seqlen_new, 1, HEAD_DIM), rng, dtype)
+    q = standard_normal((len(lengths), seqlen_new, 32, HEAD_DIM), rng, dtype)
+    kv_new = standard_normal((len(lengths), seqlen_new, 1, HEAD_DIM), rng, dtype)
     seqlens = cupy.asarray(np.array(lengths, dtype=np.int32))
     expected = cache.append(kv_new, lengths)
     out, lse = ptxattn.attention_mla_decode(q, cache.arg, cache_seqlens=seqlens, kv_new=kv_new,
@@ -483,7 +467,7 @@ def test_out_buffer_and_return_lse(layout, rng):
 
     batch, length = 3, 77
     cache = _Cache(batch, 128, "bfloat16", rng, layout)
-    q = _random((batch, 2, 16, HEAD_DIM), rng)
+    q = standard_normal((batch, 2, 16, HEAD_DIM), rng)
     out = cupy.full((batch, 2, 16, HEAD_DIM_V), cupy.nan, dtype="bfloat16")
     got, lse = ptxattn.attention_mla_decode(q, cache.arg, cache_seqlens=length, out=out,
                                             return_lse=True, num_splits=2, **cache.kwargs())
@@ -514,11 +498,11 @@ def test_fp8_cache(layout, heads_q, dtype, scales, append, rng):
     seqlen_q = 2
     capacity = 384 if append else 320
     cache = _Cache(len(lengths), capacity, dtype, rng, layout, scales)
-    q = _random((len(lengths), seqlen_q, heads_q, HEAD_DIM), rng, dtype)
+    q = standard_normal((len(lengths), seqlen_q, heads_q, HEAD_DIM), rng, dtype)
     seqlens = cupy.asarray(np.array(lengths, dtype=np.int32))
     kwargs = cache.kwargs()
     if append:
-        kwargs["kv_new"] = _outlying((len(lengths), seqlen_q, 1, HEAD_DIM), rng, dtype)
+        kwargs["kv_new"] = outlying((len(lengths), seqlen_q, 1, HEAD_DIM), rng, dtype)
         expected = cache.append(kwargs["kv_new"], lengths)
     out, lse = ptxattn.attention_mla_decode(q, cache.arg, cache_seqlens=seqlens,
                                             return_lse=True, **kwargs)
@@ -556,8 +540,8 @@ def test_bad_contents_are_refused_before_launch(lengths, table_fix, match, rng):
         table = cache.block_table.get()
         table_fix(table)
         cache.block_table = cupy.asarray(table)
-    q = _random((2, 1, 16, HEAD_DIM), rng)
-    kv_new = _random((2, 1, 1, HEAD_DIM), rng)
+    q = standard_normal((2, 1, 16, HEAD_DIM), rng)
+    kv_new = standard_normal((2, 1, 1, HEAD_DIM), rng)
     before = cache.storage()
     with pytest.raises(ValueError, match=match):
         _decode(q, cache, lengths, kv_new=kv_new)
@@ -575,8 +559,8 @@ def test_torch_tensors_in_torch_tensors_out(rng):
 
     lengths = [100, 5]
     cache = _Cache(len(lengths), 128, "bfloat16", rng, "paged64")
-    q = _random((2, 1, 32, HEAD_DIM), rng)
-    kv_new = _random((2, 1, 1, HEAD_DIM), rng)
+    q = standard_normal((2, 1, 32, HEAD_DIM), rng)
+    kv_new = standard_normal((2, 1, 1, HEAD_DIM), rng)
     expected = cache.append(kv_new, lengths)
     tq, tcache, tnew, ttable = (torch.from_dlpack(x) for x in (q, cache.arg, kv_new,
                                                                 cache.block_table))
@@ -592,9 +576,4 @@ def test_torch_tensors_in_torch_tensors_out(rng):
 
 
 def test_descales_are_exact_in_16_bits():
-    """The FP8 tests' premise: every e4m3 value times every descale is a bf16 and an fp16
-    value."""
-    finite = E4M3_VALUES[np.isfinite(E4M3_VALUES)]
-    products = (finite[:, None] * DESCALES[None, :]).ravel()
-    for dtype in (ml_dtypes.bfloat16, np.float16):
-        np.testing.assert_array_equal(products.astype(dtype).astype(np.float32), products)
+    assert_descales_exact_in_16_bits()
