@@ -26,9 +26,12 @@ The ops:
   check_contents, backend) -> (dq, dk, dv, dsinks)``
 - ``ptxattn::attention_with_kvcache_fwd(q, k_cache, v_cache, cache_seqlens, uniform_cache_seqlen,
   block_table, k_new, v_new, causal, window, softcap, sinks, softmax_scale, num_splits,
-  check_contents, backend) -> (out, lse)``, which mutates k_cache and v_cache (declared, so that
-  torch.compile orders it and the caller sees the appended rows; they change only when k_new and
-  v_new are given).
+  check_contents, backend, k_descale, v_descale) -> (out, lse)``, which mutates k_cache and
+  v_cache (declared, so that torch.compile orders it and the caller sees the appended rows; they
+  change only when k_new and v_new are given).
+- ``ptxattn::attention_mla_decode_fwd(q, kv_cache, cache_seqlens, uniform_cache_seqlen,
+  block_table, kv_new, kv_descale, softmax_scale, causal, num_splits, check_contents) -> (out,
+  lse)``, which mutates kv_cache likewise.
 
 Each has a fake implementation (shapes and dtypes only, the strides the real one gives), so that
 torch.compile traces it without running it. attention's and attention_varlen's pairs are joined
@@ -78,13 +81,15 @@ import torch
 from . import api, archs, dispatch, serving
 from .problem.checks import ALIGN_BYTES
 
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "ring_attention",
-           "enable_sdpa", "disable_sdpa", "sdpa_enabled"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "attention_mla_decode",
+           "ring_attention", "enable_sdpa", "disable_sdpa", "sdpa_enabled"]
 
 # What the backward ops return: dq, dk, dv and dsinks.
 _Gradients = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+# A KV cache: the queries' 16-bit dtype, or e4m3 with its descales
+_CACHE_DTYPES = (*_SIXTEEN_BIT, torch.float8_e4m3fn)
 # Where the ops run: CUDA tensors, and meta (or fake) tensors, which reach the fake kernels when
 # torch.compile or opcheck traces a call.
 _DEVICE_TYPES = ("cuda", "meta")
@@ -507,7 +512,9 @@ def attention_with_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                window: Sequence[int], softcap: float,
                                sinks: Optional[torch.Tensor], softmax_scale: Optional[float],
                                num_splits: int, check_contents: bool,
-                               backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+                               backend: Optional[str], k_descale: Optional[torch.Tensor],
+                               v_descale: Optional[torch.Tensor]
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """ptxattn.attention_with_kvcache's output and float32 log-sum-exp (batch, heads_q,
     seqlen_q), k_new and v_new written into the caches first. ``cache_seqlens`` is the int32
     (batch,) tensor of filled lengths, or None for one length of every sequence,
@@ -518,13 +525,15 @@ def attention_with_kvcache_fwd(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         block_table=block_table, k_new=_detached(k_new), v_new=_detached(v_new), causal=causal,
         window=tuple(window), softcap=softcap, sinks=_detached(sinks),
         softmax_scale=softmax_scale, num_splits=num_splits, return_lse=True,
-        out=q.new_empty(_out_shape(q, v_cache)), check_contents=check_contents, backend=backend)
+        out=q.new_empty(_out_shape(q, v_cache)), check_contents=check_contents, backend=backend,
+        k_descale=k_descale, v_descale=v_descale)
 
 
 @attention_with_kvcache_fwd.register_fake
 def _attention_with_kvcache_fwd_fake(q, k_cache, v_cache, cache_seqlens, uniform_cache_seqlen,
                                      block_table, k_new, v_new, causal, window, softcap, sinks,
-                                     softmax_scale, num_splits, check_contents, backend):
+                                     softmax_scale, num_splits, check_contents, backend,
+                                     k_descale, v_descale):
     return q.new_empty(_out_shape(q, v_cache)), q.new_empty(_lse_shape(q), dtype=torch.float32)
 
 
@@ -536,7 +545,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            sinks: Optional[torch.Tensor] = None,
                            softmax_scale: Optional[float] = None, num_splits: int = 0,
                            return_lse: bool = False, check_contents: bool = True,
-                           backend: Optional[str] = None):
+                           backend: Optional[str] = None,
+                           k_descale: Optional[torch.Tensor] = None,
+                           v_descale: Optional[torch.Tensor] = None):
     """``ptxattn.attention_with_kvcache`` on CUDA tensors, as a custom op (forward only).
 
     The custom op ``ptxattn::attention_with_kvcache_fwd``, traceable by torch.compile, which
@@ -545,9 +556,8 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     and v_new are given). It has no backward yet: a backward through it raises torch's "no
     autograd formula" error. Runs on torch's current stream; the output comes from torch's
     caching allocator, the lse from CuPy's pool. Every option is
-    ``ptxattn.attention_with_kvcache``'s, with its rules, but for e4m3 caches (no ``k_descale``
-    or ``v_descale``: call ``ptxattn.attention_with_kvcache`` on the tensors for those, and
-    ``ptxattn.attention_mla_decode`` for MLA); there is no ``out``.
+    ``ptxattn.attention_with_kvcache``'s, with its rules (descales: tensors only); there is no
+    ``out``.
 
     Parameters
     ----------
@@ -556,9 +566,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         head_dim a multiple of 8 from 8 to 256.
     k_cache, v_cache : torch.Tensor
         A contiguous cache, (batch, seqlen_cache, heads_kv, head_dim), or a paged one,
-        (num_pages, page_size, heads_kv, head_dim) with ``block_table``; q's dtype. v_cache
-        has k_cache's shape but for its last axis, head_dim_v: a multiple of 8 at most
-        head_dim.
+        (num_pages, page_size, heads_kv, head_dim) with ``block_table``; q's dtype, or
+        float8_e4m3fn (both) with ``k_descale`` and ``v_descale``. v_cache has k_cache's shape
+        but for its last axis, head_dim_v: a multiple of 8 at most head_dim (e4m3: head_dim).
     cache_seqlens : int or torch.Tensor
         Each sequence's filled length: one int, or an int32 (batch,) CUDA tensor.
     block_table : torch.Tensor, optional
@@ -584,6 +594,9 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         Copy cache_seqlens and block_table to the host to check them (a synchronization).
     backend : {'hopper', 'portable'}, optional
         The kernel family.
+    k_descale, v_descale : torch.Tensor, optional
+        For e4m3 caches: float32 CUDA tensors of shape (1,) (per tensor) or (batch, heads_kv);
+        a value is e4m3(byte) * descale. k_new and v_new are quantized into the caches with them.
 
     Returns
     -------
@@ -596,9 +609,10 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Raises
     ------
     TypeError
-        q, the caches, k_new or v_new not float16 or bfloat16 CUDA tensors; a tensor
-        ``cache_seqlens`` or ``block_table`` not an int32 CUDA tensor; ``sinks`` not a float32
-        CUDA tensor; then, inside the op, every TypeError of ``ptxattn.attention_with_kvcache``.
+        q, k_new or v_new not float16 or bfloat16 CUDA tensors, the caches not those or
+        float8_e4m3fn; a tensor ``cache_seqlens`` or ``block_table`` not an int32 CUDA tensor;
+        ``sinks`` or a descale not a float32 CUDA tensor; then, inside the op, every TypeError
+        of ``ptxattn.attention_with_kvcache``.
     ValueError
         As ``ptxattn.attention_with_kvcache`` raises it.
 
@@ -614,11 +628,12 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ...                                            k_new=k_new, v_new=v_new)
     >>> lengths += 1
     """
-    _check_16bit(q=q, k_cache=k_cache, v_cache=v_cache)
+    _check_16bit(q=q)
+    _check_caches(k_cache=k_cache, v_cache=v_cache)
     if isinstance(cache_seqlens, torch.Tensor):
         _check_tensor("cache_seqlens", cache_seqlens, (torch.int32,), "int32")
     _check_optional(torch.int32, block_table=block_table)
-    _check_optional(torch.float32, sinks=sinks)
+    _check_optional(torch.float32, sinks=sinks, k_descale=k_descale, v_descale=v_descale)
     if k_new is not None:
         _check_16bit(k_new=k_new)
     if v_new is not None:
@@ -627,7 +642,107 @@ def attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out, lse = attention_with_kvcache_fwd(
         q, k_cache, v_cache, cache_seqlens if tensor else None, 0 if tensor else cache_seqlens,
         block_table, k_new, v_new, causal, tuple(window), softcap, sinks, softmax_scale,
-        num_splits, check_contents, backend)
+        num_splits, check_contents, backend, k_descale, v_descale)
+    return (out, lse) if return_lse else out
+
+
+def _check_caches(**caches) -> None:
+    for name, x in caches.items():
+        _check_tensor(name, x, _CACHE_DTYPES, "float16, bfloat16 or float8_e4m3fn")
+
+
+@torch.library.custom_op("ptxattn::attention_mla_decode_fwd", mutates_args=("kv_cache",),
+                         device_types="cuda")
+def attention_mla_decode_fwd(q: torch.Tensor, kv_cache: torch.Tensor,
+                             cache_seqlens: Optional[torch.Tensor], uniform_cache_seqlen: int,
+                             block_table: Optional[torch.Tensor], kv_new: Optional[torch.Tensor],
+                             kv_descale: Optional[torch.Tensor], softmax_scale: Optional[float],
+                             causal: bool, num_splits: int, check_contents: bool
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """ptxattn.attention_mla_decode's output and float32 log-sum-exp (batch, heads_q,
+    seqlen_q), kv_new written into the cache first; ``cache_seqlens`` as in
+    attention_with_kvcache_fwd."""
+    lengths = uniform_cache_seqlen if cache_seqlens is None else cache_seqlens
+    return serving.attention_mla_decode(
+        q.detach(), kv_cache.detach(), cache_seqlens=lengths, block_table=block_table,
+        kv_new=_detached(kv_new), kv_descale=kv_descale, softmax_scale=softmax_scale,
+        causal=causal, num_splits=num_splits, return_lse=True,
+        out=q.new_empty(_mla_out_shape(q)), check_contents=check_contents)
+
+
+@attention_mla_decode_fwd.register_fake
+def _attention_mla_decode_fwd_fake(q, kv_cache, cache_seqlens, uniform_cache_seqlen,
+                                   block_table, kv_new, kv_descale, softmax_scale, causal,
+                                   num_splits, check_contents):
+    return q.new_empty(_mla_out_shape(q)), q.new_empty(_lse_shape(q), dtype=torch.float32)
+
+
+def _mla_out_shape(q: torch.Tensor) -> tuple[int, ...]:
+    from .launchers.portable_mla import HEAD_DIM_V
+    return (*q.shape[:-1], HEAD_DIM_V)
+
+
+def attention_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, *, cache_seqlens,
+                         block_table: Optional[torch.Tensor] = None,
+                         kv_new: Optional[torch.Tensor] = None,
+                         kv_descale: Optional[torch.Tensor] = None,
+                         softmax_scale: Optional[float] = None, causal: bool = True,
+                         num_splits: int = 0, return_lse: bool = False,
+                         check_contents: bool = True):
+    """``ptxattn.attention_mla_decode`` on CUDA tensors, as a custom op (forward only).
+
+    The custom op ``ptxattn::attention_mla_decode_fwd``, traceable by torch.compile, which
+    declares kv_cache mutated (``kv_new`` is written into it in place). Runs on torch's current
+    stream; the output comes from torch's caching allocator, the lse from CuPy's pool. The
+    options are ``ptxattn.attention_mla_decode``'s, with its rules (head_dim_v is 512; the
+    descale a tensor); there is no ``out``.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        (batch, seqlen_q, heads_q, 576), float16 or bfloat16, on a CUDA device.
+    kv_cache : torch.Tensor
+        The latent cache, (batch, seqlen_cache, 1, 576) or paged (num_pages, page_size, 1, 576)
+        with ``block_table``: q's dtype, or float8_e4m3fn with ``kv_descale``.
+    cache_seqlens : int or torch.Tensor
+        Each sequence's filled length: one int, or an int32 (batch,) CUDA tensor.
+    block_table : torch.Tensor, optional
+        For a paged cache: int32 (batch, max_pages).
+    kv_new : torch.Tensor, optional
+        (batch, seqlen_new, 1, 576) in q's dtype, appended at cache_seqlens first.
+    kv_descale : torch.Tensor, optional
+        For an e4m3 cache: float32, shape (1,) or (batch, 1).
+    softmax_scale, causal, num_splits, return_lse, check_contents
+        As ``ptxattn.attention_mla_decode``'s.
+
+    Returns
+    -------
+    out : torch.Tensor
+        (batch, seqlen_q, heads_q, 512) in q's dtype.
+    lse : torch.Tensor
+        Only with ``return_lse``: float32 (batch, heads_q, seqlen_q).
+
+    Raises
+    ------
+    TypeError
+        q or kv_new not a float16 or bfloat16 CUDA tensor, kv_cache not that or float8_e4m3fn;
+        ``cache_seqlens`` or ``block_table`` not int32, ``kv_descale`` not float32; then,
+        inside the op, every TypeError of ``ptxattn.attention_mla_decode``.
+    ValueError
+        As ``ptxattn.attention_mla_decode`` raises it.
+    """
+    _check_16bit(q=q)
+    _check_caches(kv_cache=kv_cache)
+    if isinstance(cache_seqlens, torch.Tensor):
+        _check_tensor("cache_seqlens", cache_seqlens, (torch.int32,), "int32")
+    _check_optional(torch.int32, block_table=block_table)
+    _check_optional(torch.float32, kv_descale=kv_descale)
+    if kv_new is not None:
+        _check_16bit(kv_new=kv_new)
+    tensor = isinstance(cache_seqlens, torch.Tensor)
+    out, lse = attention_mla_decode_fwd(
+        q, kv_cache, cache_seqlens if tensor else None, 0 if tensor else cache_seqlens,
+        block_table, kv_new, kv_descale, softmax_scale, causal, num_splits, check_contents)
     return (out, lse) if return_lse else out
 
 

@@ -230,7 +230,30 @@ def _kvcache_args(device, requires_grad=False, rng=None, cache_seqlens=(3, 0, 40
     lengths, uniform = ((torch.tensor(cache_seqlens, dtype=torch.int32, device=device), 0)
                         if isinstance(cache_seqlens, tuple) else (None, cache_seqlens))
     return (q, k_cache, v_cache, lengths, uniform, table, k_new, v_new, True, (-1, -1), 0.0,
-            None, None, 0, True, None)
+            None, None, 0, True, None, None, None)
+
+
+# MLA: batch 2, one new query and latent row a sequence over a paged latent cache of 6 pages of
+# 16 rows, 16 heads
+MLA = {"batch": 2, "heads": 16, "pages": (6, 16), "block_table": [[4, 0, 2], [1, 5, 3]]}
+
+
+def _mla_args(device, fp8=False, rng=None):
+    """attention_mla_decode_fwd's arguments on ``device``: (q, kv_cache, cache_seqlens,
+    uniform_cache_seqlen, block_table, kv_new, kv_descale, softmax_scale, causal, num_splits,
+    check_contents); an e4m3 cache with a per-tensor descale if ``fp8``."""
+    batch, heads = MLA["batch"], MLA["heads"]
+    num_pages, page_size = MLA["pages"]
+    q = _bf16((batch, 1, heads, 576), device, rng, False)
+    kv_cache = _bf16((num_pages, page_size, 1, 576), device, rng, False)
+    kv_new = _bf16((batch, 1, 1, 576), device, rng, False)
+    descale = None
+    if fp8:
+        kv_cache = (kv_cache / 8).to(torch.float8_e4m3fn)
+        descale = torch.full((1,), 0.125, dtype=torch.float32, device=device)
+    table = torch.tensor(MLA["block_table"], dtype=torch.int32, device=device)
+    lengths = torch.tensor([20, 0], dtype=torch.int32, device=device)
+    return (q, kv_cache, lengths, 0, table, kv_new, descale, None, True, 0, True)
 
 
 def test_fake_serving_ops_have_the_real_shapes_dtypes_and_strides():
@@ -258,6 +281,9 @@ def test_kvcache_op_declares_the_caches_mutated():
     schema = torch.ops.ptxattn.attention_with_kvcache_fwd.default._schema
     mutated = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
     assert mutated == ["k_cache", "v_cache"]
+    schema = torch.ops.ptxattn.attention_mla_decode_fwd.default._schema
+    assert [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write] == [
+        "kv_cache"]
     for op in ("attention_varlen_fwd", "attention_varlen_bwd"):
         schema = getattr(torch.ops.ptxattn, op).default._schema
         assert not any(a.alias_info for a in schema.arguments), op
@@ -268,6 +294,40 @@ def test_opcheck_kvcache_op_on_meta_tensors():
     meta kernel, AOT dispatch with dynamic shapes."""
     torch.library.opcheck(torch.ops.ptxattn.attention_with_kvcache_fwd.default,
                           _kvcache_args("meta"))
+
+
+def test_opcheck_kvcache_op_with_e4m3_caches_on_meta_tensors():
+    args = list(_kvcache_args("meta"))
+    args[1], args[2] = (cache.to(torch.float8_e4m3fn) for cache in args[1:3])
+    args[-2:] = [torch.ones((1,), dtype=torch.float32, device="meta")] * 2
+    torch.library.opcheck(torch.ops.ptxattn.attention_with_kvcache_fwd.default, tuple(args))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "e4m3"])
+def test_opcheck_mla_op_on_meta_tensors(fp8):
+    torch.library.opcheck(torch.ops.ptxattn.attention_mla_decode_fwd.default,
+                          _mla_args("meta", fp8))
+
+
+def test_fake_mla_op_has_the_real_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, kv_cache, lengths, _, table, kv_new, *_ = _mla_args("cuda")
+        out, lse = ptxattn.torch.attention_mla_decode(q, kv_cache, cache_seqlens=lengths,
+                                                      block_table=table, kv_new=kv_new,
+                                                      return_lse=True)
+        assert (out.shape, out.dtype) == ((2, 1, 16, 512), torch.bfloat16)
+        assert (lse.shape, lse.dtype) == ((2, 16, 1), torch.float32)
+
+
+def test_mla_wrapper_names_a_cpu_or_misdtyped_tensor():
+    q, kv_cache, lengths, _, table, kv_new, *_ = _mla_args("meta")
+    with pytest.raises(TypeError, match="kv_cache must be a CUDA tensor"):
+        ptxattn.torch.attention_mla_decode(q, torch.zeros(6, 16, 1, 576), cache_seqlens=lengths)
+    with pytest.raises(TypeError, match="kv_descale must have dtype float32"):
+        ptxattn.torch.attention_mla_decode(q, kv_cache, cache_seqlens=lengths,
+                                           kv_descale=lengths)
 
 
 @pytest.mark.filterwarnings("ignore:Error detected in GeneratedBackward")  # anomaly mode's
@@ -587,6 +647,24 @@ def test_narrower_values_and_head_dims_between_the_compiled_ones_match_fp32(head
 
     out, *_ = _assert_gradients_match_fp32(attend, reference, q, k, v, None, dout)
     assert out.shape == dout.shape
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "e4m3"])
+def test_mla_op_matches_the_cupy_entry_point(fp8, rng):
+    """The op's output and lse are ptxattn.attention_mla_decode's on the same tensors, and the
+    appended latent row reaches the caller's cache."""
+    args = _mla_args("cuda", fp8, rng)
+    q, kv_cache, lengths, _, table, kv_new, descale, *_ = args
+    expected_cache = kv_cache.clone()
+    expected_out, expected_lse = ptxattn.attention_mla_decode(
+        q, expected_cache, cache_seqlens=lengths, block_table=table, kv_new=kv_new,
+        kv_descale=descale, return_lse=True)
+    out, lse = ptxattn.torch.attention_mla_decode(q, kv_cache, cache_seqlens=lengths,
+                                                  block_table=table, kv_new=kv_new,
+                                                  kv_descale=descale, return_lse=True)
+    assert torch.equal(out, expected_out) and torch.equal(lse, expected_lse)
+    assert torch.equal(kv_cache.view(torch.uint8), expected_cache.view(torch.uint8))
 
 
 @pytest.mark.gpu
