@@ -730,6 +730,16 @@ def attention_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, *, cache_seqle
         inside the op, every TypeError of ``ptxattn.attention_mla_decode``.
     ValueError
         As ``ptxattn.attention_mla_decode`` raises it.
+
+    Examples
+    --------
+    >>> kv_cache = torch.zeros(4, 4096, 1, 576, device="cuda", dtype=torch.bfloat16)
+    >>> lengths = torch.tensor([100, 7, 250, 31], dtype=torch.int32, device="cuda")
+    >>> q = torch.randn(4, 1, 128, 576, device="cuda", dtype=torch.bfloat16)
+    >>> kv_new = torch.randn(4, 1, 1, 576, device="cuda", dtype=torch.bfloat16)
+    >>> out = ptxattn.torch.attention_mla_decode(q, kv_cache, cache_seqlens=lengths,
+    ...                                          kv_new=kv_new, softmax_scale=192 ** -0.5)
+    >>> lengths += 1
     """
     _check_16bit(q=q)
     _check_caches(kv_cache=kv_cache)
