@@ -23,6 +23,8 @@ Recipes (the GEMM operands; "16" is the queries' 16-bit format, bf16):
     dV            + dV = P^T dO in e4m3
     dV,dP         + dP = dO V^T in e4m3
     dV,dP,dQK     + dQ = dS K and dK = dS^T Q in e4m3 (everything)
+    all+rotation  everything, q and k rotated by one random-sign Hadamard R before they are
+                  quantized (fp8.hadamard_rotation: S is unchanged; dq, dk rotated back by R^T)
 
 The emulation sums in float32 in NumPy's order; an FP8 wgmma sums with less precision (about 14
 bits kept, DeepSeek-V3's report for the H800), which only a GPU run measures.
@@ -34,6 +36,8 @@ import argparse
 
 import ml_dtypes
 import numpy as np
+
+from ptxattn.quant.hadamard import hadamard_rotation
 
 E4M3 = ml_dtypes.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -98,8 +102,9 @@ def backward(q, k, v, o, lse, do, scale, causal, *, rounding, e4m3_gemms=()):
     return dq, dk, dv
 
 
-RECIPES = {"bf16": None, "fp8-fwd": (), "dV": ("dv",), "dV,dP": ("dv", "dp"),
-           "dV,dP,dQK": ("dv", "dp", "dqk")}
+ALL = ("dv", "dp", "dqk")
+RECIPES = {"bf16": None, "fp8-fwd": (), "dV": ("dv",), "dV,dP": ("dv", "dp"), "dV,dP,dQK": ALL,
+           "all+rotation": ALL}
 
 
 def inputs(rng, heads, seqlen, head_dim, outliers: bool):
@@ -132,16 +137,19 @@ def main(argv=None) -> int:
         o_ref, lse_ref = forward(q, k, v, scale, args.causal)
         refs = backward(q, k, v, o_ref, lse_ref, do, scale, args.causal,
                         rounding=lambda x: x)
-        q8, k8, v8 = (quantize_blocks(x) for x in (q, k, v))
-        o8, lse8 = forward(q8, k8, v8, scale, args.causal)
+        rotation = hadamard_rotation(args.head_dim, seed=args.seed).matrix()
         cells = []
-        for gemms in RECIPES.values():
+        for name, gemms in RECIPES.items():
             if gemms is None:  # the bf16 backward of the bf16 forward
                 o, lse = forward(q, k, v, scale, args.causal)
                 got = backward(q, k, v, bf16(o), lse, do, scale, args.causal, rounding=bf16)
             else:
-                got = backward(q8, k8, v8, bf16(o8), lse8, do, scale, args.causal,
-                               rounding=bf16, e4m3_gemms=gemms)
+                r = rotation if name == "all+rotation" else np.eye(args.head_dim)
+                q8, k8, v8 = (quantize_blocks(x) for x in (q @ r, k @ r, v))
+                o8, lse8 = forward(q8, k8, v8, scale, args.causal)
+                dq, dk, dv = backward(q8, k8, v8, bf16(o8), lse8, do, scale, args.causal,
+                                      rounding=bf16, e4m3_gemms=gemms)
+                got = (dq @ r.T, dk @ r.T, dv)
             errors = [np.linalg.norm(g - r) / np.linalg.norm(r) for g, r in zip(got, refs)]
             cells.append(" / ".join(f"{e:.4f}" for e in errors))
         print(f"| {'0.1% outliers x10' if outliers else 'normal'} | " + " | ".join(cells) + " |")
