@@ -309,6 +309,17 @@ def test_opcheck_mla_op_on_meta_tensors(fp8):
                           _mla_args("meta", fp8))
 
 
+@pytest.mark.filterwarnings("ignore:Error detected in GeneratedBackward")  # anomaly mode's
+def test_a_gradient_through_the_mla_op_raises():
+    args = list(_mla_args("meta"))
+    args[0] = args[0].requires_grad_()
+    out, _ = torch.ops.ptxattn.attention_mla_decode_fwd(*args)
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match="ptxattn.attention_mla_decode_fwd.* no autograd "
+                                           "formula"):
+        out.sum().backward()
+
+
 def test_fake_mla_op_has_the_real_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
