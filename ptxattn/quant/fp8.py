@@ -166,18 +166,24 @@ def descale_operand(d, batch: int, heads: int, seqlen: int) -> Descale:
 
 
 _scalar_descales: dict = {}
+_SCALAR_DESCALES_KEPT = 256
 
 
 def _scalar_descale(value: float):
     """A descale given as a number, as a float32 (1,) array on the current device: one per
-    (device, value), so that a decode loop passing the same number allocates and fills nothing
-    per call and its prepared launches find the same address."""
+    (device, value) for the first _SCALAR_DESCALES_KEPT values, so that a decode loop passing
+    the same number allocates and fills nothing per call and its prepared launches find the same
+    address; past those, a new array a call (a caller drawing ever new numbers gains nothing
+    from keeping them)."""
     import cupy
 
     key = (cupy.cuda.Device().id, value)
-    if key not in _scalar_descales:
-        _scalar_descales[key] = cupy.full((1,), value, dtype=cupy.float32)
-    return _scalar_descales[key]
+    array = _scalar_descales.get(key)
+    if array is None:
+        array = cupy.full((1,), value, dtype=cupy.float32)
+        if len(_scalar_descales) < _SCALAR_DESCALES_KEPT:
+            _scalar_descales[key] = array
+    return array
 
 
 def descale_rows(d, batch: int, seqlen: int, heads: int):
