@@ -126,3 +126,30 @@ def assert_descales_exact_in_16_bits():
     products = (finite[:, None] * cache_descales()[None, :]).ravel()
     for dtype in (ml_dtypes.bfloat16, np.float16):
         np.testing.assert_array_equal(products.astype(dtype).astype(np.float32), products)
+
+
+def reference_of_sequence(q, k, v, precision, **masks):
+    """ptxattn.reference.attention of one sequence (batch 1) with its LSE, in ``precision``,
+    also when it has no keys (zeros out, LSE -inf, or the sinks' logits)."""
+    import cupy
+    from ptxattn import reference
+
+    if k.shape[1] == 0:
+        batch, seqlen_q, heads, _ = q.shape
+        lse = cupy.full((batch, heads, seqlen_q), -cupy.inf, dtype=cupy.float32)
+        if masks.get("sinks") is not None:
+            lse[:] = masks["sinks"][None, :, None]
+        return cupy.zeros((batch, seqlen_q, heads, v.shape[3]), dtype=cupy.float32), lse
+    return reference.attention(q, k, v, return_lse=True, precision=precision, **masks)
+
+
+def assert_sequence_within_naive_error(out, lse, q, k, v, **masks):
+    """One sequence's out and lse (batch 1) against the FP32 reference over k and v, by
+    assert_within_naive_error, and its rows that see no key exactly 0."""
+    import cupy
+
+    ref, ref_lse = reference_of_sequence(q, k, v, "float32", **masks)
+    naive, naive_lse = reference_of_sequence(q, k, v, "input", **masks)
+    assert_within_naive_error(out, lse, ref, ref_lse, naive, naive_lse, q.dtype)
+    unseeing = ~cupy.isfinite(ref_lse[0]).T  # (seqlen_q, heads_q): rows that see no key
+    assert bool((out[0][unseeing] == 0).all()), "a row that sees no key is not 0"

@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from inputs import assert_within_naive_error
+from inputs import assert_within_naive_error, reference_of_sequence
 
 pytestmark = pytest.mark.gpu
 
@@ -19,20 +19,6 @@ pytestmark = pytest.mark.gpu
 def _random(shape, rng, dtype="bfloat16", scale=1.0):
     import cupy
     return cupy.asarray(rng.standard_normal(shape, dtype=np.float32) * scale).astype(dtype)
-
-
-def _reference(q, k, v, precision, **masks):
-    """reference.attention of one sequence (batch 1), also when it has no keys."""
-    import cupy
-    from ptxattn import reference
-
-    if k.shape[1] == 0:
-        batch, seqlen_q, heads, head_dim = q.shape
-        lse = cupy.full((batch, heads, seqlen_q), -cupy.inf, dtype=cupy.float32)
-        if masks.get("sinks") is not None:
-            lse[:] = masks["sinks"][None, :, None]
-        return cupy.zeros(q.shape, dtype=cupy.float32), lse
-    return reference.attention(q, k, v, return_lse=True, precision=precision, **masks)
 
 
 def _paged(k_contig, page_size, rng):
@@ -60,8 +46,8 @@ def _check_kvcache(q, k, v, lengths, out, lse, **masks):
     dtype = q.dtype
     for b, length in enumerate(lengths):
         args = (q[b:b + 1], k[b:b + 1, :length], v[b:b + 1, :length])
-        ref, ref_lse = _reference(*args, "float32", **masks)
-        naive, naive_lse = _reference(*args, "input", **masks)
+        ref, ref_lse = reference_of_sequence(*args, "float32", **masks)
+        naive, naive_lse = reference_of_sequence(*args, "input", **masks)
         assert_within_naive_error(out[b:b + 1], lse[b:b + 1], ref, ref_lse, naive, naive_lse,
                                   dtype)
     assert out.dtype == dtype and lse.dtype == cupy.float32
@@ -273,8 +259,8 @@ def _check_varlen(seqlens_q, seqlens_k, heads, head_dim, rng, backend=None, dtyp
         rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
         keys = slice(int(cu_k[b]), int(cu_k[b + 1]))
         args = (q[None, rows], k[None, keys], v[None, keys])
-        ref, ref_lse = _reference(*args, "float32", **masks)
-        naive, naive_lse = _reference(*args, "input", **masks)
+        ref, ref_lse = reference_of_sequence(*args, "float32", **masks)
+        naive, naive_lse = reference_of_sequence(*args, "input", **masks)
         assert_within_naive_error(out[None, rows], lse[None, :, rows], ref, ref_lse, naive,
                                   naive_lse, q.dtype)
 
