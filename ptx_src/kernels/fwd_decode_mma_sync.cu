@@ -67,16 +67,19 @@ attn_fwd_decode(const __grid_constant__ FwdParams p) {
     const uint16_t* v_head = static_cast<const uint16_t*>(p.v) + kv_head * p.v_stride_h;
     const uint8_t* k_head_e4m3 = static_cast<const uint8_t*>(p.k) + kv_head * p.k_stride_h;
     const uint8_t* v_head_e4m3 = static_cast<const uint8_t*>(p.v) + kv_head * p.v_stride_h;
-    float scale_log2 = p.scale_log2;
-    float softcap_scale = p.softcap_scale;
+    // An e4m3 cache's descales: k's folded into the scores' scale (before the softcap), v's
+    // into the output. The 16-bit builds read FwdParams' scales where they use them (copies
+    // held from here on changed their code on sm_120a).
+    float e4m3_scale_log2 = p.scale_log2;
+    float e4m3_softcap_scale = p.softcap_scale;
     float v_descale = 1.0f;
     if constexpr (Cfg::kKvFp8) {
         const float k_descale =
             p.k_descale[batch * p.k_descale_stride_b + kv_head * p.k_descale_stride_h];
-        if (softcap_scale != 0.0f) {
-            softcap_scale *= k_descale;
+        if (e4m3_softcap_scale != 0.0f) {
+            e4m3_softcap_scale *= k_descale;
         } else {
-            scale_log2 *= k_descale;
+            e4m3_scale_log2 *= k_descale;
         }
         v_descale = p.v_descale[batch * p.v_descale_stride_b + kv_head * p.v_descale_stride_h];
     }
@@ -145,6 +148,7 @@ attn_fwd_decode(const __grid_constant__ FwdParams p) {
         } else {
             Mainloop::gemm_qk(s, q_tile, k_tile, 0, q_lane, k_lane);
         }
+        const float softcap_scale = Cfg::kKvFp8 ? e4m3_softcap_scale : p.softcap_scale;
         if (softcap_scale != 0.0f) apply_softcap(s, softcap_scale);
         if (n_block >= blocks.right_masked || n_block < blocks.left_unmasked) {
             apply_mask<16>(s, mask, first_row + (lane >> 2),
@@ -152,6 +156,7 @@ attn_fwd_decode(const __grid_constant__ FwdParams p) {
                            p.q_per_kv);
         }
         float rescale[Cfg::kMTiles][2];
+        const float scale_log2 = Cfg::kKvFp8 ? e4m3_scale_log2 : p.scale_log2;
         if (softmax.update(s, scale_log2, rescale)) scale_rows(o, rescale);
         uint32_t pa[Cfg::kMTiles][Cfg::kPSteps][4];
         if constexpr (Cfg::kKvFp8) {
