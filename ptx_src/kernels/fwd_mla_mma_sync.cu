@@ -105,10 +105,10 @@ attn_fwd_mla(const __grid_constant__ FwdParams p) {
             const uint32_t stage = ring + (iter % kStages) * Cfg::kStageBytes;
             if constexpr (Cfg::kKvFp8) {
                 Mla::load_kv(stage, p, kv, pages.slot(iter), static_cast<const uint8_t*>(p.k),
-                                key0, seqlen_k, warp, lane);
+                             key0, seqlen_k, warp, lane);
             } else {
                 Mla::load_kv(stage, p, kv, pages.slot(iter), static_cast<const uint16_t*>(p.k),
-                                key0, seqlen_k, warp, lane);
+                             key0, seqlen_k, warp, lane);
             }
         }
         if (iter + kStages - 1 < n_blocks) {
