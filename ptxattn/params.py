@@ -166,6 +166,14 @@ def set_strides(p: "FwdParams", q, k, v, out, lse) -> None:
     (p.lse_stride_b, p.lse_stride_h) = strides(lse, 2)
 
 
+def set_block_table(p: "FwdParams", block_table, cache) -> None:
+    """p's paged-cache fields for a ``block_table`` (int32 (batch, max_pages), unit stride along
+    the pages) over ``cache`` (num_pages, page_size, heads, head_dim): kv_cache.cuh's KvRows."""
+    p.block_table = block_table
+    p.block_table_stride = block_table.strides[0] // block_table.itemsize
+    p.page_size = cache.shape[1]
+
+
 def layout_check_source(struct: str = "FwdParams") -> str:
     """CUDA source asserting that params.cuh's ``struct`` (FwdParams, BwdParams or
     CombineParams) has this module's layout."""

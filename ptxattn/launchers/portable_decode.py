@@ -17,7 +17,7 @@ from typing import Callable
 
 from .. import archs, params, runtime
 from . import kernel_head_dim
-from .split_kv import SplitLaunch, prepare_combine_splits, serving_splits, split_accumulators
+from .split_kv import launch_with_splits, serving_splits
 
 ARCHS = archs.running("portable")
 HEAD_DIMS = (64, 128, 256)
@@ -190,17 +190,7 @@ def _prepare(problem, q, k, v, out, lse, *, seqused_k, block_table, cu_seqlens_q
         p.k_descale_stride_b, p.k_descale_stride_h = k_descale.stride_b, k_descale.stride_h
         p.v_descale_stride_b, p.v_descale_stride_h = v_descale.stride_b, v_descale.stride_h
     if block_table is not None:
-        p.block_table = block_table
-        p.block_table_stride = block_table.strides[0] // block_table.itemsize
-        p.page_size = k.shape[1]
-    accum = None
-    if splits > 1:
-        accum = split_accumulators(splits, problem.total_q, problem.heads_q, head_dim)
-        p.out_accum, p.lse_accum = accum
-    grid = (m_blocks * splits, problem.heads_kv, problem.batch)
-    attend = runtime.PreparedLaunch(kernel, grid=grid, block=(32 * tile.warps,), args=[p])
-    if accum is None:
-        return attend
-    return SplitLaunch(attend, prepare_combine_splits(accum, out, lse, sinks, problem.batch,
-                                                      problem.seqlen_q,
-                                                      packed=cu_seqlens_q is not None), accum)
+        params.set_block_table(p, block_table, k)
+    return launch_with_splits(kernel, p, (m_blocks * splits, problem.heads_kv, problem.batch),
+                              32 * tile.warps, splits, problem, head_dim, out, lse, sinks,
+                              packed=cu_seqlens_q is not None)

@@ -17,7 +17,7 @@ import math
 from typing import Callable
 
 from .. import archs, params, runtime
-from .split_kv import SplitLaunch, prepare_combine_splits, serving_splits, split_accumulators
+from .split_kv import launch_with_splits, serving_splits
 
 HEAD_DIM = 576
 HEAD_DIM_V = 512
@@ -158,16 +158,6 @@ def _prepare(problem, q, k, out, lse, *, seqused_k, block_table,
         p.k_descale = k_descale.array
         p.k_descale_stride_b = k_descale.stride_b
     if block_table is not None:
-        p.block_table = block_table
-        p.block_table_stride = block_table.strides[0] // block_table.itemsize
-        p.page_size = k.shape[1]
-    accum = None
-    if splits > 1:
-        accum = split_accumulators(splits, problem.total_q, problem.heads_q, HEAD_DIM_V)
-        p.out_accum, p.lse_accum = accum
-    grid = (m_blocks * splits, 1, problem.batch)
-    attend = runtime.PreparedLaunch(kernel, grid=grid, block=(32 * tile.warps,), args=[p])
-    if accum is None:
-        return attend
-    return SplitLaunch(attend, prepare_combine_splits(accum, out, lse, None, problem.batch,
-                                                      problem.seqlen_q, packed=False), accum)
+        params.set_block_table(p, block_table, k)
+    return launch_with_splits(kernel, p, (m_blocks * splits, 1, problem.batch), 32 * tile.warps,
+                              splits, problem, HEAD_DIM_V, out, lse)

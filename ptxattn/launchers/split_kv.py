@@ -114,6 +114,22 @@ class SplitLaunch:
         self.merge()
 
 
+def launch_with_splits(kernel, p, grid, threads: int, splits: int, problem, head_dim: int, out,
+                       lse, sinks=None, packed: bool = False):
+    """A serving kernel's prepared launch of FwdParams ``p`` and, with ``splits`` > 1, its
+    partials' buffers (set into p, dense over problem.total_q rows of ``head_dim`` columns) and
+    their merge into out and lse (a SplitLaunch)."""
+    accum = None
+    if splits > 1:
+        accum = split_accumulators(splits, problem.total_q, problem.heads_q, head_dim)
+        p.out_accum, p.lse_accum = accum
+    attend = runtime.PreparedLaunch(kernel, grid=grid, block=(threads,), args=[p])
+    if accum is None:
+        return attend
+    return SplitLaunch(attend, prepare_combine_splits(accum, out, lse, sinks, problem.batch,
+                                                      problem.seqlen_q, packed=packed), accum)
+
+
 def split_accumulators(splits: int, total_q: int, heads_q: int, head_dim: int):
     """The float32 partial outputs and LSEs of a split-KV launch, dense [split][total_q][heads_q]
     [head_dim] and [split][heads_q][total_q] (FwdParams::out_accum, lse_accum)."""
