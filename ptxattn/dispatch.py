@@ -133,6 +133,8 @@ TABLE: tuple[Route, ...] = (
           call="serve", features=MLA, padded=False, narrow_v=True,
           smem_per_block=portable_mla.SMEM_PER_BLOCK),
     Route("hopper", "hopper", ("e4m3",), hopper_forward.FP8_HEAD_DIMS, hopper_forward),
+    Route("hopper", "hopper", ("e4m3",), hopper_backward.FP8_HEAD_DIMS, hopper_backward,
+          call="backward", features=FORWARD | {"backward"}, padded=False),
     Route("blockscaled", "blockscaled", BLOCK_SCALED, blockscaled.HEAD_DIMS, blockscaled,
           padded=False),
     Route("blockscaled-emulated", "blockscaled", BLOCK_SCALED, blockscaled.HEAD_DIMS,
@@ -231,9 +233,16 @@ def _select(table: tuple[Route, ...], arch: str, input_format: str, head_dim: in
         raise ValueError(f"{input_format} attention at {dims} does not run on {arch}; it runs "
                          f"as {supported}")
     # a backward route takes the calls for gradients, and only those; an MLA route MLA calls
-    fitting = [route for route in fitting
-               if ("backward" in features) == (route.call == "backward")
-               and ("mla" in features) == ("mla" in route.features)]
+    def same_call(route):
+        return (("backward" in features) == (route.call == "backward")
+                and ("mla" in features) == ("mla" in route.features))
+
+    fitting = [route for route in fitting if same_call(route)]
+    if not fitting:
+        call = "gradients" if "backward" in features else "attention"
+        raise ValueError(f"{input_format} {call} at head_dim {head_dim} do not run on {arch}; "
+                         "they run as " + "; ".join(route.describe() for route in routes
+                                                    if same_call(route)))
     for route in fitting:
         if set(features) <= route.features:
             return route

@@ -53,7 +53,7 @@ from .quant.fp8 import (E4M3, E4M3_MAX, GRANULARITIES, HEAD_DIMS, E4M3Array, as_
                         dequantize, descale_operand, quantize, quantize_qkv, round_to_e4m3)
 from .quant.hadamard import HadamardRotation, hadamard_rotation
 
-__all__ = ["attention", "reference", "quantize", "dequantize", "quantize_qkv", "E4M3Array",
+__all__ = ["attention", "attention_backward", "reference", "quantize", "dequantize", "quantize_qkv", "E4M3Array",
            "hadamard_rotation", "HadamardRotation", "round_to_e4m3", "E4M3", "E4M3_MAX",
            "GRANULARITIES", "HEAD_DIMS", "SCALE_BLOCK_ROWS"]
 
@@ -155,6 +155,81 @@ def attention(q, k, v, *, q_descale, k_descale, v_descale, causal: bool = False,
         lse = cupy.empty(p.lse_shape, dtype=cupy.float32)
         dispatch.forward(route, p, q.bytes, k.bytes, v.bytes, out, lse, descales=descales)
     return (out, lse) if return_lse else out
+
+
+@framework_arrays
+def attention_backward(dout, q, k, v, out, lse, *, q_descale, k_descale, v_descale,
+                       causal: bool = False, softmax_scale: float | None = None,
+                       deterministic: bool = False, dq=None, dk=None, dv=None):
+    """The gradients of ``fp8.attention`` with respect to its dequantized inputs, on sm_90a.
+
+    The inputs are q q_descale, k k_descale and v v_descale. ``out`` and ``lse`` are what ``attention(q, k, v, ..., return_lse=True)`` returned for these
+    inputs and options. Four of the five GEMMs run on FP8 tensor cores with FP32 accumulation
+    (docs/design/fp8.md#backward): S = Q K^T from the e4m3 inputs; dP = dO V^T and dV = P^T dO
+    with dO quantized per 128 rows (amax / 448) and P as e4m3(256 P); dK = dS^T Q with dS scaled
+    per key row and query tile to its amax. dQ = dS K runs in ``out``'s 16-bit dtype, on K
+    dequantized. The gradients come back in out's dtype. With GQA, dk and dv are summed over
+    the q heads that share a k/v head.
+
+    Parameters
+    ----------
+    dout : CUDA array
+        The gradient of the loss with respect to ``out``: out's shape and dtype, laid out by
+        the forward's rules.
+    q, k, v : E4M3Array or float8_e4m3fn CUDA array
+        The forward's inputs; head_dim 64, 128 or 256.
+    out : CUDA array
+        The forward's output, bfloat16 or float16.
+    lse : CUDA array
+        The forward's log-sum-exp, float32 (batch, heads_q, seqlen_q), unit stride along
+        seqlen_q.
+    q_descale, k_descale, v_descale, causal, softmax_scale
+        As in the forward.
+    deterministic : bool, default False
+        Makes the gradients bit-identical from run to run: dQ's sum over key blocks then runs
+        in a fixed order.
+    dq, dk, dv : CUDA array, optional
+        Buffers for the gradients: out's dtype, the shapes of q, k and v, laid out by the same
+        rules, on q's device, overlapping no input nor each other.
+
+    Returns
+    -------
+    dq, dk, dv : tuple of array
+        The gradients in out's dtype, shaped like q, k and v (``dq``, ``dk``, ``dv``
+        themselves if given).
+
+    Raises
+    ------
+    TypeError, ValueError
+        As the forward raises them, and: ``dout`` unlike ``out``; ``lse`` not the forward's
+        shape or float32; a gradient buffer of the wrong dtype or shape, or overlapping an
+        input or another gradient; ``deterministic`` not a bool; head_dim other than 64, 128,
+        256.
+
+    Examples
+    --------
+    >>> q8, k8, v8, descales = fp8.quantize_qkv(q, k, v, "block")
+    >>> out, lse = fp8.attention(q8, k8, v8, causal=True, return_lse=True, **descales)
+    >>> dq, dk, dv = fp8.attention_backward(dout, q8, k8, v8, out, lse, causal=True,
+    ...                                     **descales)
+    """
+    import cupy
+
+    q, k, v = as_e4m3("q", q), as_e4m3("k", k), as_e4m3("v", v)
+    descales = {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale}
+    p = AttentionProblem.from_fp8_backward(dout, q, k, v, out, lse, causal=causal,
+                                           softmax_scale=softmax_scale,
+                                           deterministic=deterministic, dq=dq, dk=dk, dv=dv,
+                                           **descales)
+    route = dispatch.select(runtime.device_arch(p.device), p.format, p.head_dim,
+                            features=p.backward_features)
+    with cupy.cuda.Device(p.device):
+        dq = cupy.empty(q.shape, dtype=out.dtype) if dq is None else dq
+        dk = cupy.empty(k.shape, dtype=out.dtype) if dk is None else dk
+        dv = cupy.empty(v.shape, dtype=out.dtype) if dv is None else dv
+        route.launcher.backward(p, dout, q, k, v, out, lse, dq, dk, dv,
+                                deterministic=deterministic, descales=descales)
+    return dq, dk, dv
 
 
 def reference(q, k, v, *, q_descale, k_descale, v_descale, causal: bool = False,

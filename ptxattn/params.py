@@ -73,6 +73,15 @@ _BWD_FIELDS = [
     ("cu_seqlens_q", _P), ("cu_seqlens_k", _P), ("row_padding", ctypes.c_int32),
     ("sinks", _P), ("dsink_rows", _P),
     ("head_dim", ctypes.c_int32), ("head_dim_v", ctypes.c_int32),
+    ("k8_map", _TENSOR_MAP), ("qt_map", _TENSOR_MAP), ("doutt_map", _TENSOR_MAP),
+    ("q_descale", _P), ("q_descale_stride_b", ctypes.c_int64),
+    ("q_descale_stride_h", ctypes.c_int64), ("q_descale_stride_block", ctypes.c_int64),
+    ("k_descale", _P), ("k_descale_stride_b", ctypes.c_int64),
+    ("k_descale_stride_h", ctypes.c_int64), ("k_descale_stride_block", ctypes.c_int64),
+    ("v_descale", _P), ("v_descale_stride_b", ctypes.c_int64),
+    ("v_descale_stride_h", ctypes.c_int64),
+    ("dout_descale", _P), ("dout_descale_stride_b", ctypes.c_int64),
+    ("dout_descale_stride_h", ctypes.c_int64), ("dout_descale_stride_block", ctypes.c_int64),
 ]
 _COMBINE_FIELDS = [
     ("parts", _P), ("lse_parts", _P), ("out", _P), ("lse", _P), ("sinks", _P),
@@ -86,15 +95,21 @@ _COMBINE_FIELDS = [
 
 
 def _padded_fields(fields: list) -> list:
-    """``fields`` with the tail padding that alignas(64) gives the device struct (ctypes cannot
-    express the alignment; every tensor map sits at a multiple of 64 from the start)."""
+    """``fields`` with the padding that alignas(64) gives the device struct: before each tensor
+    map that would not sit at a multiple of 64 from the start, and at the tail (ctypes cannot
+    express the alignment)."""
+    padded = []
+    for name, kind in fields + [("_tail_padding", None)]:
+        class Unpadded(ctypes.Structure):
+            _fields_ = padded
 
-    class Unpadded(ctypes.Structure):
-        _fields_ = fields
-
-    size = ctypes.sizeof(Unpadded)
-    pad = math.ceil(size / _ALIGN) * _ALIGN - size
-    return fields + ([("_tail_padding", ctypes.c_ubyte * pad)] if pad else [])
+        size = ctypes.sizeof(Unpadded)
+        pad = math.ceil(size / _ALIGN) * _ALIGN - size
+        if pad and kind in (_TENSOR_MAP, None):
+            padded.append((f"_padding_{len(padded)}" if kind else name, ctypes.c_ubyte * pad))
+        if kind is not None:
+            padded.append((name, kind))
+    return padded
 
 
 class _Params(ctypes.Structure):

@@ -51,6 +51,8 @@
 #include "roles/tile_scheduler.cuh"
 #include "ptx/tma.cuh"
 #include "ptx/wgmma.cuh"
+#include "ptx/wgmma_fp8.cuh"
+#include "roles/transpose_e4m3.cuh"
 
 namespace ptxattn {
 
@@ -84,10 +86,25 @@ struct ColumnValues {
 // writer warps (a build of its own: one kernel with both ways of summing ran 2-5% slower without,
 // and spilled at head_dim 64); kOptions: the options build, which reads a window, a softcap and
 // packed sequences from BwdParams (a build of its own: read in every build, they cost the plain
-// backward 1-5%, H200, 2026-12-02, docs/design/backward.md#options-build); kSmemBytes the dynamic
-// shared memory the launcher requests (equal to the layout below, checked).
+// backward 1-5%, H200, 2026-12-02, docs/design/backward.md#options-build); kFp8: the FP8
+// backward (below); kSmemBytes the dynamic shared memory the launcher requests (equal to the
+// layout below, checked).
+//
+// The FP8 backward (kFp8) takes e4m3 Q, K, V (the forward's) and dO (quantized per 128 rows by
+// the launcher), and runs four of the five GEMMs as e4m3 wgmmas (wgmma_fp8.cuh), which read
+// both operands K-major: S^T = K Q^T and dP^T = V dO^T from the e4m3 tiles as the 16-bit ones,
+// dV += P^T dO and dK += dS^T Q with P^T and dS^T as e4m3 A fragments and the B operands from
+// transposed copies Q^T and dO^T [head_dim x queries] the launcher writes, their queries in
+// transpose_e4m3.cuh's order so that the accumulators convert in place. P^T goes in as 256 P
+// (P <= 1), dS^T scaled per key row and step to its amax (448 at the largest); dV's and dK's
+// accumulators are kept in units of the step's scales (dO's descale, dS's row scale times Q's),
+// rescaled when a step's differ, as the forward's O is by its row maxima. dQ = dS K stays a
+// 16-bit GEMM: dS from the 16-bit dS^T (its rounding is 16-bit, not e4m3's) and a 16-bit K the
+// launcher dequantizes. The tiles take the 16-bit build's bytes: the V region holds K and V in
+// e4m3, each (Q, dO) slot an e4m3 tile and its transpose. FP8 takes 64 or 128 query rows a step
+// (k-steps of 32 bytes over whole swizzle spans) and no options build.
 template <int HeadDim, bool Bf16, bool Causal, int BlockM, int Stages, bool Deterministic,
-          bool Options, int SmemBytes>
+          bool Options, bool Fp8, int SmemBytes>
 struct BwdSm90Config {
     static constexpr int kHeadDim = HeadDim;
     static constexpr bool kBf16 = Bf16;
@@ -96,6 +113,7 @@ struct BwdSm90Config {
     static constexpr int kStages = Stages;
     static constexpr bool kDeterministic = Deterministic;
     static constexpr bool kOptions = Options;
+    static constexpr bool kFp8 = Fp8;
     static constexpr uint32_t kSmemBytes = SmemBytes;
 
     static constexpr int kConsumers = 2;
@@ -120,7 +138,8 @@ struct BwdSm90Config {
     static constexpr uint32_t kDsBytes = kDsSlabBytes * kConsumers;
     static constexpr uint32_t kSwizzleAtomBytes = 1024;
     // A step's LSE log2 and D: kBlockM floats each, after the ring's (Q, dO) tiles.
-    static constexpr uint32_t kRowValuesBytes = 2 * kBlockM * 4;
+    // FP8: and the step's four scales (Fp8Scales), which the producer writes.
+    static constexpr uint32_t kRowValuesBytes = 2 * kBlockM * 4 + (Fp8 ? 16 : 0);
 
     // dQ per warpgroup: 64 query rows x all 64 columns (head_dim 64, kDqSplitRows) or all rows
     // x 64 columns (128), both over all keys, or all rows x its 128 columns over the shared keys
@@ -175,6 +194,20 @@ struct BwdSm90Config {
     static constexpr int kConsumerRegs = 240;
 
     static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim 64, 128, 256");
+    static_assert(!kFp8 || (!kOptions && (kBlockM == 64 || kBlockM == 128)),
+                  "FP8: 64 or 128 query rows a step, no options build");
+
+    // FP8 tiles: K-major e4m3 rows of head_dim bytes in swizzle spans of up to 128 (slabs of
+    // kRow8Bytes columns, as the 16-bit tiles' 64), and the transposed Q^T, dO^T rows of kBlockM
+    // bytes, after the e4m3 Q and dO in their (Q, dO) slots.
+    static constexpr int kRow8Bytes = kHeadDim < 128 ? kHeadDim : 128;
+    static constexpr int kSlabs8 = kHeadDim / kRow8Bytes;
+    static constexpr uint32_t kK8SlabBytes = kBlockN * kRow8Bytes;
+    static constexpr uint32_t kK8Bytes = kBlockN * kHeadDim;
+    static constexpr uint32_t kQ8SlabBytes = kBlockM * kRow8Bytes;
+    static constexpr uint32_t kQ8Bytes = kBlockM * kHeadDim;
+    // P^T enters dV's GEMM as e4m3(256 P): P <= 1, and a power of two leaves P's rounding e4m3's.
+    static constexpr float kPScale = 256.0f;
     static_assert(kBlockM == 64 || kBlockM == 128 || (kBlockM == 80 && kDqTransposed),
                   "64 or 128 query rows a step, or 80 with dQ transposed");
     static_assert(kDqSplitRows ? kDqCols == kHeadDim : kDqCols * kConsumers == kHeadDim,
@@ -222,6 +255,13 @@ struct BwdSm90Mainloop {
     static constexpr uint32_t kDqOffset = kDsOffset + Cfg::kDsBuffers * kDsBytes;
     static constexpr uint32_t kRowValuesOffset = kDqOffset + Cfg::kConsumers * Cfg::kDqStageBytes;
     static constexpr uint32_t kBarrierOffset = kRowValuesOffset + kStages * Cfg::kRowValuesBytes;
+    // FP8: e4m3 K and V in the V region (the 16-bit K for dQ stays in the K region), each
+    // (Q, dO) slot's e4m3 tile followed by its transpose.
+    static constexpr uint32_t kK8Offset = kVOffset;
+    static constexpr uint32_t kV8Offset = kVOffset + Cfg::kK8Bytes;
+    static_assert(!Cfg::kFp8 || (2 * Cfg::kK8Bytes == kKVBytes && 2 * Cfg::kQ8Bytes == kQBytes &&
+                                 Cfg::kQ8Bytes % 1024 == 0),
+                  "FP8: the e4m3 tiles fill the 16-bit ones' bytes, on swizzle atoms");
     static_assert(kQBytes % 1024 == 0 && kDsBytes % 1024 == 0 && Cfg::kDqBoxBytes % 1024 == 0,
                   "swizzled tiles start on 1024-byte atoms");
     // A warpgroup's dQ staging: its boxes from kDqOffset on, or (kSharedKeys) its dS slab and then
@@ -277,12 +317,27 @@ struct BwdSm90Mainloop {
         tma_prefetch(&p.v_map);
         tma_prefetch(&p.dout_map);
         bars.kv_full.arrive_expect_tx(2 * kKVBytes);
+        const int first_key = seq.lens.offset_k + n_block * kBlockN;
 #pragma unroll
         for (int j = 0; j < kSlabs; ++j) {
             tma_load_4d(smem + kKOffset + j * kKVSlabBytes, &p.k_map, bars.kv_full, 64 * j,
-                        kv_head, seq.lens.offset_k + n_block * kBlockN, seq.batch_coord);
-            tma_load_4d(smem + kVOffset + j * kKVSlabBytes, &p.v_map, bars.kv_full, 64 * j,
-                        kv_head, seq.lens.offset_k + n_block * kBlockN, seq.batch_coord);
+                        kv_head, first_key, seq.batch_coord);
+            if constexpr (!Cfg::kFp8) {
+                tma_load_4d(smem + kVOffset + j * kKVSlabBytes, &p.v_map, bars.kv_full, 64 * j,
+                            kv_head, first_key, seq.batch_coord);
+            }
+        }
+        if constexpr (Cfg::kFp8) {
+            tma_prefetch(&p.k8_map);
+            tma_prefetch(&p.qt_map);
+            tma_prefetch(&p.doutt_map);
+#pragma unroll
+            for (int j = 0; j < Cfg::kSlabs8; ++j) {
+                tma_load_4d(smem + kK8Offset + j * Cfg::kK8SlabBytes, &p.k8_map, bars.kv_full,
+                            Cfg::kRow8Bytes * j, kv_head, first_key, seq.batch_coord);
+                tma_load_4d(smem + kV8Offset + j * Cfg::kK8SlabBytes, &p.v_map, bars.kv_full,
+                            Cfg::kRow8Bytes * j, kv_head, first_key, seq.batch_coord);
+            }
         }
         Ring ring;
 #pragma unroll 1
@@ -291,20 +346,43 @@ struct BwdSm90Mainloop {
             const int row = steps.m_block(step) * kBlockM;
             bars.q_do.producer_acquire(ring);
             MBarrier& full = bars.q_do.full_barrier(ring);
-            full.arrive_expect_tx(2 * kQBytes + Cfg::kRowValuesBytes);
-            const int64_t padded_row = seq.workspace_row(p, head, row);
             float* row_values = reinterpret_cast<float*>(smem + kRowValuesOffset +
                                                          ring.stage() * Cfg::kRowValuesBytes);
+            if constexpr (Cfg::kFp8) {
+                // before the arrival that completes the stage with its loads, which releases
+                // these stores to the consumers
+                *reinterpret_cast<Fp8Scales*>(row_values + 2 * kBlockM) = Fp8Scales::of(
+                    p, seq.batch_coord, head, kv_head, steps.m_block(step), n_block);
+            }
+            full.arrive_expect_tx(2 * kQBytes + 2 * kBlockM * 4);
+            const int64_t padded_row = seq.workspace_row(p, head, row);
             bulk_load(row_values, p.lse_log2 + padded_row, kBlockM * 4, full);
             bulk_load(row_values + kBlockM, p.dpsum + padded_row, kBlockM * 4, full);
             uint8_t* q_tile = smem + kQOffset + ring.stage() * kQBytes;
             uint8_t* do_tile = smem + kDoOffset + ring.stage() * kQBytes;
+            if constexpr (Cfg::kFp8) {
 #pragma unroll
-            for (int j = 0; j < kSlabs; ++j) {
-                tma_load_4d(q_tile + j * kQSlabBytes, &p.q_map, full, 64 * j, head,
-                            seq.lens.offset_q + row, seq.batch_coord);
-                tma_load_4d(do_tile + j * kQSlabBytes, &p.dout_map, full, 64 * j, head,
-                            seq.lens.offset_q + row, seq.batch_coord);
+                for (int j = 0; j < Cfg::kSlabs8; ++j) {
+                    tma_load_4d(q_tile + j * Cfg::kQ8SlabBytes, &p.q_map, full,
+                                Cfg::kRow8Bytes * j, head, seq.lens.offset_q + row,
+                                seq.batch_coord);
+                    tma_load_4d(do_tile + j * Cfg::kQ8SlabBytes, &p.dout_map, full,
+                                Cfg::kRow8Bytes * j, head, seq.lens.offset_q + row,
+                                seq.batch_coord);
+                }
+                // Q^T and dO^T: coordinates (query, column, head, batch), one box of all columns
+                tma_load_4d(q_tile + Cfg::kQ8Bytes, &p.qt_map, full, row, 0, head,
+                            seq.batch_coord);
+                tma_load_4d(do_tile + Cfg::kQ8Bytes, &p.doutt_map, full, row, 0, head,
+                            seq.batch_coord);
+            } else {
+#pragma unroll
+                for (int j = 0; j < kSlabs; ++j) {
+                    tma_load_4d(q_tile + j * kQSlabBytes, &p.q_map, full, 64 * j, head,
+                                seq.lens.offset_q + row, seq.batch_coord);
+                    tma_load_4d(do_tile + j * kQSlabBytes, &p.dout_map, full, 64 * j, head,
+                                seq.lens.offset_q + row, seq.batch_coord);
+                }
             }
         }
     }
@@ -426,6 +504,67 @@ struct BwdSm90Mainloop {
         }
     }
 
+    // FP8: acc[64 x kBlockM] = A B^T over head_dim, gemm_rows' product on e4m3 tiles (k-steps of
+    // 32 bytes, kRow8Bytes / 32 per swizzle span).
+    static __device__ __forceinline__ void gemm_rows_e4m3(float (&acc)[kBlockM / 2],
+                                                          uint32_t a_rows, uint32_t b_rows) {
+        constexpr int kStepsPerSlab = Cfg::kRow8Bytes / 32;
+        const uint64_t a_desc = wgmma_desc_kmajor<Cfg::kRow8Bytes>(a_rows);
+        const uint64_t b_desc = wgmma_desc_kmajor<Cfg::kRow8Bytes>(b_rows);
+#pragma unroll
+        for (int kk = 0; kk < kHeadDim / 32; ++kk) {
+            const uint32_t slab = kk / kStepsPerSlab;
+            const uint32_t step = (kk % kStepsPerSlab) * 32;
+            WgmmaE4m3<kBlockM>::ss(acc, wgmma_desc_advance(a_desc, slab * Cfg::kK8SlabBytes + step),
+                                   wgmma_desc_advance(b_desc, slab * Cfg::kQ8SlabBytes + step),
+                                   kk > 0);
+        }
+    }
+
+    // FP8: acc[64 x kDkvCols] += A B over the tile's queries, A as e4m3 fragments (P^T or dS^T,
+    // accumulator_to_e4m3_a's order), B the warpgroup's rows of a transposed tile (Q^T, dO^T:
+    // kBlockM-byte rows, K-major), k-steps of 32 queries.
+    static __device__ __forceinline__ void gemm_fragments_e4m3(
+        float (&acc)[Cfg::kDkvCols / 2], const uint32_t (&a)[kBlockM / 8], uint32_t bt_rows) {
+        const uint64_t b_desc = wgmma_desc_kmajor<kBlockM>(bt_rows);
+#pragma unroll
+        for (int kk = 0; kk < kBlockM / 32; ++kk) {
+            WgmmaE4m3<Cfg::kDkvCols>::rs(acc, a[4 * kk], a[4 * kk + 1], a[4 * kk + 2],
+                                         a[4 * kk + 3], wgmma_desc_advance(b_desc, 32 * kk), 1);
+        }
+    }
+
+    // FP8: the descales a step needs: Q's and dO's of the query tile (per 128 rows at most), K's
+    // of the block, V's. The producer reads them ahead and puts them with the step's row values
+    // (read by every consumer thread at its step's start, their latency stalled the first
+    // GEMMs' results: the kernel ran at 0.89 of the 16-bit one's time).
+    struct alignas(16) Fp8Scales {
+        float q;
+        float qk;
+        float dout;
+        float dp;  // dP's: V's times dO's
+
+        // (32-bit index arithmetic: the descale arrays are small, and the producer thread that
+        // reads them has 24 registers; with 64-bit products it spilled up to 68 bytes.)
+        static __device__ __forceinline__ Fp8Scales of(const BwdParams& p, int batch, int head,
+                                                       int kv_head, int m_block, int n_block) {
+            const int q_block = m_block * kBlockM / 128;
+            const int k_block = n_block * kBlockN / 128;
+            const float q = __ldg(p.q_descale + (batch * int(p.q_descale_stride_b) +
+                                                 head * int(p.q_descale_stride_h) +
+                                                 q_block * int(p.q_descale_stride_block)));
+            const float k = __ldg(p.k_descale + (batch * int(p.k_descale_stride_b) +
+                                                 kv_head * int(p.k_descale_stride_h) +
+                                                 k_block * int(p.k_descale_stride_block)));
+            const float dout = __ldg(p.dout_descale + (batch * int(p.dout_descale_stride_b) +
+                                                       head * int(p.dout_descale_stride_h) +
+                                                       q_block * int(p.dout_descale_stride_block)));
+            const float v = __ldg(p.v_descale + (batch * int(p.v_descale_stride_b) +
+                                                 kv_head * int(p.v_descale_stride_h)));
+            return {q, q * k, dout, v * dout};
+        }
+    };
+
     // dq[64 r.. x kDqCols] = dS[64 r.., keys] K[keys, columns] for each 64-row block r of `ds`
     // (the warpgroup's first row there): dS K-major from its buffer's key ds_key0 on (slabs of
     // 64 keys), K's rows MN-major from its slab `col_slab` on (16-key k-steps of 16 rows). dS
@@ -468,6 +607,10 @@ struct BwdSm90Mainloop {
         int lane;
         float dk[Cfg::kDkvCols / 2];
         float dv[Cfg::kDkvCols / 2];
+        // FP8: the units of dK's accumulator rows (h = 0, 1 of the thread's) and of dV's, the
+        // last step's scales; 0 before the first.
+        float dk_unit[2];
+        float dv_unit;
         Ring ring;
 
         __device__ __forceinline__ void release() const {
@@ -476,8 +619,8 @@ struct BwdSm90Mainloop {
 
         // One step: query tile m_block of q head `head` (its (Q, dO) in the ring's next slot).
         __device__ __forceinline__ void step(const BwdParams& p, const Info& info,
-                                             const BwdWalk& walk, int head, int m_block,
-                                             const BwdSeq& seq, int step_index) {
+                                             const BwdWalk& walk, int kv_head, int head,
+                                             int m_block, const BwdSeq& seq, int step_index) {
             const int query0 = m_block * kBlockM + 2 * (lane % 4);  // the thread's first column
             const int first_key = walk.n_block * kBlockN + key0() + 16 * warp + lane / 4;
             // The step's LSE log2 (then D) at the thread's columns 8 i + 2 t, + 1.
@@ -494,12 +637,28 @@ struct BwdSm90Mainloop {
 
             float s[kBlockM / 2];
             float dp[kBlockM / 2];
+            Fp8Scales scales{};
+            float scale_log2 = p.scale_log2;
             bars.q_do.consumer_wait(ring);
+            if constexpr (Cfg::kFp8) {
+                scales = *reinterpret_cast<const Fp8Scales*>(
+                    smem + kRowValuesOffset + ring.stage() * Cfg::kRowValuesBytes +
+                    2 * kBlockM * 4);
+            }
             wgmma_fence();
-            gemm_rows(s, k_tile + rows, q_tile);
-            wgmma_commit();
-            gemm_rows(dp, v_tile + rows, do_tile);
-            wgmma_commit();
+            if constexpr (Cfg::kFp8) {
+                const uint32_t rows8 = key0() * Cfg::kRow8Bytes;
+                gemm_rows_e4m3(s, smem_addr(smem + kK8Offset) + rows8, q_tile);
+                wgmma_commit();
+                gemm_rows_e4m3(dp, smem_addr(smem + kV8Offset) + rows8, do_tile);
+                wgmma_commit();
+                scale_log2 *= scales.qk;
+            } else {
+                gemm_rows(s, k_tile + rows, q_tile);
+                wgmma_commit();
+                gemm_rows(dp, v_tile + rows, do_tile);
+                wgmma_commit();
+            }
             // The step's LSE at the thread's columns, read while the GEMMs run: read where it is
             // used, its latency stalled the exponents' arithmetic (ncu, head_dim 128 at 64 rows:
             // 8% of the stall samples). At 64 query rows a step only (now head_dim 256): at 80
@@ -521,20 +680,37 @@ struct BwdSm90Mainloop {
             }
             uint32_t pt[kBlockM / 4];
             recompute_probabilities_transposed(reinterpret_cast<Tiles&>(s), lse_log2,
-                                               p.scale_log2);
+                                               scale_log2);
 #pragma unroll
             for (int j = 0; j < kBlockM / 4; ++j) pt[j] = pack_f32x2<kBf16>(s[2 * j], s[2 * j + 1]);
+            // FP8: 256 P^T as e4m3 fragments, from the 16-bit pairs (from S^T's registers, held
+            // longer, it spilled up to 232 bytes at head_dim 64), and dV's accumulator in the
+            // units of this step's dO descale.
+            uint32_t pt8[Cfg::kFp8 ? kBlockM / 8 : 1];
+            if constexpr (Cfg::kFp8) {
+                dv_unit = rescale_to<-1>(dv, dv_unit, scales.dout);
+                pairs_to_e4m3_fragments<!kBf16>(pt8, pt, Cfg::kPScale, Cfg::kPScale);
+            }
             // D likewise, once S^T's registers are free, ahead of dV's GEMM.
             ColumnValues<kEarly, kBlockM / 8> dpsum{row_values + 4 * kBlockM};
             dpsum.read_ahead();
             wgmma_fence();
-            gemm_fragments(dv, pt, do_tile + dkv_cols);
+            if constexpr (Cfg::kFp8) {
+                gemm_fragments_e4m3(dv, pt8, do_tile + Cfg::kQ8Bytes + dkv_rows_t());
+            } else {
+                gemm_fragments(dv, pt, do_tile + dkv_cols);
+            }
             wgmma_commit();
             wgmma_wait<1>();
             wgmma_fence_operand(dp);
             // dS^T = P^T (dP^T - D), as A fragments of dK's GEMM and, transposed, into dS.
             uint32_t dst[kBlockM / 4];
-            if (Cfg::kOptions && p.softcap_scale != 0.0f) {
+            // FP8: also as e4m3 fragments for dK's GEMM, each key row scaled by its unit.
+            uint32_t dst8[Cfg::kFp8 ? kBlockM / 8 : 1];
+            if constexpr (Cfg::kFp8) {
+                score_gradient_e4m3(dst, dst8, reinterpret_cast<const Tiles&>(dp), pt, dpsum,
+                                    scales);
+            } else if (Cfg::kOptions && p.softcap_scale != 0.0f) {
                 // The LSE again, from shared memory: held from P's recompute, it would take
                 // registers through dV's GEMM.
                 using Lse = ColumnValues<false, kBlockM / 8>;
@@ -594,7 +770,11 @@ struct BwdSm90Mainloop {
             gemm_dq(dq, ds + (Cfg::kDqSplitRows ? wg * 64 * 128 : 0), k_tile,
                     Cfg::kOwnDs ? 64 * wg : 0, Cfg::kDqSplitRows ? 0 : wg * (Cfg::kDqCols / 64));
             wgmma_commit();
-            gemm_fragments(dk, dst, q_tile + dkv_cols);
+            if constexpr (Cfg::kFp8) {
+                gemm_fragments_e4m3(dk, dst8, q_tile + Cfg::kQ8Bytes + dkv_rows_t());
+            } else {
+                gemm_fragments(dk, dst, q_tile + dkv_cols);
+            }
             wgmma_commit();
             wgmma_wait<1>();
 #pragma unroll
@@ -613,6 +793,114 @@ struct BwdSm90Mainloop {
         // The first of the warpgroup's keys within the block.
         __device__ __forceinline__ int key0() const {
             return Cfg::kSharedKeys ? 0 : 64 * wg;
+        }
+
+        // FP8: this warpgroup's dK / dV columns as rows of a transposed (Q^T, dO^T) tile.
+        __device__ __forceinline__ uint32_t dkv_rows_t() const {
+            return Cfg::kSharedKeys ? wg * Cfg::kDkvCols * kBlockM : 0;
+        }
+
+        // FP8: dK's and dV's accumulators are kept in the units of their last step (a unit
+        // times an e4m3 product is the true value): the thread's row kRow (0 or 1; -1 both)
+        // moves from `unit` to the step's `next` before the step adds into it. A `next` of 0 (a
+        // step that adds nothing there: a row of dS all zero) keeps the unit. (Units that only
+        // grow, rescaling in few steps, measured level: the kernel is not bound by its
+        // instructions; and fresh units are the recipe the tests emulate exactly.)
+        template <int kRow>
+        static __device__ __forceinline__ float rescale_to(float (&acc)[Cfg::kDkvCols / 2],
+                                                           float unit, float next) {
+            if (next == 0.0f) return unit;
+            const float ratio = unit / next;  // 0 before the first step: the row is 0
+#pragma unroll
+            for (int i = 0; i < Cfg::kDkvCols / 8; ++i) {
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    if (kRow < 0 || c / 2 == kRow) acc[4 * i + c] *= ratio;
+                }
+            }
+            return next;
+        }
+
+        // FP8: dS^T = P^T (dP^T v dO - D) (dP^T from the e4m3 GEMM, v and dO its descales),
+        // as the 16-bit pairs dQ's GEMM reads (score_gradient_transposed's) and as dK's e4m3 A
+        // fragments, each key row divided by its scale: its amax over the step's queries (held
+        // by the quad's four threads) / 448, rounded up to a power of two so that the division
+        // is exact; dK's row unit is that times Q's descale. The fragments are made from the
+        // pairs: dS^T held in FP32 until the amax is known spilled up to 176 bytes.
+        template <class Dpsum>
+        __device__ __forceinline__ void score_gradient_e4m3(
+            uint32_t (&dst)[kBlockM / 4], uint32_t (&dst8)[kBlockM / 8], const Tiles& dp,
+            const uint32_t (&pt)[kBlockM / 4], const Dpsum& dpsum_of, const Fp8Scales& scales) {
+            float amax[2] = {0.0f, 0.0f};
+#pragma unroll
+            for (int i = 0; i < kBlockM / 8; ++i) {
+                const float2 dpsum = dpsum_of(i);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float2 pair = unpack_f32x2<kBf16>(pt[2 * i + h]);
+                    const float x = pair.x * fmaf(dp[i][2 * h], scales.dp, -dpsum.x);
+                    const float y = pair.y * fmaf(dp[i][2 * h + 1], scales.dp, -dpsum.y);
+                    amax[h] = fmaxf(amax[h], fmaxf(fabsf(x), fabsf(y)));
+                    dst[2 * i + h] = pack_f32x2<kBf16>(x, y);
+                }
+            }
+            float inv[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                amax[h] = fmaxf(amax[h], __shfl_xor_sync(0xffffffffu, amax[h], 1));
+                amax[h] = fmaxf(amax[h], __shfl_xor_sync(0xffffffffu, amax[h], 2));
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                // the least power of two at least amax / 448 (amax normal and positive)
+                const float row_scale =
+                    __uint_as_float((__float_as_uint(amax[h] * (1.0f / kE4m3Max)) + 0x007fffffu) &
+                                    0xff800000u);
+                inv[h] = amax[h] > 0.0f ? __frcp_rn(row_scale) : 0.0f;
+                const float next = amax[h] > 0.0f ? row_scale * scales.q : 0.0f;
+                dk_unit[h] = h ? rescale_to<1>(dk, dk_unit[h], next)
+                               : rescale_to<0>(dk, dk_unit[h], next);
+            }
+            pairs_to_e4m3_fragments(dst8, dst, inv[0], inv[1]);
+        }
+
+        // FP8: an accumulator tile's 16-bit pairs (pair 2 i + h: row h of column tile i) times
+        // scale_h as e4m3 A fragments, in accumulator_to_e4m3_a's order: b32 4 kk + 2 x + h
+        // holds row h of column tiles 4 kk + 2 x and 4 kk + 2 x + 1.
+        // kF16Scale: f16 pairs scaled in f16 (scale0 == scale1, and every product within f16:
+        // P's, at most 256), two instructions a pair.
+        template <bool kF16Scale = false>
+        static __device__ __forceinline__ void pairs_to_e4m3_fragments(
+            uint32_t (&fragments)[kBlockM / 8], const uint32_t (&pairs)[kBlockM / 4],
+            float scale0, float scale1) {
+            static_assert(!kF16Scale || !kBf16, "f16 pairs");
+#pragma unroll
+            for (int kk = 0; kk < kBlockM / 32; ++kk) {
+                if constexpr (kF16Scale) {
+                    const uint32_t scale = pack_f32x2<false>(scale0, scale0);
+#pragma unroll
+                    for (int x = 0; x < 2; ++x) {
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            fragments[4 * kk + 2 * x + h] = scaled_f16x2_to_e4m3x4(
+                                pairs[2 * (4 * kk + 2 * x) + h],
+                                pairs[2 * (4 * kk + 2 * x + 1) + h], scale);
+                        }
+                    }
+                    continue;
+                }
+#pragma unroll
+                for (int x = 0; x < 2; ++x) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const float scale = h ? scale1 : scale0;
+                        const float2 a = unpack_f32x2<kBf16>(pairs[2 * (4 * kk + 2 * x) + h]);
+                        const float2 b = unpack_f32x2<kBf16>(pairs[2 * (4 * kk + 2 * x + 1) + h]);
+                        fragments[4 * kk + 2 * x + h] =
+                            e4m3x4(a.x * scale, a.y * scale, b.x * scale, b.y * scale);
+                    }
+                }
+            }
         }
 
         // The thread of each consumer warpgroup that issues its dQ reduces.
@@ -789,8 +1077,11 @@ struct BwdSm90Mainloop {
             const Output output{staging, kDqBarrier + wg};
             const int first_key = n_block * kBlockN + key0();
             const int col0 = Cfg::kSharedKeys ? wg * Cfg::kDkvCols : 0;
-            const float dk_scale[2] = {p.softmax_scale, p.softmax_scale};
-            const float dv_scale[2] = {1.0f, 1.0f};
+            // FP8: the accumulators' units
+            const float dk_scale[2] = {p.softmax_scale * (Cfg::kFp8 ? dk_unit[0] : 1.0f),
+                                       p.softmax_scale * (Cfg::kFp8 ? dk_unit[1] : 1.0f)};
+            const float dv_unit_scale = Cfg::kFp8 ? dv_unit / Cfg::kPScale : 1.0f;
+            const float dv_scale[2] = {dv_unit_scale, dv_unit_scale};
             const int first_row = seq.lens.offset_k + first_key;
             output.store(reinterpret_cast<const Rows&>(dk), dk_scale, &p.dk_map, kv_head,
                          first_row, seq.batch_coord, col0);
@@ -832,6 +1123,7 @@ struct BwdSm90Mainloop {
                 dk[i] = 0.0f;
                 dv[i] = 0.0f;
             }
+            dk_unit[0] = dk_unit[1] = dv_unit = 0.0f;
             bars.kv_full.wait(0);
             // The walk as a cursor: a causal step needs its tile for the mask as soon as S^T
             // lands, and m_block()'s division sat on that path (with the cursor head_dim 64
@@ -841,7 +1133,7 @@ struct BwdSm90Mainloop {
             BwdSteps::Cursor at = steps.start(kv_head, p.q_per_kv);
 #pragma unroll 1
             for (int i = 0; i < steps.count; ++i, steps.next(at)) {
-                step(p, info, walk, at.head, at.m_block, seq, i);
+                step(p, info, walk, kv_head, at.head, at.m_block, seq, i);
             }
             if constexpr (Cfg::kDqWriter) {
                 if (steps.count > 0) wait_dq_staging_free();

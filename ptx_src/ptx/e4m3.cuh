@@ -12,6 +12,9 @@
 
 namespace ptxattn {
 
+// e4m3's largest finite magnitude: data scaled to it (amax * 448 / amax) uses the whole range.
+constexpr float kE4m3Max = 448.0f;
+
 // Two floats -> two e4m3 bytes, `lo` in the low byte. cvt's first source goes to the high byte.
 __device__ __forceinline__ uint16_t e4m3x2(float lo, float hi) {
     uint16_t r;
@@ -30,6 +33,26 @@ __device__ __forceinline__ uint32_t e4m3x4(float b0, float b1, float b2, float b
         "}\n"
         : "=r"(r)
         : "f"(b0), "f"(b1), "f"(b2), "f"(b3));
+    return r;
+}
+
+// Two f16x2 values times `scale` (f16x2, both halves; mul.rn.f16x2) -> one b32 of e4m3 bytes:
+// a's low half in the lowest byte, then a's high half, b's low, b's high (cvt.rn.satfinite
+// .e4m3x2.f16x2 keeps each half's place). The products must hold in f16.
+__device__ __forceinline__ uint32_t scaled_f16x2_to_e4m3x4(uint32_t a, uint32_t b,
+                                                          uint32_t scale) {
+    uint32_t r;
+    asm("{\n"
+        ".reg .b32 sa, sb;\n"
+        ".reg .b16 lo, hi;\n"
+        "mul.rn.f16x2 sa, %1, %3;\n"
+        "mul.rn.f16x2 sb, %2, %3;\n"
+        "cvt.rn.satfinite.e4m3x2.f16x2 lo, sa;\n"
+        "cvt.rn.satfinite.e4m3x2.f16x2 hi, sb;\n"
+        "mov.b32 %0, {lo, hi};\n"
+        "}\n"
+        : "=r"(r)
+        : "r"(a), "r"(b), "r"(scale));
     return r;
 }
 

@@ -205,6 +205,24 @@ struct alignas(64) BwdParams {
     // FwdParams; the workspace's dq_accum rows have the compiled head dim's.
     int head_dim;
     int head_dim_v;
+
+    // The FP8 backward (BwdSm90Config::kFp8): q_map, k_map's e4m3 twin k8_map, v_map and
+    // dout_map are e4m3 maps (boxes of head_dim bytes, up to 128, x the kernel's rows), k_map
+    // the 16-bit K that dQ's GEMM reads; qt_map and doutt_map the transposed e4m3 Q and dO
+    // (batch, heads_q, head_dim, rows padded to whole query tiles), each 32 rows in the key
+    // order of transpose_e4m3.cuh, boxes of head_dim x the tile's rows. Descales as FwdParams'
+    // (h the q head for q's and dout's, the kv head for k's and v's); dout's per 128 rows.
+    TensorMap k8_map;
+    TensorMap qt_map;
+    TensorMap doutt_map;
+    const float* q_descale;
+    int64_t q_descale_stride_b, q_descale_stride_h, q_descale_stride_block;
+    const float* k_descale;
+    int64_t k_descale_stride_b, k_descale_stride_h, k_descale_stride_block;
+    const float* v_descale;
+    int64_t v_descale_stride_b, v_descale_stride_h;
+    const float* dout_descale;
+    int64_t dout_descale_stride_b, dout_descale_stride_h, dout_descale_stride_block;
 };
 
 }  // namespace ptxattn

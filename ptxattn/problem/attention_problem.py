@@ -297,6 +297,24 @@ class AttentionProblem:
         return problem
 
     @classmethod
+    @_memoized
+    def from_fp8_backward(cls, dout, q, k, v, out, lse, *, q_descale, k_descale, v_descale,
+                          causal: bool = False, softmax_scale=None, deterministic: bool = False,
+                          dq=None, dk=None, dv=None) -> "AttentionProblem":
+        """ptxattn.fp8.attention_backward's arguments: fp8.attention's (e4m3 q, k, v and their
+        descales), its bfloat16 or float16 output and float32 log-sum-exp, dout like out, and
+        optional gradient buffers of out's dtype shaped like q, k and v. The problem's format
+        is "e4m3", its out_dtype the gradients'."""
+        problem = cls.from_fp8(q, k, v, q_descale=q_descale, k_descale=k_descale,
+                               v_descale=v_descale, causal=causal, softmax_scale=softmax_scale,
+                               out=out, lse=lse)
+        _check_backward_operands(dataclasses.replace(problem, format=problem.out_dtype), dout,
+                                 q, k, v, out, lse, None, deterministic,
+                                 {"dq": dq, "dk": dk, "dv": dv}, "(batch, heads_q, seqlen_q)",
+                                 rank=4)
+        return problem
+
+    @classmethod
     def from_blockscaled(cls, q, k, v, q_scale, k_scale, v_scale, *,
                          format: str,  # noqa: A002 - the API's word
                          q_tensor_scale=None, k_tensor_scale=None, causal: bool = False,
