@@ -3,6 +3,7 @@
     python -m ptxattn profile [--quick] [--csv FILE] [--json FILE] [--plot FILE.png]
     python -m ptxattn profile --grid targets [--dtype float16] --slow-max-seqlen 0 [--energy]
     python -m ptxattn profile --backward [--quick] [--json FILE] [--plot FILE.png]
+    python -m ptxattn profile --backward --fp8 [--quick] [--shapes DxS,...] [--csv F] [--json F]
     python -m ptxattn profile --backward-features [--quick] [--json FILE]
     python -m ptxattn profile --serving [--mla] [--fp8-cache] [--quick] [--repeats N]
     python -m ptxattn profile --head-dims [--quick] [--json FILE]
@@ -27,6 +28,19 @@ times the forward's FLOPs over the time. Peers: torch SDPA's FlashAttention-2 an
 (torch.autograd.grad of one recorded forward), and FlashAttention-3's backward through the
 flash-attn3-jax wheel (flash_mha under jax.vjp, head_dim 128) when it imports. It also reports
 the extra memory ptxattn's backward allocates (its workspace).
+
+--backward --fp8 times FP8 e4m3 backward passes instead, 16 heads, batch x seqlen = 32768, at
+head_dim 128, 64 and 256 and seqlen 4096, 8192 and (without --quick) 16384, each causal and not,
+bfloat16 dout and gradients, in shuffled turns: ptxattn's FP8 backward
+(ptxattn.fp8.attention_backward of quantize_qkv(..., "block") inputs, its forward run once,
+untimed), ptxattn's bf16 backward (ptxattn.attention_backward), cuDNN's FP8 backward
+(cudnn-frontend's sdpa_fp8_backward through ptxattn/tools/cudnn_fp8.py: one scale per tensor,
+e4m3 out, dout and gradients, head_dim 128 alone on Hopper; its module docstring says what it
+takes and what its time holds) and torch SDPA's cuDNN bf16 backward. TFLOP/s as --backward's;
+each row prints ptxattn-fp8's TFLOP/s over ptxattn-bf16's and over cudnn-fp8's. Then, per row,
+forward + backward of the torch ops, ptxattn.torch.fp8_attention against ptxattn.torch.attention,
+with FP8's time over bf16's. A runner missing here (no torch, no cudnn-frontend or libcudnn, an
+op not in this build) is left out with the reason.
 
 --backward-features times the backward of calls with a feature beside the plain call each
 stands for, ptxattn alone (torch SDPA has no varlen, window, softcap or sinks argument), bf16 by
@@ -374,11 +388,16 @@ def fa3_runners() -> dict:
             "fa3-fp8": ((64, 128, 256), None, _quantized_once(quantize, fp8))}
 
 
+def parse_shapes(shapes: str) -> list[tuple[int, int]]:
+    """--shapes "DxS,DxS,...": (head_dim, seqlen) pairs."""
+    return [tuple(int(n) for n in shape.split("x")) for shape in shapes.split(",")]
+
+
 def backward_configs(quick: bool, shapes: str | None = None) -> list[dict]:
     """The backward sweep: batch*seqlen = 16384, heads*head_dim = 2048; ``shapes`` ("DxS,...")
     picks (head_dim, seqlen) pairs instead."""
     if shapes:
-        shapes = [tuple(int(n) for n in shape.split("x")) for shape in shapes.split(",")]
+        shapes = parse_shapes(shapes)
     else:
         shapes = ([(128, 2048), (128, 8192), (64, 2048), (256, 2048)] if quick else
                   [(128, 2048), (128, 8192), (128, 16384), (64, 2048), (64, 16384),
@@ -388,8 +407,10 @@ def backward_configs(quick: bool, shapes: str | None = None) -> list[dict]:
             for head_dim, seqlen in shapes for causal in (False, True)]
 
 
-def torch_backward_runners(torch, q, k, v, dout, causal: bool) -> dict:
-    """name -> (backward, forward + backward) callables for torch SDPA's FA2 and cuDNN."""
+def torch_backward_runners(torch, q, k, v, dout, causal: bool,
+                           names=("torch-sdpa-flash", "torch-sdpa-cudnn")) -> dict:
+    """name -> (backward, forward + backward) callables for torch SDPA's FA2 and cuDNN (those
+    of ``names``)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
@@ -397,8 +418,9 @@ def torch_backward_runners(torch, q, k, v, dout, causal: bool) -> dict:
                   for x in (q, k, v))
     tdo = torch.from_dlpack(dout).transpose(1, 2)
     runners = {}
-    for name, backend in (("torch-sdpa-flash", SDPBackend.FLASH_ATTENTION),
-                          ("torch-sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
+    backends = {"torch-sdpa-flash": SDPBackend.FLASH_ATTENTION,
+                "torch-sdpa-cudnn": SDPBackend.CUDNN_ATTENTION}
+    for name, backend in ((name, backends[name]) for name in names):
         def forward(backend=backend):
             with sdpa_kernel(backend):
                 return sdpa(tq, tk, tv, is_causal=causal)
@@ -535,6 +557,237 @@ def backward_main(args) -> int:
     if args.plot:
         plot_rows(backward_plot_rows(results),
                   args.plot, f"{props['name'].decode()} ({arch}), {args.dtype}, backward")
+    return 0
+
+
+# --backward --fp8: 16 heads, batch x seqlen = 32k tokens, each (head_dim, seqlen) causal and not
+FP8_BACKWARD_HEADS = 16
+FP8_BACKWARD_TOKENS = 32768
+FP8_BACKWARD_DIMS = (128, 64, 256)
+# The runners of an FP8 backward row, in the order the table prints them; each ratio line is
+# ptxattn-fp8's TFLOP/s over another's.
+FP8_BACKWARD_RUNNERS = ("ptxattn-fp8", "ptxattn-bf16", "cudnn-fp8", "torch-sdpa-cudnn")
+FP8_BACKWARD_RATIOS = ("ptxattn-bf16", "cudnn-fp8")
+
+
+def fp8_backward_configs(quick: bool, shapes: str | None = None) -> list[dict]:
+    """--backward --fp8 rows: 16 heads, batch x seqlen = 32768, head_dim 128, 64 and 256 at
+    seqlen 4096, 8192 and (without --quick) 16384, each causal and not; ``shapes`` ("DxS,...")
+    picks (head_dim, seqlen) pairs instead."""
+    seqlens = (4096, 8192) if quick else (4096, 8192, 16384)
+    pairs = (parse_shapes(shapes) if shapes else
+             [(head_dim, seqlen) for head_dim in FP8_BACKWARD_DIMS for seqlen in seqlens])
+    return [dict(batch=max(1, FP8_BACKWARD_TOKENS // seqlen), seqlen=seqlen,
+                 heads=FP8_BACKWARD_HEADS, head_dim=head_dim, causal=causal)
+            for head_dim, seqlen in pairs for causal in (False, True)]
+
+
+def fp8_table_lines(results: list[dict]) -> list[str]:
+    """The --backward --fp8 table: a row's shape and each runner's backward TFLOP/s ("-" where
+    it did not run)."""
+    widths = [max(len(n), 7) for n in FP8_BACKWARD_RUNNERS]
+    lines = [f"{'batch':>5} {'seqlen':>6} {'heads':>5} {'dim':>4} {'causal':>6} "
+             + " ".join(f"{n:>{w}}" for n, w in zip(FP8_BACKWARD_RUNNERS, widths))]
+    for row in results:
+        cells = " ".join(f"{row['backward'][n]:{w}.1f}" if n in row["backward"]
+                         else f"{'-':>{w}}" for n, w in zip(FP8_BACKWARD_RUNNERS, widths))
+        lines.append(f"{row['batch']:5d} {row['seqlen']:6d} {row['heads']:5d} "
+                     f"{row['head_dim']:4d} {str(row['causal']):>6} {cells}")
+    return lines
+
+
+def fp8_ratio_line(row: dict) -> str:
+    """A row's ptxattn-fp8 TFLOP/s over ptxattn-bf16's and over cudnn-fp8's, where both ran."""
+    tflops = row["backward"]
+    cells = [f"ptxattn-fp8 / {peer} {tflops['ptxattn-fp8'] / tflops[peer]:.3f}x"
+             for peer in FP8_BACKWARD_RATIOS if "ptxattn-fp8" in tflops and peer in tflops]
+    shown = ", ".join(cells) or "no ratio (ptxattn-fp8 or its peers did not run)"
+    return f"{row_label(row)}: {shown}"
+
+
+def torch_ops_line(row: dict) -> str:
+    """A row's forward + backward of ptxattn.torch.fp8_attention and ptxattn.torch.attention:
+    milliseconds and TFLOP/s (3.5 x the forward's FLOPs), then FP8's time over bf16's."""
+    ms = row.get("torch_ops_ms", {})
+    work = 3.5 * flops(row)
+    cells = ", ".join(f"{name} {t:.3f} ms ({work / t / 1e9:.1f} TFLOP/s)"
+                      for name, t in ms.items())
+    ratio = (f"; fp8_attention / attention time {ms['fp8_attention'] / ms['attention']:.3f}"
+             if {"fp8_attention", "attention"} <= ms.keys() else "")
+    return f"{row_label(row)}: {cells or 'no torch op ran'}{ratio}"
+
+
+def ptxattn_fp8_backward_runner(q, k, v, dout, causal: bool):
+    """ptxattn's FP8 backward (``ptxattn.fp8.attention_backward``) of q, k, v quantized by
+    ``quantize_qkv(..., "block")``, its forward run once, untimed: (call, None), or (None, why
+    not)."""
+    from ptxattn import fp8
+
+    if not hasattr(fp8, "attention_backward"):
+        return None, "ptxattn-fp8: ptxattn.fp8.attention_backward is not in this build"
+    try:
+        q8, k8, v8, descales = fp8.quantize_qkv(q, k, v, "block")
+        out, lse = fp8.attention(q8, k8, v8, **descales, causal=causal, return_lse=True)
+    except Exception as err:  # noqa: BLE001 - an arch or shape FP8 lacks, reported
+        return None, f"ptxattn-fp8: the forward failed: {type(err).__name__}: {err}"
+    return functools.partial(fp8.attention_backward, dout, q8, k8, v8, out, lse, **descales,
+                             causal=causal), None
+
+
+def cudnn_fp8_backward_runner(torch, q, k, v, dout, causal: bool):
+    """cuDNN's FP8 backward (ptxattn/tools/cudnn_fp8.py) of q, k, v and dout quantized per
+    tensor by ``ptxattn.fp8.quantize`` (cuDNN takes one scale a tensor), its forward and its
+    scales' calibration run once, untimed: (call, None), or (None, why not)."""
+    from ptxattn import fp8
+
+    from . import cudnn_fp8
+
+    def per_tensor(x):
+        x8, descale = fp8.quantize(x, "tensor")
+        return torch.from_dlpack(x8.bytes).view(torch.float8_e4m3fn), torch.from_dlpack(descale)
+
+    try:
+        cudnn_fp8.load()  # what is missing is said before anything is quantized
+        (q8, q_descale), (k8, k_descale), (v8, v_descale), (dout8, dout_descale) = (
+            per_tensor(x) for x in (q, k, v, dout))
+        descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+        forward = cudnn_fp8.forward(q8, k8, v8, **descales, causal=causal)
+        call = functools.partial(cudnn_fp8.backward, dout8, q8, k8, v8, forward.out, forward.lse,
+                                 **descales, out_descale=forward.out_descale,
+                                 dout_descale=dout_descale, causal=causal)
+        scales = call().scales
+    except cudnn_fp8.CudnnUnavailable as err:  # no library, or a graph cuDNN declines
+        return None, f"cudnn-fp8: {' '.join(str(err).split())}"
+    except Exception as err:  # noqa: BLE001 - a peer's failure is reported, not fatal
+        return None, f"cudnn-fp8 failed: {type(err).__name__}: {' '.join(str(err).split())}"
+    return functools.partial(call, scales=scales), None
+
+
+def torch_ops_runners(torch, q, k, v, dout, causal: bool):
+    """Forward + backward (torch.autograd.grad of a fresh forward) of ptxattn.torch's
+    fp8_attention and attention on views of q, k, v: (name -> call, notes on what is missing)."""
+    import ptxattn.torch as ops
+
+    tq, tk, tv = (torch.from_dlpack(x).detach().requires_grad_() for x in (q, k, v))
+    tdo = torch.from_dlpack(dout)
+
+    def step(attend):
+        return lambda: torch.autograd.grad(attend(tq, tk, tv, causal=causal), (tq, tk, tv), tdo)
+
+    calls = {"attention": step(ops.attention)}
+    if not hasattr(ops, "fp8_attention"):
+        return calls, ["torch ops: ptxattn.torch.fp8_attention is not in this build, so no "
+                       "fp8_attention time"]
+    calls["fp8_attention"] = step(ops.fp8_attention)
+    return calls, []
+
+
+def calls_that_run(calls: dict, shape) -> dict:
+    """The calls of ``calls`` that run (each called once: compiles and warms); one that fails
+    (a shape a runner lacks) is reported on stderr and left out."""
+    kept = {}
+    for name, call in calls.items():
+        error = first_error(call)
+        if error is None:
+            kept[name] = call
+        else:
+            print(f"\n{name} failed on {shape}: {error}", file=sys.stderr)
+    return kept
+
+
+def backward_fp8_main(args) -> int:
+    """FP8 backward rows (fp8_backward_configs): ptxattn's FP8 backward beside its bf16 one,
+    cuDNN's FP8 backward and torch SDPA's cuDNN bf16 backward, interleaved; then forward +
+    backward of ptxattn.torch.fp8_attention against ptxattn.torch.attention."""
+    import cupy
+    import ptxattn
+    from ptxattn.runtime import device_arch
+
+    arch = device_arch()
+    repeats = args.repeats or (5 if args.quick else 10)
+    try:
+        import torch
+    except ImportError:
+        torch = None
+        print(f"{PROG}: torch is not importable, so no cuDNN peers and no torch-op rows in "
+              "this run", file=sys.stderr)
+    props = device_props()
+    print(f"# {device_line(props, arch)}, backward FP8 e4m3 (bfloat16 dout and gradients), "
+          f"median of {repeats} runs")
+    print("# TFLOP/s = 2.5 x 4 x batch x heads x seqlen^2 x head_dim / time, halved for causal; "
+          "ptxattn-fp8: q and k per 128 rows, v per head (quantize_qkv 'block'); cudnn-fp8: "
+          "one scale per tensor, e4m3 out, dout and gradients (ptxattn/tools/cudnn_fp8.py)")
+    if torch is not None:
+        from . import cudnn_fp8
+        try:
+            print(f"# {cudnn_fp8.library_line()}")
+        except cudnn_fp8.CudnnUnavailable:
+            pass  # each row says why cudnn-fp8 did not run
+    results, notes = [], []
+    rows = fp8_backward_configs(args.quick, args.shapes)
+    for index, cfg in enumerate(rows, 1):
+        shape = (cfg["batch"], cfg["seqlen"], cfg["heads"], cfg["head_dim"])
+        causal = cfg["causal"]
+        print(f"\r[{index}/{len(rows)}] {shape} causal={causal}", end="", file=sys.stderr,
+              flush=True)
+        rng = cupy.random.default_rng(index)
+        q, k, v, dout = (rng.standard_normal(shape, dtype=cupy.float32).astype("bfloat16")
+                         for _ in range(4))
+        out, lse = ptxattn.attention(q, k, v, causal=causal, return_lse=True)
+        candidates = {"ptxattn-bf16": (functools.partial(
+            ptxattn.attention_backward, dout, q, k, v, out, lse, causal=causal), None)}
+        candidates["ptxattn-fp8"] = ptxattn_fp8_backward_runner(q, k, v, dout, causal)
+        ops = {}
+        if torch is not None:
+            candidates["cudnn-fp8"] = cudnn_fp8_backward_runner(torch, q, k, v, dout, causal)
+            sdpa = torch_backward_runners(torch, q, k, v, dout, causal,
+                                          names=("torch-sdpa-cudnn",)).get("torch-sdpa-cudnn")
+            candidates["torch-sdpa-cudnn"] = ((sdpa[0], None) if sdpa else
+                                              (None, "torch-sdpa-cudnn did not run"))
+            ops, missing = torch_ops_runners(torch, q, k, v, dout, causal)
+            notes += [note for note in missing if note not in notes]
+        calls = {}
+        for name in FP8_BACKWARD_RUNNERS:
+            call, why_not = candidates.get(name, (None, None))
+            if call is not None:
+                calls[name] = call
+            elif why_not and why_not not in notes:
+                notes.append(why_not)
+        calls, ops = calls_that_run(calls, shape), calls_that_run(ops, shape)
+        work = 2.5 * flops(cfg)
+        results.append(dict(cfg, backward={
+            name: work / ms / 1e9 for name, ms in
+            time_ms_interleaved(calls, warmup=2, repeats=repeats).items()},
+            torch_ops_ms=time_ms_interleaved(ops, warmup=2, repeats=repeats)))
+        del q, k, v, dout, out, lse, candidates, calls, ops
+    print("\r" + " " * 80 + "\r", end="", file=sys.stderr)
+    print("backward TFLOP/s")
+    for line in fp8_table_lines(results):
+        print(line)
+    print("ptxattn-fp8 over its peers (TFLOP/s)")
+    for row in results:
+        print(f"  {fp8_ratio_line(row)}")
+    if torch is not None:
+        print("forward + backward of ptxattn.torch.fp8_attention and ptxattn.torch.attention "
+              "(TFLOP/s = 3.5 x the forward's FLOPs / time)")
+        for row in results:
+            print(f"  {torch_ops_line(row)}")
+    for note in notes:
+        print(f"# {note}")
+    if args.csv:
+        flat = [dict({f: row[f] for f in SHAPE_FIELDS if f in row}, **row["backward"],
+                     **{f"{name} fwd+bwd ms": t for name, t in row["torch_ops_ms"].items()})
+                for row in results]
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(
+                name for row in flat for name in row)))
+            writer.writeheader()
+            writer.writerows(flat)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": props["name"].decode(), "arch": arch, "nvrtc": nvrtc_text(),
+                       "dtype": "bfloat16", "fp8": "e4m3", "unit": "TFLOP/s", "notes": notes,
+                       "results": results}, f, indent=1)
     return 0
 
 
@@ -1250,6 +1503,10 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="a few shapes, fewer repeats")
     parser.add_argument("--backward", action="store_true",
                         help="the backward pass and forward + backward instead of the forward")
+    parser.add_argument("--fp8", action="store_true",
+                        help="with --backward: the FP8 e4m3 backward rows (ptxattn's FP8 and "
+                             "bf16 backward, cuDNN's FP8 and bf16) and the torch ops' forward "
+                             "+ backward instead")
     parser.add_argument("--backward-features", action="store_true",
                         help="the backward of varlen, sliding-window, softcap and sinks calls "
                              "beside the plain call each stands for")
@@ -1266,7 +1523,8 @@ def main(argv=None) -> int:
                         help="forward and backward at head dims beyond 64/128/256 (80, 96, 192, "
                              "192 with 128-wide values, ...) beside FlashAttention-3 and cuDNN")
     parser.add_argument("--shapes", help="with --backward: head_dim x seqlen pairs to run, "
-                                         "e.g. 128x16384,64x2048 (default: the standard sweep)")
+                                         "e.g. 128x16384,64x2048 (default: the standard sweep; "
+                                         "with --fp8, its rows)")
     parser.add_argument("--csv", help="write the results to this CSV file")
     parser.add_argument("--json", help="write the results to this JSON file")
     parser.add_argument("--plot", metavar="FILE.png",
@@ -1294,6 +1552,11 @@ def main(argv=None) -> int:
         parser.error(f"{' and '.join(modes)} are runs of their own: one at a time")
     if (args.mla or args.fp8_cache) and not args.serving:
         parser.error("--mla and --fp8-cache pick rows of --serving: add --serving")
+    if args.fp8 and not args.backward:
+        parser.error("--fp8 picks the FP8 rows of --backward: add --backward")
+    if args.fp8 and args.dtype != "bfloat16":
+        parser.error("--backward --fp8 rows are bfloat16 (FP8's backward takes a bfloat16 "
+                     "dout): not with --dtype float16")
     if args.energy and modes:
         parser.error("--energy measures the forward rows: not with --backward, "
                      "--backward-features or --serving")
@@ -1304,9 +1567,9 @@ def main(argv=None) -> int:
         parser.error("--grid targets is a forward grid of its own: not with --backward, "
                      "--backward-features, --serving or --quick")
     if args.plot:
-        if args.serving or args.backward_features:
-            parser.error("--plot draws the forward or --backward sweep, not --serving or "
-                         "--backward-features")
+        if args.serving or args.backward_features or args.fp8:
+            parser.error("--plot draws the forward or --backward sweep, not --serving, "
+                         "--backward-features or --backward --fp8")
         try:
             import matplotlib  # noqa: F401
         except ImportError:
@@ -1322,7 +1585,7 @@ def main(argv=None) -> int:
         return 2
     import cupy
     if args.backward:
-        return backward_main(args)
+        return backward_fp8_main(args) if args.fp8 else backward_main(args)
     if args.backward_features:
         return backward_features_main(args)
     if args.serving:
