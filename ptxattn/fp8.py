@@ -52,8 +52,9 @@ from .problem import SCALE_BLOCK_ROWS, AttentionProblem
 from .quant.fp8 import (E4M3, E4M3_MAX, GRANULARITIES, HEAD_DIMS, E4M3Array, as_e4m3,
                         dequantize, descale_operand, quantize, quantize_qkv, round_to_e4m3)
 from .quant.hadamard import HadamardRotation, hadamard_rotation
+from .quant.recipe import Fp8Recipe
 
-__all__ = ["attention", "attention_backward", "reference", "quantize", "dequantize", "quantize_qkv", "E4M3Array",
+__all__ = ["attention", "attention_backward", "reference", "Fp8Recipe", "quantize", "dequantize", "quantize_qkv", "E4M3Array",
            "hadamard_rotation", "HadamardRotation", "round_to_e4m3", "E4M3", "E4M3_MAX",
            "GRANULARITIES", "HEAD_DIMS", "SCALE_BLOCK_ROWS"]
 

@@ -1,6 +1,7 @@
 """ptxattn for PyTorch: attention as torch.library custom ops, traceable by torch.compile;
 fixed-length and variable-length attention differentiable (in q, k, v and sinks) through
-ptxattn's backward, the KV-cache entry point forward only. Imported only as ``ptxattn.torch``.
+ptxattn's backward, FP8 attention (e4m3 inside, 16-bit tensors in and out) through the FP8
+backward, the KV-cache entry point forward only. Imported only as ``ptxattn.torch``.
 
     import ptxattn.torch
     out = ptxattn.torch.attention(q, k, v, causal=True)   # CUDA tensors (batch, seqlen, heads, dim)
@@ -8,6 +9,7 @@ ptxattn's backward, the KV-cache entry point forward only. Imported only as ``pt
     out = ptxattn.torch.attention(q, k, v, causal=True, window=(256, 0), sinks=sinks)  # sinks.grad
     out = ptxattn.torch.attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len,
                                          causal=True)      # packed sequences, differentiable
+    out = ptxattn.torch.fp8_attention(q, k, v, causal=True)  # e4m3 inside, differentiable
     out = ptxattn.torch.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
                                                k_new=k, v_new=v)   # appends k, v to the cache
     out = ptxattn.torch.ring_attention(q, k, v, group=group, causal=True)  # context parallel
@@ -24,6 +26,13 @@ The ops:
 - ``ptxattn::attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
   max_seqlen_q, max_seqlen_k, causal, softmax_scale, window, softcap, sinks, deterministic,
   check_contents, backend) -> (dq, dk, dv, dsinks)``
+- ``ptxattn::fp8_attention_fwd(q, k, v, causal, softmax_scale, granularity, rotate, seed,
+  deterministic) -> (out, lse, q8, k8, v8, q_descale, k_descale, v_descale)``: q, k, v
+  quantized (``ptxattn.fp8.quantize_qkv`` with the recipe's fields), then
+  ``ptxattn.fp8.attention``; q8, k8, v8 float8_e4m3fn, their descales float32.
+- ``ptxattn::fp8_attention_bwd(dout, q8, k8, v8, out, lse, q_descale, k_descale, v_descale,
+  causal, softmax_scale, rotate, seed, deterministic) -> (dq, dk, dv)``: with ``rotate``, dq and
+  dk rotated back by R^T (R drawn from ``seed`` again).
 - ``ptxattn::attention_with_kvcache_fwd(q, k_cache, v_cache, cache_seqlens, uniform_cache_seqlen,
   block_table, k_new, v_new, causal, window, softcap, sinks, softmax_scale, num_splits,
   check_contents, backend, k_descale, v_descale) -> (out, lse)``, which mutates k_cache and
@@ -34,25 +43,31 @@ The ops:
   lse)``, which mutates kv_cache likewise.
 
 Each has a fake implementation (shapes and dtypes only, the strides the real one gives), so that
-torch.compile traces it without running it. attention's and attention_varlen's pairs are joined
-by ``register_autograd``: each forward takes every argument its backward needs (deterministic
-too), and torch.compile traces forward and backward into one graph. A backward op's dsinks is
-the float32 (heads_q,) gradient of the sinks, or, for a call without sinks, a tensor of shape
-(0,): an op's tuple of tensors holds no None, and the autograd formula maps that stand-in back to
-None. attention_with_kvcache has no backward yet and no autograd formula: it runs on tensors that
-require grad, but a backward through it raises torch's "no autograd formula was registered"
-error (at compile time under torch.compile, which traces the backward with the forward), never a
-silent zero gradient. (torch.library refuses an autograd formula for an op that mutates its
-inputs, so its backward, when there is one, will be a functional op of its own.) Every op runs
-on torch's current stream. Outputs are allocated by torch's caching allocator, except the KV
-cache op's lse, which ptxattn allocates from CuPy's pool (as its other temporaries;
+torch.compile traces it without running it. attention's, attention_varlen's and fp8_attention's
+pairs are joined by ``register_autograd``: each forward takes every argument its backward needs
+(deterministic too), and torch.compile traces forward and backward into one graph. The FP8
+forward returns what its backward reads, the e4m3 inputs and their descales, which autograd
+saves in place of the 16-bit q, k, v (half their bytes); only its out carries a gradient, with
+respect to the dequantized inputs (the quantizers are passed through as the identity). A
+backward op's dsinks is the float32 (heads_q,) gradient of the sinks, or, for a call without
+sinks, a tensor of shape (0,): an op's tuple of tensors holds no None, and the autograd formula
+maps that stand-in back to None. attention_with_kvcache has no backward yet and no autograd
+formula: it runs on tensors that require grad, but a backward through it raises torch's "no
+autograd formula was registered" error (at compile time under torch.compile, which traces the
+backward with the forward), never a silent zero gradient. (torch.library refuses an autograd
+formula for an op that mutates its inputs, so its backward, when there is one, will be a
+functional op of its own.) Every op runs on torch's current stream. Outputs are allocated by
+torch's caching allocator, except the KV cache op's lse and the FP8 forward's lse, e4m3 inputs
+and descales, which ptxattn allocates from CuPy's pool (as its other temporaries;
 ptxattn/interop.py) and torch frees.
 
-The Python functions (``attention``, ``attention_varlen``, ``attention_with_kvcache``,
-``ring_attention``) check that their tensor arguments are torch tensors on a CUDA device (meta
-and fake tensors pass, for tracing) of the dtypes the kernels take before calling an op, so that
-a CPU tensor gets a TypeError naming the argument rather than the dispatcher's error for an op
-with no CPU kernel; every other check is ptxattn's own, inside the op.
+The Python functions (``attention``, ``attention_varlen``, ``fp8_attention``,
+``attention_with_kvcache``, ``ring_attention``) check that their tensor arguments are torch
+tensors on a CUDA device (meta and fake tensors pass, for tracing) of the dtypes the kernels
+take before calling an op, so that a CPU tensor gets a TypeError naming the argument rather than
+the dispatcher's error for an op with no CPU kernel. ``fp8_attention`` also checks that k and v
+have q's dtype (its op quantizes each on its own, so nothing inside would notice) and that its
+recipe is an ``Fp8Recipe``; every other check is ptxattn's own, inside the op.
 
 ``ring_attention`` (context parallelism: each rank of a torch.distributed NCCL process group
 holds a shard of the sequence; ptxattn.distributed, docs/guide/distributed.md) is a
@@ -78,11 +93,13 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import api, archs, dispatch, serving
-from .problem.checks import ALIGN_BYTES
+from . import api, archs, dispatch, fp8, serving
+from .problem.checks import ALIGN_BYTES, SCALE_BLOCK_ROWS
+from .quant.recipe import Fp8Recipe
 
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "attention_mla_decode",
-           "ring_attention", "enable_sdpa", "disable_sdpa", "sdpa_enabled"]
+__all__ = ["attention", "attention_varlen", "fp8_attention", "attention_with_kvcache",
+           "attention_mla_decode", "ring_attention", "enable_sdpa", "disable_sdpa",
+           "sdpa_enabled"]
 
 # What the backward ops return: dq, dk, dv and dsinks.
 _Gradients = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -497,6 +514,207 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                     max_seqlen_k, causal, softmax_scale, tuple(window), softcap,
                                     sinks, deterministic, check_contents, backend)
     return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 attention
+
+# What the FP8 forward op returns: out and lse, then what its backward reads, the e4m3 q8, k8,
+# v8 and their descales.
+_Fp8Forward = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                    torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _descale_shape(x: torch.Tensor, granularity: str) -> tuple:
+    """The shape of ``fp8.quantize``'s descale of x (batch, seqlen, heads, head_dim) at
+    ``granularity``: (), (batch, heads), or (batch, heads, ceil(seqlen / 128))."""
+    batch, seqlen, heads, _ = x.shape
+    blocks = (seqlen + SCALE_BLOCK_ROWS - 1) // SCALE_BLOCK_ROWS
+    return {"tensor": (), "head": (batch, heads), "block": (batch, heads, blocks)}[granularity]
+
+
+@functools.lru_cache(maxsize=32)
+def _rotation_matrix(head_dim: int, seed: int, device: torch.device) -> torch.Tensor:
+    """R of ``fp8.hadamard_rotation(head_dim, seed)``, the rotation ``fp8.quantize_qkv`` drew
+    from that seed, float32 (head_dim, head_dim) on ``device``. Kept: copying it from host
+    memory in every backward would make the host wait for the GPU (torch's blocking copy)."""
+    matrix = fp8.hadamard_rotation(head_dim, seed).matrix()
+    return torch.from_numpy(matrix).to(device=device, dtype=torch.float32)
+
+
+def _rotated_back(grad: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """grad R^T in grad's dtype, computed in FP32: the gradient for x of one for x R."""
+    return torch.matmul(grad.float(), rotation.T).to(grad.dtype)
+
+
+@torch.library.custom_op("ptxattn::fp8_attention_fwd", mutates_args=(), device_types="cuda")
+def fp8_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                      softmax_scale: Optional[float], granularity: str, rotate: bool, seed: int,
+                      deterministic: bool) -> _Fp8Forward:
+    """ptxattn.fp8.attention of q, k, v quantized by ptxattn.fp8.quantize_qkv as the recipe
+    (granularity, rotate, seed) says: the output in q's dtype and the float32 log-sum-exp, then
+    q8, k8, v8 (float8_e4m3fn) and their float32 descales, which the backward reads
+    (``deterministic`` is the backward's, kept for the autograd formula)."""
+    recipe = Fp8Recipe(granularity, rotate, seed)
+    q8, k8, v8, descales = fp8.quantize_qkv(q.detach(), k.detach(), v.detach(),
+                                            recipe.granularity, recipe.rotate, recipe.seed)
+    out, lse = fp8.attention(q8, k8, v8, **descales, causal=causal, softmax_scale=softmax_scale,
+                             return_lse=True, out=q.new_empty(_out_shape(q, v)))
+    return (out, lse, q8, k8, v8, descales["q_descale"], descales["k_descale"],
+            descales["v_descale"])
+
+
+@fp8_attention_fwd.register_fake
+def _fp8_attention_fwd_fake(q, k, v, causal, softmax_scale, granularity, rotate, seed,
+                            deterministic):
+    # The granularity alone sets the shapes (and is checked as the real op checks it); the seed
+    # may be a symbolic int here, which a recipe refuses.
+    recipe = Fp8Recipe(granularity)
+    quantized = [x.new_empty(x.shape, dtype=torch.float8_e4m3fn) for x in (q, k, v)]
+    descales = [x.new_empty(_descale_shape(x, g), dtype=torch.float32)
+                for x, g in ((q, recipe.granularity), (k, recipe.granularity),
+                             (v, recipe.v_granularity))]
+    return (q.new_empty(_out_shape(q, v)), q.new_empty(_lse_shape(q), dtype=torch.float32),
+            *quantized, *descales)
+
+
+@torch.library.custom_op("ptxattn::fp8_attention_bwd", mutates_args=(), device_types="cuda")
+def fp8_attention_bwd(dout: torch.Tensor, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
+                      out: torch.Tensor, lse: torch.Tensor, q_descale: torch.Tensor,
+                      k_descale: torch.Tensor, v_descale: torch.Tensor, causal: bool,
+                      softmax_scale: Optional[float], rotate: bool, seed: int,
+                      deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ptxattn.fp8.attention_backward's (dq, dk, dv) in out's dtype, with respect to the 16-bit
+    inputs: the kernel's are with respect to the dequantized q8, k8, v8, which with ``rotate``
+    stand for q R and k R; their dq and dk are rotated back by R^T here (R from ``seed``, as
+    the forward drew it)."""
+    dq, dk, dv = (x.new_empty(x.shape, dtype=out.dtype) for x in (q8, k8, v8))
+    fp8.attention_backward(
+        dout.detach(), q8.detach(), k8.detach(), v8.detach(), out.detach(), lse.detach(),
+        q_descale=q_descale.detach(), k_descale=k_descale.detach(),
+        v_descale=v_descale.detach(), causal=causal, softmax_scale=softmax_scale,
+        deterministic=deterministic, dq=dq, dk=dk, dv=dv)
+    if rotate:
+        rotation = _rotation_matrix(q8.shape[-1], seed, dq.device)
+        dq, dk = _rotated_back(dq, rotation), _rotated_back(dk, rotation)
+    return dq, dk, dv
+
+
+@fp8_attention_bwd.register_fake
+def _fp8_attention_bwd_fake(dout, q8, k8, v8, out, lse, q_descale, k_descale, v_descale, causal,
+                            softmax_scale, rotate, seed, deterministic):
+    return tuple(x.new_empty(x.shape, dtype=out.dtype) for x in (q8, k8, v8))
+
+
+def _fp8_attention_setup_context(ctx, inputs, output):
+    q, k, v, causal, softmax_scale, granularity, rotate, seed, deterministic = inputs
+    out, lse, *quantized = output
+    ctx.save_for_backward(out, lse, *quantized)
+    ctx.options = (causal, softmax_scale, rotate, seed, deterministic)
+    # Only out carries a gradient: the caller sees lse and the quantized inputs as constants.
+    ctx.mark_non_differentiable(lse, *quantized)
+
+
+def _fp8_attention_backward(ctx, dout, *constant_gradients):
+    out, lse, q8, k8, v8, q_descale, k_descale, v_descale = ctx.saved_tensors
+    causal, softmax_scale, rotate, seed, deterministic = ctx.options
+    # dout may come in any layout, as in attention's backward
+    dq, dk, dv = fp8_attention_bwd(dout.contiguous(), q8, k8, v8, out, lse, q_descale,
+                                   k_descale, v_descale, causal, softmax_scale, rotate, seed,
+                                   deterministic)
+    # None for causal, softmax_scale, granularity, rotate, seed and deterministic
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+fp8_attention_fwd.register_autograd(_fp8_attention_backward,
+                                    setup_context=_fp8_attention_setup_context)
+
+
+def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                  softmax_scale: Optional[float] = None, recipe: Optional[Fp8Recipe] = None,
+                  deterministic: bool = False) -> torch.Tensor:
+    """FP8 attention of 16-bit tensors, ``softmax(softmax_scale * q k^T) v``, differentiable.
+
+    q, k and v are quantized to e4m3 on the GPU as ``recipe`` says (``ptxattn.fp8.quantize_qkv``),
+    and ``ptxattn.fp8.attention`` runs on them: the custom op ``ptxattn::fp8_attention_fwd``,
+    its backward ``ptxattn::fp8_attention_bwd`` (``ptxattn.fp8.attention_backward``) joined by
+    ``register_autograd``, so that torch.compile traces forward and backward into one graph.
+    The gradients are those of the dequantized inputs, passed through the quantizers as if they
+    were the identity (a straight-through estimate), and with a rotation turned back into
+    gradients of q and k. Autograd saves the e4m3 inputs and their descales rather than q, k, v.
+    Runs on torch's current stream, on the GPUs ``ptxattn.fp8.attention`` runs on (sm_90a); the
+    output comes from torch's caching allocator. Layout rules as ``ptxattn.fp8.quantize``
+    states them (unit stride in head_dim, 16-byte aligned base and batch/seqlen/heads strides).
+    docs/guide/fp8.md gives the error to expect: several percent of the gradients' norm, most of
+    it from quantizing the inputs.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        Queries, (batch, seqlen_q, heads_q, head_dim), float16 or bfloat16, on a CUDA device;
+        head_dim 64, 128 or 256.
+    k : torch.Tensor
+        Keys, (batch, seqlen_k, heads_kv, head_dim), q's dtype and device; heads_q a multiple
+        of heads_kv (GQA/MQA).
+    v : torch.Tensor
+        Values, k's shape (FP8 takes no narrower value heads), q's dtype.
+    causal : bool, default False
+        Masks key j from query i unless j <= i + seqlen_k - seqlen_q (bottom-right aligned).
+    softmax_scale : float, optional
+        The scale of the scores; 1 / sqrt(head_dim) by default.
+    recipe : ptxattn.fp8.Fp8Recipe, optional
+        How q, k and v are quantized: descale granularity, Hadamard rotation of q and k and its
+        seed; ``Fp8Recipe()`` (per 128-row block for q and k, per head for v, no rotation) by
+        default.
+    deterministic : bool, default False
+        Makes the gradients bit-identical from run to run.
+
+    Returns
+    -------
+    torch.Tensor
+        The output, (batch, seqlen_q, heads_q, head_dim) in q's dtype.
+
+    Raises
+    ------
+    TypeError
+        q, k or v not a torch tensor, not on a CUDA device, or not float16 or bfloat16; k or v
+        not of q's dtype; ``recipe`` not an Fp8Recipe; then, inside the op, every TypeError of
+        ``ptxattn.fp8.quantize`` and ``ptxattn.fp8.attention``.
+    ValueError
+        As ``ptxattn.fp8.quantize`` and ``ptxattn.fp8.attention`` raise it (shapes, strides,
+        head_dim, a rotation at a head_dim other than 64, 128 or 256, a GPU other than sm_90a),
+        and in the backward as ``ptxattn.fp8.attention_backward`` does.
+
+    Examples
+    --------
+    >>> import torch, ptxattn.torch
+    >>> from ptxattn.fp8 import Fp8Recipe
+    >>> q = torch.randn(2, 4096, 16, 128, device="cuda", dtype=torch.bfloat16,
+    ...                 requires_grad=True)
+    >>> k, v = (torch.randn(2, 4096, 4, 128, device="cuda", dtype=torch.bfloat16,
+    ...                     requires_grad=True) for _ in range(2))
+    >>> out = ptxattn.torch.fp8_attention(q, k, v, causal=True)
+    >>> out.float().square().mean().backward()
+    >>> q.grad.dtype, k.grad.shape
+    (torch.bfloat16, torch.Size([2, 4096, 4, 128]))
+
+    Outlier-heavy activations: q and k rotated before they are quantized.
+
+    >>> out = ptxattn.torch.fp8_attention(q, k, v, causal=True,
+    ...                                   recipe=Fp8Recipe("block", rotate=True, seed=0))
+    """
+    _check_16bit(q=q, k=k, v=v)
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype, {q.dtype}, got {x.dtype}")
+    if recipe is None:
+        recipe = Fp8Recipe()
+    elif not isinstance(recipe, Fp8Recipe):
+        raise TypeError(f"recipe must be a ptxattn.fp8.Fp8Recipe or None, got "
+                        f"{type(recipe).__module__}.{type(recipe).__name__}")
+    out, *_ = fp8_attention_fwd(q, k, v, causal, softmax_scale, recipe.granularity,
+                                recipe.rotate, recipe.seed, deterministic)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

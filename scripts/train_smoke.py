@@ -2,6 +2,9 @@
 seed, initial weights and data, and checks that the two loss curves agree to bf16 noise.
 
     python scripts/train_smoke.py --framework torch [--steps 20] [--packed | --gpt-oss]
+                                  [--plot FILE.png] [--json FILE]
+    python scripts/train_smoke.py --framework torch --fp8-attention [--fp8-rotate] [--steps 200]
+                                  [--plot FILE.png] [--json FILE]
 
 The model: token embedding, two pre-norm transformer blocks (causal self-attention, 4 heads of
 128, d_model 512, MLP 4x), final norm, unembedding; one fixed batch of 4 x 512 random tokens to
@@ -41,18 +44,39 @@ held to the same rule: AdamW moves them by about the learning rate a step whatev
 gradient's size, too little to show in the loss, so a gradient of the wrong sign, or none,
 would pass the loss check alone (on the stand-in, sinks without a gradient did).
 
-Prints the curves side by side and the largest distance, also relative to the reference's loss;
-exits 1 if ptxattn's curve (or its trained sinks) is further from the reference than allowed,
-or if training did not lower the loss; 2 where the framework or a GPU is missing.
+FP8. --fp8-attention trains the default model twice, identical but for the attention:
+ptxattn.torch.fp8_attention (q and k quantized to e4m3 per 128-row block, v per head: the
+default Fp8Recipe; --fp8-rotate adds the Hadamard rotation of q and k) and
+ptxattn.torch.attention in bf16; 200 steps unless --steps says otherwise, at FP8_LEARNING_RATE.
+FP8's gradients are several percent off the bf16 ones (docs/design/fp8.md), far beyond bf16
+noise, so what is held is the outcome: the final losses agree within 2% of the bf16 run's. The
+learning rate is a sixth of the others' so that 200 steps take the loss to about 0.75 rather
+than to memorization: the FP8 run learns a little slower (it trails by a fraction of a step),
+and once the loss falls by a roughly fixed fraction a step, as it does on its way to 0, that lag
+alone is a relative distance, which grows with it. On a CPU stand-in (FP32, full size; FP8
+emulated in the forward only: q, k, v quantized as the default recipe says, P rounded to e4m3,
+the gradients passed straight through) the final distance was 0.33% at this rate (0.32%
+rotated), 0.96% at 7.5e-5 (loss 0.24) and 2.4% at the others' 3e-4 (loss 0.005, memorized); with
+dq and dk rotated back by R rather than R^T it was 32%, with no gradient for q and k 35%.
 
-A framework is a function in FRAMEWORKS returning the three curves of a ModelSpec; another
-framework (JAX, say) is one more entry with the same models, data and runs.
+Prints the curves side by side and the largest distance, also relative to the reference's loss
+(--fp8-attention: the two curves and their relative distance); --plot draws the curves and
+their relative distances from the reference (matplotlib), --json writes them. Exits 1 if
+ptxattn's curve (or its trained sinks) is further from the reference than allowed, or if
+training did not lower the loss; 2 where the framework, a GPU (for --fp8-attention one that
+ptxattn's FP8 kernels run on) or, for --plot, matplotlib is missing.
+
+A framework is a function in FRAMEWORKS returning the three curves of a ModelSpec, and in
+FP8_FRAMEWORKS the two of an Fp8Recipe; another framework (JAX, say) is one more entry with the
+same models, data and runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
+import json
 import os
 import random
 import sys
@@ -73,6 +97,11 @@ LAYERS = 2
 BATCH = 4
 SEQLEN = 512
 LEARNING_RATE = 3e-4  # the memorized loss falls steadily over 20 steps, without saturating
+STEPS = 20
+# --fp8-attention (module docstring)
+FP8_STEPS = 200
+FP8_LEARNING_RATE = 5e-5
+FP8_TOLERANCE = 0.02  # of the bf16 run's final loss
 FULL = (-1, -1)  # no window
 
 
@@ -108,6 +137,14 @@ class LossCurves(NamedTuple):
     sinks: tuple[list[float], list[float], list[float]] | None  # ptxattn, reference, naive
 
 
+class Fp8Curves(NamedTuple):
+    """The per-step losses of two runs identical but for their attention: ptxattn's FP8 and
+    ptxattn's bf16."""
+
+    fp8: list[float]
+    bf16: list[float]
+
+
 class Unavailable(Exception):
     """The framework or a GPU for it is missing."""
 
@@ -121,7 +158,12 @@ def document_lengths(rng: random.Random) -> list[list[int]]:
     return rows
 
 
-def torch_curves(steps: int, spec: ModelSpec) -> LossCurves:
+def torch_training(spec: ModelSpec, learning_rate: float):
+    """What every torch run of ``spec`` shares: ``train(attention, steps)``, which trains the
+    model from the seed's weights on the seed's batch with ``attention`` and returns its
+    per-step losses and (with sinks) its trained sinks, and the attentions by name ("ptxattn",
+    "sdpa", "fp32", "naive"), each taking and returning (batch, seqlen, heads, head_dim) and
+    its layer's window and sinks."""
     try:
         import torch
     except ImportError as error:
@@ -224,10 +266,10 @@ def torch_curves(steps: int, spec: ModelSpec) -> LossCurves:
     tokens = torch.randint(VOCAB, (BATCH, SEQLEN + 1), device=DEVICE, generator=generator)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
 
-    def train(attention) -> tuple[list[float], list[float] | None]:
+    def train(attention, steps: int) -> tuple[list[float], list[float] | None]:
         torch.manual_seed(SEED)  # the same initial weights for every run
         model = Model(attention).to(DEVICE)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
 
         @torch.compile(fullgraph=True)
         def loss_of(inputs, targets):
@@ -245,14 +287,45 @@ def torch_curves(steps: int, spec: ModelSpec) -> LossCurves:
         sinks = [s for block in model.blocks for s in block.sinks.tolist()] if spec.sinks else None
         return losses, sinks
 
-    reference = {"sdpa": sdpa_attention, "fp32": fp32_attention}[spec.reference]
+    return train, {"ptxattn": ptxattn_attention, "sdpa": sdpa_attention, "fp32": fp32_attention,
+                   "naive": naive_attention}
+
+
+def torch_curves(steps: int, spec: ModelSpec) -> LossCurves:
+    train, attentions = torch_training(spec, LEARNING_RATE)
     (ours, our_sinks), (theirs, their_sinks), (naive, naive_sinks) = (
-        train(attention) for attention in (ptxattn_attention, reference, naive_attention))
+        train(attentions[name], steps) for name in ("ptxattn", spec.reference, "naive"))
     return LossCurves(ours, theirs, naive, spec.reference,
                       (our_sinks, their_sinks, naive_sinks) if spec.sinks else None)
 
 
+def torch_fp8_curves(steps: int, recipe) -> Fp8Curves:
+    """The default model trained with ptxattn.torch.fp8_attention (``recipe``) and with
+    ptxattn.torch.attention, at FP8_LEARNING_RATE."""
+    train, attentions = torch_training(MODELS["default"], FP8_LEARNING_RATE)
+    import torch  # which torch_training found, with a GPU
+
+    import ptxattn.torch
+    from ptxattn import archs, fp8
+
+    try:
+        arch = archs.arch_for_capability(*torch.cuda.get_device_capability())
+    except archs.UnsupportedGpuError as error:
+        raise Unavailable(str(error)) from None
+    if arch not in fp8.ARCHS:
+        raise Unavailable(f"ptxattn's FP8 attention runs on {', '.join(fp8.ARCHS)}, this GPU "
+                          f"is {arch}")
+
+    def fp8_attention(q, k, v, window, sinks):  # the default model's: no window, no sinks
+        return ptxattn.torch.fp8_attention(q, k, v, causal=True, recipe=recipe)
+
+    (fp8_losses, _), (bf16_losses, _) = (train(attention, steps) for attention in
+                                         (fp8_attention, attentions["ptxattn"]))
+    return Fp8Curves(fp8_losses, bf16_losses)
+
+
 FRAMEWORKS = {"torch": torch_curves}
+FP8_FRAMEWORKS = {"torch": torch_fp8_curves}
 
 
 def drift(ours: list[float], reference: list[float], naive: list[float]):
@@ -261,20 +334,115 @@ def drift(ours: list[float], reference: list[float], naive: list[float]):
     return distances, 2 * max(abs(a - b) for a, b in zip(naive, reference))
 
 
+def write_curves(losses: dict[str, list[float]], reference: str, title: str,
+                 plot: str | None, json_path: str | None,
+                 tolerance: float | None = None) -> None:
+    """The loss curves (name -> per-step losses) as JSON and as a PNG where asked: the curves on
+    a log scale, under them each one's relative distance from ``reference``'s and the
+    ``tolerance`` it is held to, if relative. matplotlib is imported here only."""
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"title": title, "reference": reference, "losses": losses}, f, indent=1)
+    if not plot:
+        return
+    import matplotlib
+    matplotlib.use("Agg")  # a file, no display
+    import matplotlib.pyplot as plt
+
+    figure, (curves, distances) = plt.subplots(2, 1, figsize=(8, 7), sharex=True,
+                                               gridspec_kw={"height_ratios": (2, 1)})
+    for name, curve in losses.items():
+        line, = curves.plot(curve, label=name)
+        if name != reference:
+            distances.plot([abs(a - b) / b for a, b in zip(curve, losses[reference])],
+                           color=line.get_color(), label=f"|{name} - {reference}| / {reference}")
+    if tolerance is not None:
+        distances.axhline(tolerance, color="black", linestyle="--", label="allowed at the end")
+    curves.set(ylabel="loss", yscale="log", title=title)
+    distances.set(xlabel="step", ylabel="relative distance", yscale="log")
+    curves.legend()
+    distances.legend()
+    figure.savefig(plot, dpi=120, bbox_inches="tight")
+    plt.close(figure)
+    print(f"wrote {plot}")
+
+
+def verdict(failures: list[str], success: str) -> int:
+    for failure in failures:
+        print(f"FAIL: {failure}")
+    if failures:
+        return 1
+    print(f"OK: {success}")
+    return 0
+
+
+def compare_fp8(framework: str, steps: int, recipe, plot: str | None,
+                json_path: str | None) -> int:
+    """--fp8-attention: prints both curves and their relative distance, writes the files asked
+    for, and returns main's exit status."""
+    try:
+        curves = FP8_FRAMEWORKS[framework](steps, recipe)
+    except Unavailable as reason:
+        print(f"train_smoke: {reason}", file=sys.stderr)
+        return 2
+    print(f"{'step':>4} {'fp8':>10} {'bf16':>10} {'|fp8-bf16|/bf16':>16}")
+    for step, (fp8_loss, bf16_loss) in enumerate(zip(curves.fp8, curves.bf16)):
+        print(f"{step:>4} {fp8_loss:>10.5f} {bf16_loss:>10.5f} "
+              f"{abs(fp8_loss - bf16_loss) / bf16_loss:>16.2e}")
+    final = abs(curves.fp8[-1] - curves.bf16[-1]) / curves.bf16[-1]
+    print(f"final losses: fp8 {curves.fp8[-1]:.5f}, bf16 {curves.bf16[-1]:.5f}; relative "
+          f"distance {final:.3e}, allowed {FP8_TOLERANCE:.0%}")
+    write_curves({"fp8": curves.fp8, "bf16": curves.bf16}, "bf16",
+                 f"ptxattn.torch.fp8_attention against ptxattn.torch.attention\n{recipe}, "
+                 f"learning rate {FP8_LEARNING_RATE}", plot, json_path, FP8_TOLERANCE)
+    failures = []
+    if not curves.bf16[-1] < curves.bf16[0]:
+        failures.append("the loss did not fall, so the curves compare nothing")
+    if not final <= FP8_TOLERANCE:  # also for a NaN loss
+        failures.append(f"the FP8 run's final loss is further than {FP8_TOLERANCE:.0%} from "
+                        f"the bf16 run's")
+    return verdict(failures, f"the final losses agree within {FP8_TOLERANCE:.0%}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--framework", choices=sorted(FRAMEWORKS), required=True)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int,
+                        help=f"training steps: {STEPS}, or {FP8_STEPS} with --fp8-attention")
     models = parser.add_mutually_exclusive_group()
     models.add_argument("--packed", action="store_true",
                         help="documents of random lengths packed into rows, attention per "
                              "document (ptxattn.torch.attention_varlen)")
     models.add_argument("--gpt-oss", action="store_true",
                         help="head_dim 64, a sliding window on every other layer, learned sinks")
+    models.add_argument("--fp8-attention", action="store_true",
+                        help="the default model with ptxattn.torch.fp8_attention against "
+                             "ptxattn.torch.attention (bf16)")
+    parser.add_argument("--fp8-rotate", action="store_true",
+                        help="with --fp8-attention: rotate q and k before quantizing them "
+                             "(Fp8Recipe(rotate=True))")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="draw the loss curves into this PNG (needs matplotlib)")
+    parser.add_argument("--json", metavar="FILE", help="write the loss curves to this JSON file")
     args = parser.parse_args()
-    spec = MODELS["packed" if args.packed else "gpt-oss" if args.gpt_oss else "default"]
+    if args.fp8_rotate and not args.fp8_attention:
+        parser.error("--fp8-rotate goes with --fp8-attention")
+    if args.fp8_attention and args.framework not in FP8_FRAMEWORKS:
+        parser.error(f"--fp8-attention runs on {', '.join(sorted(FP8_FRAMEWORKS))} only")
+    # checked before training rather than after it
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        print("train_smoke: --plot needs matplotlib, which is not installed", file=sys.stderr)
+        return 2
+    if args.fp8_attention:
+        from ptxattn.quant.recipe import Fp8Recipe
+
+        return compare_fp8(args.framework, FP8_STEPS if args.steps is None else args.steps,
+                           Fp8Recipe("block", rotate=args.fp8_rotate), args.plot, args.json)
+
+    model = "packed" if args.packed else "gpt-oss" if args.gpt_oss else "default"
     try:
-        curves = FRAMEWORKS[args.framework](args.steps, spec)
+        curves = FRAMEWORKS[args.framework](STEPS if args.steps is None else args.steps,
+                                            MODELS[model])
     except Unavailable as reason:
         print(f"train_smoke: {reason}", file=sys.stderr)
         return 2
@@ -291,6 +459,8 @@ def main() -> int:
     relative = max(d / abs(loss) for d, loss in zip(distances, curves.reference))
     print(f"max |ptxattn - {ref}| = {max(distances):.3e} (relative {relative:.3e}); allowed "
           f"{allowed:.3e} (2 x max |naive bf16 - {ref}|)")
+    write_curves({"ptxattn": curves.ptxattn, ref: curves.reference, "naive bf16": curves.naive},
+                 ref, f"the {model} model", args.plot, args.json)
     failures = []
     if curves.sinks:
         sink_distances, sinks_allowed = drift(*curves.sinks)
@@ -304,12 +474,7 @@ def main() -> int:
     if exceeded:
         failures.append(f"ptxattn's loss is further from {ref}'s than bf16 noise at steps "
                         f"{exceeded}")
-    for failure in failures:
-        print(f"FAIL: {failure}")
-    if failures:
-        return 1
-    print("OK: the loss curves agree to bf16 noise")
-    return 0
+    return verdict(failures, "the loss curves agree to bf16 noise")
 
 
 if __name__ == "__main__":
