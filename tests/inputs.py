@@ -153,3 +153,15 @@ def assert_sequence_within_naive_error(out, lse, q, k, v, **masks):
     assert_within_naive_error(out, lse, ref, ref_lse, naive, naive_lse, q.dtype)
     unseeing = ~cupy.isfinite(ref_lse[0]).T  # (seqlen_q, heads_q): rows that see no key
     assert bool((out[0][unseeing] == 0).all()), "a row that sees no key is not 0"
+
+
+def fp8_backward_accuracy_script():
+    """scripts/fp8_backward_accuracy.py as a module: the FP8 backward's emulation."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "fp8_backward_accuracy.py"
+    spec = importlib.util.spec_from_file_location("fp8_backward_accuracy", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

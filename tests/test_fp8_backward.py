@@ -9,29 +9,19 @@ order, exp2's approximation and the e4m3 roundings those flip), and no further f
 gradients than the emulation is, by more than that distance.
 """
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
+from inputs import fp8_backward_accuracy_script
 from meta_array import MetaArray
 from ptxattn import dispatch, fp8
 from ptxattn.problem import AttentionProblem
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "fp8_backward_accuracy.py"
 SHAPE_Q, SHAPE_KV = (2, 16, 4, 64), (2, 16, 2, 64)
 # the kernel's distance from its emulated recipe, and its error beyond the emulation's, both
 # relative to the emulation's error against FP32 (measured on an H200: docs/design/fp8.md)
 RECIPE_DISTANCE = 0.25
 EXCESS_ERROR = 1.1
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("fp8_backward_accuracy", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # ---- argument checks (no GPU) ------------------------------------------------------------------
@@ -94,7 +84,7 @@ def test_kernel_recipe_emulation_is_the_fp32_backward_without_rounding():
     """kernel_backward with exact roundings (identity e4m3 is not reachable; its 16-bit rounding
     switched off and inputs on the e4m3 grid) stays near the exact backward: its e4m3 steps are
     the only difference."""
-    acc = _script()
+    acc = fp8_backward_accuracy_script()
     rng = np.random.default_rng(0)
     q, k, v, do = (acc.e4m3(rng.standard_normal((2, 128, 64))) for _ in range(4))
     o, lse = acc.forward(q, k, v, 0.125, True)
@@ -168,7 +158,7 @@ def _errors(case, rng, *, granularity="block", deterministic=False, out_dtype="b
                                    deterministic=deterministic, **descales)
     scale = head_dim ** -0.5
     group = heads_q // heads_kv
-    acc = _script()
+    acc = fp8_backward_accuracy_script()
     rounding = acc.bf16 if out_dtype == "bfloat16" else (
         lambda x: x.astype(np.float16).astype(np.float64))
     deq = [_host(fp8.dequantize(x8, descales[f"{name}_descale"]))

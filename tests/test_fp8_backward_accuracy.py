@@ -1,24 +1,14 @@
 """scripts/fp8_backward_accuracy.py, the emulation behind docs/design/fp8.md's backward table:
 CPU only, on a small case."""
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "fp8_backward_accuracy.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("fp8_backward_accuracy", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from inputs import fp8_backward_accuracy_script
 
 
 def test_the_reference_backward_is_autograd():
     """The script's float64 backward against finite differences of its forward's loss."""
-    acc = _script()
+    acc = fp8_backward_accuracy_script()
     rng = np.random.default_rng(0)
     q, k, v, do = (rng.standard_normal((1, 8, 4)) for _ in range(4))
     scale = 0.5
@@ -36,7 +26,7 @@ def test_the_reference_backward_is_autograd():
 
 
 def test_e4m3_rounding_and_block_quantization():
-    acc = _script()
+    acc = fp8_backward_accuracy_script()
     np.testing.assert_array_equal(acc.e4m3(np.array([1.0, 1.0625, 1.1875, 500.0, -1e9])),
                                   [1.0, 1.0, 1.25, 448.0, -448.0])
     x = np.random.default_rng(1).standard_normal((2, 300, 16))
@@ -50,7 +40,7 @@ def test_e4m3_rounding_and_block_quantization():
 
 
 def test_e4m3_recipes_err_more_than_bf16_and_stay_bounded(capsys):
-    acc = _script()
+    acc = fp8_backward_accuracy_script()
     assert acc.main(["--seqlen", "256", "--heads", "1", "--head-dim", "64"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines()
             if line.startswith("| normal") or line.startswith("| 0.1%")]

@@ -695,6 +695,20 @@ def calls_that_run(calls: dict, shape) -> dict:
     return kept
 
 
+def write_results(args, rows: list[dict], results: list, header: dict) -> None:
+    """``--csv``: ``rows`` (flat dicts, one a line, columns in first-seen order); ``--json``:
+    ``header`` with ``results`` under "results"."""
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(
+                name for row in rows for name in row)))
+            writer.writeheader()
+            writer.writerows(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**header, "results": results}, f, indent=1)
+
+
 def backward_fp8_main(args) -> int:
     """FP8 backward rows (fp8_backward_configs): ptxattn's FP8 backward beside its bf16 one,
     cuDNN's FP8 backward and torch SDPA's cuDNN bf16 backward, interleaved; then forward +
@@ -774,20 +788,12 @@ def backward_fp8_main(args) -> int:
             print(f"  {torch_ops_line(row)}")
     for note in notes:
         print(f"# {note}")
-    if args.csv:
-        flat = [dict({f: row[f] for f in SHAPE_FIELDS if f in row}, **row["backward"],
-                     **{f"{name} fwd+bwd ms": t for name, t in row["torch_ops_ms"].items()})
-                for row in results]
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(
-                name for row in flat for name in row)))
-            writer.writeheader()
-            writer.writerows(flat)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": props["name"].decode(), "arch": arch, "nvrtc": nvrtc_text(),
-                       "dtype": "bfloat16", "fp8": "e4m3", "unit": "TFLOP/s", "notes": notes,
-                       "results": results}, f, indent=1)
+    flat = [dict({f: row[f] for f in SHAPE_FIELDS if f in row}, **row["backward"],
+                 **{f"{name} fwd+bwd ms": t for name, t in row["torch_ops_ms"].items()})
+            for row in results]
+    write_results(args, flat, results, {"device": props["name"].decode(), "arch": arch,
+                                        "nvrtc": nvrtc_text(), "dtype": "bfloat16",
+                                        "fp8": "e4m3", "unit": "TFLOP/s", "notes": notes})
     return 0
 
 
@@ -1697,16 +1703,9 @@ def main(argv=None) -> int:
             print(f"  {line}")
     for note in notes:
         print(f"# {note}")
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(
-                name for row in results for name in row)))
-            writer.writeheader()
-            writer.writerows(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": props["name"].decode(), "arch": arch, "nvrtc": nvrtc_text(),
-                       "dtype": args.dtype, "unit": "TFLOP/s", "results": results}, f, indent=1)
+    write_results(args, results, results, {"device": props["name"].decode(), "arch": arch,
+                                           "nvrtc": nvrtc_text(), "dtype": args.dtype,
+                                           "unit": "TFLOP/s"})
     if args.plot:
         plot_rows(results, args.plot, f"{props['name'].decode()} ({arch}), {args.dtype}, forward")
     return 0
