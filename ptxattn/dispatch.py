@@ -239,10 +239,14 @@ def _select(table: tuple[Route, ...], arch: str, input_format: str, head_dim: in
 
     fitting = [route for route in fitting if same_call(route)]
     if not fitting:
-        call = "gradients" if "backward" in features else "attention"
-        raise ValueError(f"{input_format} {call} at head_dim {head_dim} do not run on {arch}; "
-                         "they run as " + "; ".join(route.describe() for route in routes
-                                                    if same_call(route)))
+        call = ("backward" if "backward" in features else
+                "MLA attention" if "mla" in features else "attention")
+        of_the_call = [route.describe() for route in routes if same_call(route)]
+        if not of_the_call:
+            raise ValueError(f"{input_format} inputs have no {call} route; they run as "
+                             f"{supported}")
+        raise ValueError(f"the {input_format} {call} at head_dim {head_dim} does not run on "
+                         f"{arch}; it runs as " + "; ".join(of_the_call))
     for route in fitting:
         if set(features) <= route.features:
             return route

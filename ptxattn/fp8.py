@@ -54,9 +54,9 @@ from .quant.fp8 import (E4M3, E4M3_MAX, GRANULARITIES, HEAD_DIMS, E4M3Array, as_
 from .quant.hadamard import HadamardRotation, hadamard_rotation
 from .quant.recipe import Fp8Recipe
 
-__all__ = ["attention", "attention_backward", "reference", "Fp8Recipe", "quantize", "dequantize", "quantize_qkv", "E4M3Array",
-           "hadamard_rotation", "HadamardRotation", "round_to_e4m3", "E4M3", "E4M3_MAX",
-           "GRANULARITIES", "HEAD_DIMS", "SCALE_BLOCK_ROWS"]
+__all__ = ["attention", "attention_backward", "reference", "Fp8Recipe", "quantize", "dequantize",
+           "quantize_qkv", "E4M3Array", "hadamard_rotation", "HadamardRotation", "round_to_e4m3",
+           "E4M3", "E4M3_MAX", "GRANULARITIES", "HEAD_DIMS", "SCALE_BLOCK_ROWS"]
 
 
 def __dir__():
@@ -164,13 +164,14 @@ def attention_backward(dout, q, k, v, out, lse, *, q_descale, k_descale, v_desca
                        deterministic: bool = False, dq=None, dk=None, dv=None):
     """The gradients of ``fp8.attention`` with respect to its dequantized inputs, on sm_90a.
 
-    The inputs are q q_descale, k k_descale and v v_descale. ``out`` and ``lse`` are what ``attention(q, k, v, ..., return_lse=True)`` returned for these
-    inputs and options. Four of the five GEMMs run on FP8 tensor cores with FP32 accumulation
-    (docs/design/fp8.md#backward): S = Q K^T from the e4m3 inputs; dP = dO V^T and dV = P^T dO
-    with dO quantized per 128 rows (amax / 448) and P as e4m3(256 P); dK = dS^T Q with dS scaled
-    per key row and query tile to its amax. dQ = dS K runs in ``out``'s 16-bit dtype, on K
-    dequantized. The gradients come back in out's dtype. With GQA, dk and dv are summed over
-    the q heads that share a k/v head.
+    The dequantized inputs are q · q_descale, k · k_descale and v · v_descale. ``out`` and
+    ``lse`` are what ``attention(q, k, v, ..., return_lse=True)`` returned for these inputs and
+    options. Four of the five GEMMs run on FP8 tensor cores with FP32 accumulation
+    (docs/design/fp8.md#the-fp8-backward): S = Q K^T from the e4m3 inputs; dP = dO V^T and
+    dV = P^T dO with dO quantized per 128 rows (amax / 448) and P as e4m3(256 P); dK = dS^T Q
+    with dS scaled per key row and query tile to its amax. dQ = dS K runs in ``out``'s 16-bit
+    dtype, on K dequantized. The gradients come back in out's dtype. With GQA, dk and dv are
+    summed over the q heads that share a k/v head.
 
     Parameters
     ----------

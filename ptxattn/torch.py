@@ -95,6 +95,7 @@ import torch
 
 from . import api, archs, dispatch, fp8, serving
 from .problem.checks import ALIGN_BYTES, SCALE_BLOCK_ROWS
+from .launchers.hopper_backward import FP8_HEAD_DIMS as FP8_BACKWARD_HEAD_DIMS
 from .quant.recipe import Fp8Recipe
 
 __all__ = ["attention", "attention_varlen", "fp8_attention", "attention_with_kvcache",
@@ -707,6 +708,10 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             raise TypeError(f"{name} must have q's dtype, {q.dtype}, got {x.dtype}")
+    # the forward takes more head dims than the backward: refused here, not in autograd
+    if q.dim() == 4 and q.shape[-1] not in FP8_BACKWARD_HEAD_DIMS:
+        raise ValueError(f"q: head_dim must be one of {FP8_BACKWARD_HEAD_DIMS} for "
+                         f"fp8_attention (its backward's), got {q.shape[-1]}")
     if recipe is None:
         recipe = Fp8Recipe()
     elif not isinstance(recipe, Fp8Recipe):

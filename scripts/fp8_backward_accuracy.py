@@ -54,6 +54,7 @@ from ptxattn.quant.hadamard import hadamard_rotation
 
 E4M3 = ml_dtypes.float8_e4m3fn
 E4M3_MAX = 448.0
+FLOAT32_LEAST_NORMAL = float(np.finfo(np.float32).tiny)
 BLOCK = 128
 
 
@@ -124,25 +125,25 @@ def kernel_backward(q, k, v, o, lse, do, scale, causal, *, block_m, rounding=bf1
         dP = e4m3(dO) V^T                      (V as given: e4m3 values)
         dS = 16(16(P) (dP - D))                P and dS rounded to 16 bits, as dQ's GEMM reads dS
         dK = sum over query tiles of block_m rows: e4m3(dS^T / a) Q * a, a = amax / 448 per
-             key row and tile rounded up to a power of two (the kernel's unit only grows over
-             the tiles, which changes only values below 2^-6 of it: e4m3's subnormals)
+             key row and tile (of dS before its 16-bit rounding) rounded up to a power of two,
+             at least FP32's least normal value
         dQ = 16(dS) 16(K)                      dQ's GEMM in 16 bits, K dequantized
     """
     s = gemm(q, k.transpose(0, 2, 1)) * scale
     if causal:
         s = np.where(np.tril(np.ones(s.shape[1:], bool), s.shape[2] - s.shape[1]), s, -np.inf)
-    p = np.exp(s - lse)
+    p = np.where(np.isneginf(s), 0.0, np.exp(s - lse))  # a row that sees no key: LSE -inf, P 0
     d = (do * o).sum(axis=-1, keepdims=True)
     do8 = quantize_blocks(do)
     dv = gemm(e4m3(256 * rounding(p)).transpose(0, 2, 1) / 256, do8)
     dp = gemm(do8, v.transpose(0, 2, 1))
-    ds = rounding(rounding(p) * (dp - d))
+    ds_exact = rounding(p) * (dp - d)
+    ds = rounding(ds_exact)
     dk = np.zeros_like(k)
     for start in range(0, q.shape[1], block_m):
         tile = ds[:, start:start + block_m].transpose(0, 2, 1)  # (heads, keys, tile queries)
-        amax = np.abs(tile).max(axis=2, keepdims=True)
-        unit = np.where(amax > 0, 2.0 ** np.ceil(np.log2(np.maximum(amax, 1e-300) / E4M3_MAX)),
-                        1.0)
+        amax = np.abs(ds_exact[:, start:start + block_m]).max(axis=1)[..., None]
+        unit = 2.0 ** np.ceil(np.log2(np.maximum(amax / E4M3_MAX, FLOAT32_LEAST_NORMAL)))
         dk += gemm(e4m3(tile / unit), q[:, start:start + block_m]) * unit
     dq = gemm(ds, rounding(k)) * scale
     return dq, dk * scale, dv
@@ -209,7 +210,6 @@ def main(argv=None) -> int:
             cells.append(" / ".join(f"{e:.4f}" for e in errors))
         print(f"| {'0.1% outliers x10' if outliers else 'normal'} | " + " | ".join(cells) + " |")
     return 0
-
 
 
 def _gpu_grads(q, k, v, do, causal: bool, seed: int) -> dict:

@@ -72,12 +72,22 @@ def test_inputs_and_descales_are_checked_as_in_the_forward():
         _problem(deterministic=1)
 
 
+def test_lse_needs_unit_stride_along_seqlen_only():
+    """As every backward takes it: its rows may be padded (the forward's own buffer is
+    contiguous)."""
+    _problem(lse=MetaArray((2, 4, 16), "float32", strides=(4 * 32 * 4, 32 * 4, 4), ptr=6 << 20))
+    with pytest.raises(ValueError, match="lse must have unit stride along seqlen_q"):
+        _problem(lse=MetaArray((2, 4, 16), "float32", strides=(512, 128, 8), ptr=6 << 20))
+
+
 def test_head_dims_the_kernel_is_not_compiled_for_are_refused_by_name():
-    with pytest.raises(ValueError, match="e4m3 gradients at head_dim 96 do not run on sm_90a; "
-                                         "they run as .*head_dim 64, 128, 256"):
+    with pytest.raises(ValueError, match="the e4m3 backward at head_dim 96 does not run on sm_90a; "
+                                         "it runs as .*head_dim 64, 128, 256"):
         dispatch.select("sm_90a", "e4m3", 96, features=frozenset({"backward"}))
     with pytest.raises(ValueError, match="does not run on this sm_80 GPU"):
         dispatch.select("sm_80", "e4m3", 128, features=frozenset({"backward"}))
+    with pytest.raises(ValueError, match="mxfp8 inputs have no backward route"):
+        dispatch.select("sm_90a", "mxfp8", 128, features=frozenset({"backward"}))
 
 
 def test_kernel_recipe_emulation_is_the_fp32_backward_without_rounding():
@@ -124,8 +134,10 @@ def _reference(q, k, v, do, scale, causal):
     s = q @ k.transpose(0, 2, 1) * scale
     if causal:
         s = np.where(np.tril(np.ones(s.shape[1:], bool), s.shape[2] - s.shape[1]), s, -np.inf)
-    p = np.exp(s - s.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
+    seen = np.isfinite(s).any(axis=-1, keepdims=True)  # rows that see a key
+    m = np.where(seen, s.max(axis=-1, keepdims=True), 0.0)
+    p = np.where(seen, np.exp(s - m), 0.0)
+    p /= np.where(seen, p.sum(axis=-1, keepdims=True), 1.0)
     o = p @ v
     dp = do @ v.transpose(0, 2, 1)
     ds = p * (dp - (do * o).sum(axis=-1, keepdims=True))
@@ -191,6 +203,7 @@ CASES = [  # batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, causal, out
     (1, 300, 300, 2, 2, 64, False, True),
     (1, 256, 256, 2, 2, 256, True, False),
     (1, 200, 330, 4, 2, 256, False, True),
+    (1, 520, 200, 4, 2, 128, True, False),  # rows that see no key: P = 0 there
 ]
 
 
@@ -254,6 +267,45 @@ def test_deterministic_gradients_are_bit_identical(head_dim, rng):
                                        deterministic=True, **descales)
         for a, b in zip(first, again):
             assert bool(cupy.all(a.view(cupy.uint16) == b.view(cupy.uint16)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_strided_inputs_give_the_contiguous_gradients(head_dim, rng):
+    """q8, k8, v8 as views of wider rows (a packed buffer's slices) and a strided dout: the
+    same bits as contiguous inputs (deterministic sums on both)."""
+    import cupy
+
+    q, k, v, do = _bf16_inputs(rng, 2, 300, 300, 4, 2, head_dim, False)
+    q8, k8, v8, descales = fp8.quantize_qkv(q, k, v, "block")
+    out, lse = fp8.attention(q8, k8, v8, causal=True, return_lse=True, **descales)
+
+    def widened(x):  # the same values in rows twice as wide
+        wide = cupy.zeros((*x.shape[:3], 2 * x.shape[3]), dtype=x.dtype)
+        wide[..., :x.shape[3]] = x
+        return wide[..., :x.shape[3]]
+
+    strided = [fp8.E4M3Array(widened(x.bytes)) for x in (q8, k8, v8)]
+    expected = fp8.attention_backward(do, q8, k8, v8, out, lse, causal=True, deterministic=True,
+                                      **descales)
+    got = fp8.attention_backward(widened(do), *strided, out, lse, causal=True,
+                                 deterministic=True, **descales)
+    for a, b in zip(got, expected):
+        assert bool(cupy.all(a.view(cupy.uint16) == b.view(cupy.uint16)))
+
+
+@pytest.mark.gpu
+def test_a_tiny_upstream_gradient_gives_finite_gradients(rng):
+    """dO near FP32's least normal value: dS's row scales clamp at it rather than turning to 0
+    (1 / 0 would write inf and NaN into dK's e4m3 fragments)."""
+    import cupy
+
+    q, k, v, do = _bf16_inputs(rng, 1, 256, 256, 2, 2, 128, False)
+    do = (do.astype(cupy.float32) * 1e-36).astype("bfloat16")
+    q8, k8, v8, descales = fp8.quantize_qkv(q, k, v, "block")
+    out, lse = fp8.attention(q8, k8, v8, return_lse=True, **descales)
+    for g in fp8.attention_backward(do, q8, k8, v8, out, lse, **descales):
+        assert bool(cupy.all(cupy.isfinite(g.astype(cupy.float32))))
 
 
 @pytest.mark.gpu

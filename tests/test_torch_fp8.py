@@ -205,6 +205,16 @@ def test_a_recipe_that_is_no_fp8_recipe_is_refused(recipe):
         ptxattn.torch.fp8_attention(q, k, v, recipe=recipe)
 
 
+@pytest.mark.parametrize("head_dim", [32, 96, 192])
+def test_head_dims_without_a_backward_are_refused_before_the_forward(head_dim):
+    """The FP8 forward runs these; its backward does not, so the op refuses them up front."""
+    q, k, v = (torch.zeros(shape, dtype=torch.bfloat16, device="meta")
+               for shape in ((1, 64, 2, head_dim), (1, 64, 2, head_dim), (1, 64, 2, head_dim)))
+    with pytest.raises(ValueError, match=rf"q: head_dim must be one of \(64, 128, 256\) for "
+                                         rf"fp8_attention \(its backward's\), got {head_dim}"):
+        ptxattn.torch.fp8_attention(q, k, v)
+
+
 # ---------------------------------------------------------------------------------------------
 # Rotating gradients back
 

@@ -54,7 +54,8 @@ fp8_transpose_rows(const uint8_t* __restrict__ x, int64_t stride_b, int64_t stri
         *reinterpret_cast<uint4*>(tile + row * kTileRowBytes + 16 * chunk) = v;
     }
     __syncthreads();
-    uint8_t* dst = out + (static_cast<int64_t>(batch) * gridDim.y + head) * kHeadDim * padded + row0;
+    uint8_t* dst =
+        out + (static_cast<int64_t>(batch) * gridDim.y + head) * kHeadDim * padded + row0;
     for (int w = threadIdx.x; w < kHeadDim * (kGroupRows / 4); w += kThreads) {
         const int col = w / (kGroupRows / 4);
         const int word = w % (kGroupRows / 4);  // bytes 4 word.. = 16 h + 4 t + j

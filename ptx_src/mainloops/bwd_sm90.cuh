@@ -208,6 +208,8 @@ struct BwdSm90Config {
     static constexpr uint32_t kQ8Bytes = kBlockM * kHeadDim;
     // P^T enters dV's GEMM as e4m3(256 P): P <= 1, and a power of two leaves P's rounding e4m3's.
     static constexpr float kPScale = 256.0f;
+    // FP32's least normal value, the least scale of a row of dS (quantize_score_gradient)
+    static constexpr float kLeastNormal = 1.17549435e-38f;
     static_assert(kBlockM == 64 || kBlockM == 128 || (kBlockM == 80 && kDqTransposed),
                   "64 or 128 query rows a step, or 80 with dQ transposed");
     static_assert(kDqSplitRows ? kDqCols == kHeadDim : kDqCols * kConsumers == kHeadDim,
@@ -346,16 +348,18 @@ struct BwdSm90Mainloop {
             const int row = steps.m_block(step) * kBlockM;
             bars.q_do.producer_acquire(ring);
             MBarrier& full = bars.q_do.full_barrier(ring);
-            float* row_values = reinterpret_cast<float*>(smem + kRowValuesOffset +
-                                                         ring.stage() * Cfg::kRowValuesBytes);
             if constexpr (Cfg::kFp8) {
                 // before the arrival that completes the stage with its loads, which releases
                 // these stores to the consumers
-                *reinterpret_cast<Fp8Scales*>(row_values + 2 * kBlockM) = Fp8Scales::of(
-                    p, seq.batch_coord, head, kv_head, steps.m_block(step), n_block);
+                *reinterpret_cast<Fp8Scales*>(smem + kRowValuesOffset +
+                                              ring.stage() * Cfg::kRowValuesBytes +
+                                              2 * kBlockM * 4) =
+                    Fp8Scales::of(p, seq.batch_coord, head, kv_head, steps.m_block(step), n_block);
             }
             full.arrive_expect_tx(2 * kQBytes + 2 * kBlockM * 4);
             const int64_t padded_row = seq.workspace_row(p, head, row);
+            float* row_values = reinterpret_cast<float*>(smem + kRowValuesOffset +
+                                                         ring.stage() * Cfg::kRowValuesBytes);
             bulk_load(row_values, p.lse_log2 + padded_row, kBlockM * 4, full);
             bulk_load(row_values + kBlockM, p.dpsum + padded_row, kBlockM * 4, full);
             uint8_t* q_tile = smem + kQOffset + ring.stage() * kQBytes;
@@ -805,7 +809,8 @@ struct BwdSm90Mainloop {
         // moves from `unit` to the step's `next` before the step adds into it. A `next` of 0 (a
         // step that adds nothing there: a row of dS all zero) keeps the unit. (Units that only
         // grow, rescaling in few steps, measured level: the kernel is not bound by its
-        // instructions; and fresh units are the recipe the tests emulate exactly.)
+        // instructions; and fresh units are the recipe the tests emulate, up to the FP32
+        // rounding of the amax.)
         template <int kRow>
         static __device__ __forceinline__ float rescale_to(float (&acc)[Cfg::kDkvCols / 2],
                                                            float unit, float next) {
@@ -852,10 +857,12 @@ struct BwdSm90Mainloop {
             }
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                // the least power of two at least amax / 448 (amax normal and positive)
-                const float row_scale =
-                    __uint_as_float((__float_as_uint(amax[h] * (1.0f / kE4m3Max)) + 0x007fffffu) &
-                                    0xff800000u);
+                // the least power of two at least amax / 448, and at least the least normal
+                // float (where amax / 448 is subnormal or 0 the bits would not round up)
+                const float row_scale = __uint_as_float(
+                    (__float_as_uint(fmaxf(amax[h] * (1.0f / kE4m3Max), Cfg::kLeastNormal)) +
+                     0x007fffffu) &
+                    0xff800000u);
                 inv[h] = amax[h] > 0.0f ? __frcp_rn(row_scale) : 0.0f;
                 const float next = amax[h] > 0.0f ? row_scale * scales.q : 0.0f;
                 dk_unit[h] = h ? rescale_to<1>(dk, dk_unit[h], next)

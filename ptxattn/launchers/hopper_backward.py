@@ -22,7 +22,9 @@ from . import backward_prepost, kernel_head_dim
 SOURCE = "kernels/bwd_sm90.cu"
 ARCHS = archs.running("hopper")
 HEAD_DIMS = (64, 128, 256)
-FP8_HEAD_DIMS = (64, 128, 256)  # compiled as they are: an e4m3 row is one TMA box of head_dim bytes
+# The FP8 build's, run as they are (no padded head_dim): an e4m3 row is whole 64- or 128-byte
+# TMA boxes and whole 32-byte k-steps.
+FP8_HEAD_DIMS = (64, 128, 256)
 DTYPES = {"bfloat16": 1, "float16": 0}
 BOX_COLS = 64   # head_dim columns per TMA box
 THREADS = 384   # the producer warpgroup and two consumer warpgroups

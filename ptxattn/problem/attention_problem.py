@@ -305,9 +305,11 @@ class AttentionProblem:
         descales), its bfloat16 or float16 output and float32 log-sum-exp, dout like out, and
         optional gradient buffers of out's dtype shaped like q, k and v. The problem's format
         is "e4m3", its out_dtype the gradients'."""
+        # lse as every backward takes it (unit stride along seqlen_q), not as the forward's
+        # output buffer (contiguous)
         problem = cls.from_fp8(q, k, v, q_descale=q_descale, k_descale=k_descale,
                                v_descale=v_descale, causal=causal, softmax_scale=softmax_scale,
-                               out=out, lse=lse)
+                               out=out)
         _check_backward_operands(dataclasses.replace(problem, format=problem.out_dtype), dout,
                                  q, k, v, out, lse, None, deterministic,
                                  {"dq": dq, "dk": dk, "dv": dv}, "(batch, heads_q, seqlen_q)",
