@@ -733,6 +733,15 @@ def test_torch_compile_fullgraph_on_the_gpu(rng):
         out = ptxattn.torch.attention(q, k, v, causal=True, deterministic=True)
         return out.float().square().mean()
 
+    results = _eager_and_compiled(loss, q, k, v)
+    for eager, traced in zip(*results):
+        torch.testing.assert_close(traced, eager)
+    assert np.isfinite(float(results[1][0]))
+
+
+def _eager_and_compiled(loss, q, k, v):
+    """(loss, dq, dk, dv) of ``loss`` run eagerly and under torch.compile(fullgraph=True), on
+    fresh leaves of q, k, v each."""
     compiled = torch.compile(loss, fullgraph=True)
     results = []
     for function in (loss, compiled):
@@ -740,9 +749,7 @@ def test_torch_compile_fullgraph_on_the_gpu(rng):
         value = function(*leaves)
         value.backward()
         results.append((value.detach(), *(leaf.grad for leaf in leaves)))
-    for eager, traced in zip(*results):
-        torch.testing.assert_close(traced, eager)
-    assert np.isfinite(float(results[1][0]))
+    return results
 
 
 # ---------------------------------------------------------------------------------------------

@@ -380,13 +380,9 @@ def test_torch_compile_fullgraph_on_the_gpu(recipe, rng):
                                           deterministic=True)
         return out.float().square().mean()
 
-    compiled = torch.compile(loss, fullgraph=True)
-    results = []
-    for function in (loss, compiled):
-        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-        value = function(*leaves)
-        value.backward()
-        results.append((value.detach(), *(leaf.grad for leaf in leaves)))
+    from test_torch import _eager_and_compiled
+
+    results = _eager_and_compiled(loss, q, k, v)
     for eager, traced in zip(*results):
         torch.testing.assert_close(traced, eager)
     assert np.isfinite(float(results[1][0])) and float(results[1][0]) > 0

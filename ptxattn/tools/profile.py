@@ -465,7 +465,6 @@ def fa3_jax_backward_runner(shape, causal: bool):
 
 
 def backward_main(args) -> int:
-    import cupy
     import ptxattn
     from ptxattn import dispatch, problem as problem_module
     from ptxattn.launchers import backward_prepost, hopper_backward
@@ -487,15 +486,8 @@ def backward_main(args) -> int:
         if "backward" in r.features and "bfloat16" in r.formats and arch in r.archs:
             backends.setdefault(r.backend, set()).update(r.head_dims)
     results, notes = [], set()
-    rows = backward_configs(args.quick, args.shapes)
-    for index, cfg in enumerate(rows, 1):
-        shape = (cfg["batch"], cfg["seqlen"], cfg["heads"], cfg["head_dim"])
-        causal = cfg["causal"]
-        print(f"\r[{index}/{len(rows)}] {shape} causal={causal}", end="", file=sys.stderr,
-              flush=True)
-        rng = cupy.random.default_rng(index)
-        q, k, v, dout = (rng.standard_normal(shape, dtype=cupy.float32).astype(args.dtype)
-                         for _ in range(4))
+    for cfg, shape, causal, (q, k, v, dout) in backward_inputs(
+            backward_configs(args.quick, args.shapes), args.dtype):
         out, lse = ptxattn.attention(q, k, v, causal=causal, return_lse=True)
         calls = {}
         for backend in [b for b, dims in backends.items() if cfg["head_dim"] in dims]:
@@ -695,6 +687,21 @@ def calls_that_run(calls: dict, shape) -> dict:
     return kept
 
 
+def backward_inputs(rows: list[dict], dtype: str):
+    """Each backward row's (cfg, shape, causal, (q, k, v, dout)): standard normal inputs of
+    ``dtype`` from the row's own seed, its progress shown on stderr."""
+    import cupy
+
+    for index, cfg in enumerate(rows, 1):
+        shape = (cfg["batch"], cfg["seqlen"], cfg["heads"], cfg["head_dim"])
+        causal = cfg["causal"]
+        print(f"\r[{index}/{len(rows)}] {shape} causal={causal}", end="", file=sys.stderr,
+              flush=True)
+        rng = cupy.random.default_rng(index)
+        yield cfg, shape, causal, tuple(
+            rng.standard_normal(shape, dtype=cupy.float32).astype(dtype) for _ in range(4))
+
+
 def write_results(args, rows: list[dict], results: list, header: dict) -> None:
     """``--csv``: ``rows`` (flat dicts, one a line, columns in first-seen order); ``--json``:
     ``header`` with ``results`` under "results"."""
@@ -713,7 +720,6 @@ def backward_fp8_main(args) -> int:
     """FP8 backward rows (fp8_backward_configs): ptxattn's FP8 backward beside its bf16 one,
     cuDNN's FP8 backward and torch SDPA's cuDNN bf16 backward, interleaved; then forward +
     backward of ptxattn.torch.fp8_attention against ptxattn.torch.attention."""
-    import cupy
     import ptxattn
     from ptxattn.runtime import device_arch
 
@@ -738,15 +744,8 @@ def backward_fp8_main(args) -> int:
         except cudnn_fp8.CudnnUnavailable:
             pass  # each row says why cudnn-fp8 did not run
     results, notes = [], []
-    rows = fp8_backward_configs(args.quick, args.shapes)
-    for index, cfg in enumerate(rows, 1):
-        shape = (cfg["batch"], cfg["seqlen"], cfg["heads"], cfg["head_dim"])
-        causal = cfg["causal"]
-        print(f"\r[{index}/{len(rows)}] {shape} causal={causal}", end="", file=sys.stderr,
-              flush=True)
-        rng = cupy.random.default_rng(index)
-        q, k, v, dout = (rng.standard_normal(shape, dtype=cupy.float32).astype("bfloat16")
-                         for _ in range(4))
+    for cfg, shape, causal, (q, k, v, dout) in backward_inputs(
+            fp8_backward_configs(args.quick, args.shapes), "bfloat16"):
         out, lse = ptxattn.attention(q, k, v, causal=causal, return_lse=True)
         candidates = {"ptxattn-bf16": (functools.partial(
             ptxattn.attention_backward, dout, q, k, v, out, lse, causal=causal), None)}
